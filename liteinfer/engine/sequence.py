@@ -1,0 +1,79 @@
+"""A request's state as it moves through the scheduler."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from liteinfer.outputs import RequestMetrics
+from liteinfer.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids, KV blocks and sampling state of one request.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache. After preemption it drops to 0
+    and the whole sequence (prompt + generated) is prefilled again: recomputation changes no output
+    because the next sampled token still comes from the same logits and the same generator.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, prompt: str | None = None):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # Detokenization state, owned by the detokenizer.
+        self.output_text = ""
+        self.read_offset = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

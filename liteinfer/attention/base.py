@@ -1,0 +1,40 @@
+"""The interface between the model and an attention implementation."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens sit in the KV pool. Built by the model runner once per step.
+
+    A step's T tokens are the B sequences' query tokens laid end to end (one each when decoding).
+    `context_lens` counts each sequence's KV tokens including this step's, whose K/V are written
+    into the pool at `slot_mapping` before attention runs.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor            # [T] int64, -1 = padding (not written)
+    context_lens: torch.Tensor            # [B] int32
+    block_tables: torch.Tensor            # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor | None     # [B+1] int32 (prefill)
+    max_seqlen_q: int = 1
+    # Host copies for the eager torch paths; captured decode never reads them.
+    query_lens_host: list[int] = field(default_factory=list)
+    context_lens_host: list[int] = field(default_factory=list)
+    # Split-K decode: per-sequence split counts chosen on the device, and the fixed grid width.
+    num_splits: torch.Tensor | None = None
+    max_splits: int = 1
+    workspace: Any = None
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D]; returns [T, Hq, D]."""

@@ -1,0 +1,71 @@
+"""Attention in plain PyTorch over the paged pool: runs anywhere, the reference for the kernels."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from liteinfer.attention.base import AttentionBackend, AttentionMetadata
+from liteinfer.layers.rotary import apply_rotary_torch
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, length, Hkv, D]: the first `length` cached tokens of each sequence."""
+    num_blocks = -(-length // cache.shape[1])
+    return cache[block_tables[:, :num_blocks].long()].flatten(1, 2)[:, :length]
+
+
+class TorchBackend(AttentionBackend):
+    """Softmax(QK^T)V with explicit fp32 matmuls."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q: [B, Lq, Hq, D], k/v: [B, Lk, Hkv, D], mask: [B, Lq, Lk] (True = attend)."""
+        groups = q.shape[2] // k.shape[2]
+        k = k.repeat_interleave(groups, dim=2).float()
+        v = v.repeat_interleave(groups, dim=2).float()
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        return torch.einsum("bhqk,bkhd->bqhd", probs, v).to(q.dtype)
+
+    def forward(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        q = apply_rotary_torch(q, positions, cos_sin_cache)
+        k = apply_rotary_torch(k, positions, cos_sin_cache)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not meta.is_prefill:
+            length = max(meta.context_lens_host)
+            keys = gather_kv(k_cache, meta.block_tables, length)
+            values = gather_kv(v_cache, meta.block_tables, length)
+            mask = torch.arange(length, device=q.device)[None, None, :] < \
+                meta.context_lens[:, None, None]
+            return self.attend(q[:, None], keys, values, mask, scale)[:, 0]
+        out = torch.empty_like(q)
+        start = 0
+        for b, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
+            keys = gather_kv(k_cache, meta.block_tables[b:b + 1], ctx)
+            values = gather_kv(v_cache, meta.block_tables[b:b + 1], ctx)
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            out[start:start + q_len] = self.attend(q[None, start:start + q_len], keys, values,
+                                                   mask[None], scale)[0]
+            start += q_len
+        return out
+
+
+class SdpaBackend(TorchBackend):
+    """The same gathers, with attention itself through torch's fused SDPA kernels."""
+
+    def attend(self, q, k, v, mask, scale):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=mask[:, None],
+                                             scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)

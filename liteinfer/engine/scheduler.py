@@ -1,0 +1,123 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each computes."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from liteinfer.engine.block_manager import BlockManager
+from liteinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One model step. Prefill steps compute prompt chunks; decode steps one token per sequence."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]  # tokens each sequence computes in this step
+    is_prefill: bool
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last token this step, so a token is sampled for it."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_tokens[i] == len(seq)
+
+
+class Scheduler:
+    """First come, first served, prefill first.
+
+    Running sequences hold KV blocks; waiting ones hold none. A step either prefills (new prompts,
+    chunked to `max_num_batched_tokens`, and prompts of preempted sequences being recomputed) or
+    decodes every running sequence by one token. When a decode step finds the pool empty, the
+    newest running sequences are preempted: their blocks are freed and they return to the front of
+    the queue, so the oldest requests always make progress and nothing starves.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and return its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        num_tokens: list[int] = []
+        # Prompts already partly computed continue first (chunked prefill).
+        for seq in list(self.running):
+            if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 1 and budget > 0:
+                n = min(seq.num_uncomputed_tokens, budget)
+                if self._reserve(seq, seq.num_computed_tokens + n):
+                    seqs.append(seq)
+                    num_tokens.append(n)
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, n):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            num_tokens.append(n)
+            budget -= n
+        if not seqs:
+            if self.waiting and not self.running:
+                raise RuntimeError("KV pool too small for a single request")
+            return None
+        return ScheduledBatch(seqs, num_tokens, is_prefill=True)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        # Partly prefilled prompts (waiting for blocks) sit decode steps out.
+        scheduled = [seq for seq in list(self.running)
+                     if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
+                     and self._reserve(seq, len(seq))]
+        if not scheduled:
+            return None
+        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False)
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give a running sequence room for `num_tokens`, preempting the newest running ones as
+        needed. False if `seq` itself had to be preempted."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,78 @@
+"""Linear layers that know how checkpoint tensors map onto them.
+
+Fused projections (q/k/v, gate/up) are one matmul each; their `weight_loader` copies each
+checkpoint shard into its rows. The tensor-parallel split (column or row) is a constructor
+argument so sharded serving reuses these classes; with tp_size 1 they are plain linears.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across tensor-parallel ranks."""
+
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        if out_features % tp_size:
+            raise ValueError(f"{out_features} output features do not split over {tp_size} ranks")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_features // tp_size, in_features))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        rows = param.shape[0]
+        param.data.copy_(loaded[self.tp_rank * rows:(self.tp_rank + 1) * rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input stacked into one matmul (gate and up)."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], tp_rank: int = 0,
+                 tp_size: int = 1):
+        super().__init__(in_features, sum(shard_sizes.values()), tp_rank, tp_size)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shard_sizes.items():
+            self.offsets[name] = (start, size // tp_size)
+            start += size // tp_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        start, rows = self.offsets[shard]
+        param.data[start:start + rows].copy_(loaded[self.tp_rank * rows:(self.tp_rank + 1) * rows])
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 tp_rank: int = 0, tp_size: int = 1):
+        if num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
+        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                                       "v": num_kv_heads * head_dim}, tp_rank, tp_size)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        if in_features % tp_size:
+            raise ValueError(f"{in_features} input features do not split over {tp_size} ranks")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        cols = param.shape[1]
+        param.data.copy_(loaded[:, self.tp_rank * cols:(self.tp_rank + 1) * cols])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y

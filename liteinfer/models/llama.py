@@ -1,0 +1,153 @@
+"""The Llama architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from liteinfer.attention import AttentionBackend, AttentionMetadata
+from liteinfer.config import ModelConfig
+from liteinfer.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear)
+from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads // tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // tp_size
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        tp_rank, tp_size)
+        self.backend = backend
+        # Views into the engine's KV pool, bound by the model runner.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
+                                   meta, self.scale)
+        return self.o_proj(out.reshape(-1, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, use_triton: bool, tp_rank: int, tp_size: int):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": size, "up": size},
+                                                       tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size)
+        self.act = SiluAndMul(use_triton)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, use_triton: bool,
+                 tp_rank: int, tp_size: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend, tp_rank, tp_size)
+        self.mlp = LlamaMLP(cfg, use_triton, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, meta: AttentionMetadata):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections that live inside a fused parameter: name -> (fused name, shard).
+    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
+                      "up_proj": ("gate_up_proj", "up")}
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, use_triton: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, use_triton, tp_rank, tp_size)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # Set by the runner once the model sits on its device (fp32, see layers/rotary.py).
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard = None
+            for ckpt, (fused, shard_id) in self.stacked_params.items():
+                if f".{ckpt}." in name:
+                    name, shard = name.replace(ckpt, fused), shard_id
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the Llama model")
+            param = params[name]
+            with torch.no_grad():
+                loader = getattr(param, "weight_loader", None)
+                if loader is not None:
+                    loader(param, tensor.to(param.dtype), shard)
+                else:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                                         f"!= model shape {tuple(param.shape)}")
+                    param.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}:{shard}")
+        fused_shards = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+        expected: set[str] = set()
+        for n in params:
+            fused = next((f for f in fused_shards if f".{f}." in n), None)
+            expected |= {f"{n}:{s}" for s in fused_shards[fused]} if fused else {n}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights for benchmarking without a checkpoint (vLLM's load_format="dummy")."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)

@@ -98,6 +98,10 @@ class EngineConfig:
     packed_prefill: bool = True           # False: prompts padded to the longest in the step
     seed: int = 0
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
     def validate(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS + ("auto",):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or 'auto'")

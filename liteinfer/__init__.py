@@ -1,0 +1,7 @@
+"""liteinfer: a small, fast LLM inference engine for Llama-family models."""
+from liteinfer.llm import LLM
+from liteinfer.outputs import CompletionOutput, RequestOutput
+from liteinfer.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

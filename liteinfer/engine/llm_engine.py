@@ -1,0 +1,173 @@
+"""The engine loop: admit requests, schedule a step, run it, sample, detokenize, stop."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from liteinfer.config import EngineConfig, ModelConfig, parse_dtype
+from liteinfer.engine.block_manager import BlockManager
+from liteinfer.engine.detokenizer import Detokenizer
+from liteinfer.engine.model_runner import ModelRunner
+from liteinfer.engine.sampler import Sampler
+from liteinfer.engine.scheduler import ScheduledBatch, Scheduler
+from liteinfer.engine.sequence import Sequence
+from liteinfer.loader import load_model_source
+from liteinfer.outputs import CompletionOutput, RequestOutput
+from liteinfer.sampling_params import SamplingParams
+
+
+def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Fills in the 'auto' settings; returns max_model_len."""
+    config.validate()
+    if config.device == "auto":
+        config.device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cuda = torch.device(config.device).type == "cuda"
+    if config.dtype == "auto":
+        config.dtype = "bfloat16" if on_cuda else "float32"
+    parse_dtype(config.dtype)
+    if config.attention_backend == "auto":
+        config.attention_backend = "triton" if on_cuda else "torch"
+    max_len = config.max_model_len or min(model_config.max_position_embeddings, 16384)
+    if max_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's "
+                         f"{model_config.max_position_embeddings} positions")
+    return max_len
+
+
+class LLMEngine:
+    def __init__(self, model: str, config: EngineConfig, load_format: str = "auto"):
+        source = load_model_source(model, load_format)
+        self.model_config = ModelConfig.from_hf(source.hf_config)
+        self.config = config
+        self.max_model_len = resolve_config(config, self.model_config)
+        self.tokenizer = source.tokenizer
+        self.generation_config = source.generation_config
+        self.runner = ModelRunner(self.model_config, config, source, load_format,
+                                  self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.seqs: dict[str, Sequence] = {}
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validates and queues a request; raises ValueError before touching the engine."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate()
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt token ids")
+            text, prompt = prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room in "
+                             f"max_model_len={self.max_model_len}")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(token_ids)
+        elif len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len={self.max_model_len}")
+        seq = Sequence(request_id, token_ids, params, arrival_time or time.perf_counter(), text)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        logits = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+        sampling = [s for s in batch.seqs if s.num_uncomputed_tokens == 0]
+        if not sampling:
+            return []
+        out = self.sampler(logits, sampling)
+        now = time.perf_counter()
+        return [self._append(seq, tok, lp, now)
+                for seq, tok, lp in zip(sampling, out.token_ids, out.logprobs)]
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
+                now: float) -> RequestOutput:
+        seq.append_token(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs)
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        self._check_stop(seq, token)
+        finished = seq.finish_reason is not None
+        new_text = ""
+        if self.detokenizer is not None:
+            new_text = self.detokenizer.decode_new(seq, finished=finished)
+        if finished:
+            m.finished_time = now
+            self.scheduler.finish(seq)
+            del self.seqs[seq.request_id]
+        return self._output(seq, [token], new_text)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.sampling_params
+        n_out = seq.num_output_tokens
+        if n_out >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = "stop"
+                return
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+            if params.stop and self.detokenizer is not None:
+                self.detokenizer.decode_new(seq, finished=False, emit=False)
+                stop = self.detokenizer.check_stop_strings(seq)
+                if stop is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    return
+        if n_out >= params.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _output(self, seq: Sequence, new_tokens: list[int], new_text: str) -> RequestOutput:
+        completion = CompletionOutput(text=seq.output_text, token_ids=seq.output_token_ids,
+                                      logprobs=seq.logprobs, finish_reason=seq.finish_reason,
+                                      stop_reason=seq.stop_reason)
+        return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
+                             prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
+                             finished=seq.finish_reason is not None, metrics=seq.metrics,
+                             new_token_ids=new_tokens, new_text=new_text)
+
+    def abort_output(self, request_id: str) -> RequestOutput | None:
+        """Aborts a request and returns its final output (finish_reason 'abort')."""
+        seq = self.seqs.get(request_id)
+        if seq is None or not self.abort(request_id):
+            return None
+        return self._output(seq, [], "")

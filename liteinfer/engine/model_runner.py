@@ -1,0 +1,159 @@
+"""Turns a scheduled batch into tensors, runs the model and returns the logits to sample from."""
+from __future__ import annotations
+
+import torch
+
+from liteinfer.attention import AttentionMetadata, get_backend
+from liteinfer.config import EngineConfig, ModelConfig
+from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.layers.rotary import cos_sin_cache
+from liteinfer.loader import ModelSource
+from liteinfer.models.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and (on CUDA) the captured decode graphs."""
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, source: ModelSource,
+                 load_format: str, max_model_len: int):
+        self.model_config = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype: torch.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.use_triton = config.attention_backend == "triton"
+        self.backend = get_backend(config.attention_backend)
+        self.model = self._load_model(source, load_format)
+        self.kv_cache = self._allocate_kv_cache()
+        self.graphs = None
+        if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
+            from liteinfer.engine.cuda_graph import CUDAGraphRunner
+            self.graphs = CUDAGraphRunner(self)
+
+    @torch.inference_mode()
+    def _load_model(self, source: ModelSource, load_format: str) -> LlamaForCausalLM:
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            # Parameters are created on the device and filled tensor by tensor: the checkpoint
+            # is never held twice.
+            with torch.device(self.device):
+                model = LlamaForCausalLM(self.model_config, self.backend, self.use_triton)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if load_format == "dummy":
+            model.init_dummy_weights(self.config.seed)
+        else:
+            model.load_weights(source.iter_weights())
+        cfg = self.model_config
+        model.cos_sin_cache = cos_sin_cache(cfg.head_dim, self.max_model_len, cfg.rope_theta,
+                                            cfg.rope_scaling, self.device)
+        return model.eval()
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        cfg = self.model_config
+        shape = (2, cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        block_bytes = torch.Size(shape).numel() * self.dtype.itemsize
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        else:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = free * self.config.gpu_memory_utilization - self._activation_bytes()
+            else:
+                budget = self.config.cpu_kv_cache_gb * 2**30
+            # More blocks than every sequence at full length could use would sit idle.
+            num_blocks = min(int(budget // block_bytes),
+                             self.config.max_num_seqs * self.max_blocks_per_seq + 1)
+        if num_blocks < self.max_blocks_per_seq:
+            raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len}; lower max_model_len or give "
+                             f"the pool more memory")
+        self.num_kv_blocks = num_blocks
+        kv = torch.zeros(2, cfg.num_hidden_layers, num_blocks, self.block_size,
+                         cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype,
+                         device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0, i], kv[1, i]
+        return kv
+
+    def _activation_bytes(self) -> int:
+        """Room for a full prefill step's activations and logits beside the pool."""
+        cfg = self.model_config
+        tokens = self.config.max_num_batched_tokens
+        width = cfg.hidden_size * 4 + cfg.intermediate_size * 3
+        return (tokens * width + self.config.max_num_seqs * cfg.vocab_size * 2) * 4
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Token ids, positions, attention metadata and the rows whose logits are sampled."""
+        bs = self.block_size
+        pad_to = max(batch.num_tokens) if batch.is_prefill and not self.config.packed_prefill else 0
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            start = seq.num_computed_tokens
+            q_len = max(n, pad_to)  # padded prefill: right-pad each chunk to the longest
+            input_ids += seq.token_ids[start:start + n] + [0] * (q_len - n)
+            positions += range(start, start + q_len)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots += [-1] * (q_len - n)
+            if batch.samples(i):
+                sample_rows.append(len(input_ids) - q_len + n - 1)
+            query_lens.append(q_len)
+            context_lens.append(start + q_len)
+        width = -(-max(context_lens) // bs)
+        tables = [seq.block_table[:width] + [0] * (width - min(width, len(seq.block_table)))
+                  for seq in batch.seqs]
+        dev = self.device
+        as_tensor = lambda x, dt: torch.tensor(x, dtype=dt, pin_memory=dev.type == "cuda").to(
+            dev, non_blocking=True)
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            slot_mapping=as_tensor(slots, torch.int64),
+            context_lens=as_tensor(context_lens, torch.int32),
+            block_tables=as_tensor(tables, torch.int32),
+            cu_seqlens_q=as_tensor(cu, torch.int32) if batch.is_prefill else None,
+            max_seqlen_q=max(query_lens),
+            query_lens_host=query_lens,
+            context_lens_host=context_lens,
+        )
+        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Runs one step; returns fp32 logits [rows that sample, vocab], or None if none do."""
+        if not batch.is_prefill and self.graphs is not None and self.graphs.fits(len(batch.seqs)):
+            return self.graphs.run(batch)
+        input_ids, positions, meta, rows = self.prepare(batch)
+        if not batch.is_prefill and self.use_triton:
+            self.set_split_k(meta, len(batch.seqs))
+        hidden = self.model(input_ids, positions, meta)
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[rows]).float()
+
+    def set_split_k(self, meta: AttentionMetadata, batch_size: int) -> None:
+        """Decode split-K: the grid width is fixed per batch size, the split count per sequence
+        is chosen on the device from its context length."""
+        from liteinfer.kernels.decode_attention import choose_num_splits, max_splits_for
+        if not self.config.decode_split_k:
+            return
+        meta.max_splits = max_splits_for(batch_size, self.model_config.num_key_value_heads,
+                                         self.num_sms)
+        if meta.max_splits > 1:
+            meta.num_splits = choose_num_splits(meta.context_lens, meta.max_splits)
+            meta.workspace = self.decode_workspace
+
+    @property
+    def num_sms(self) -> int:
+        return torch.cuda.get_device_properties(self.device).multi_processor_count

@@ -1,0 +1,210 @@
+"""Paged decode attention (one query token per sequence) with per-request split-K.
+
+One program per (sequence, KV head, split) serves all G query heads of that KV head, so each
+K/V tile is read from the pool once; the G query rows are padded to 16 for tl.dot. A sequence's
+KV tiles are divided between its `num_splits[b]` programs; each writes an fp32 partial output and
+its log-sum-exp, and a small kernel merges them. The grid is fixed at (B, Hkv, max_splits) so
+CUDA graphs can replay it; programs past a row's split count exit at once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from liteinfer.kernels.kv_cache import paged_kv_offsets
+
+LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
+MAX_SPLITS_CAP = 64
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_tiles(head_dim: int, block_size: int) -> DecodeTiles:
+    """Tile choice for Hopper: ~16 KiB of K per tile keeps several loads in flight per SM."""
+    block_n = max(128 if head_dim <= 64 else 64, block_size)
+    return DecodeTiles(block_n=block_n, num_warps=4, num_stages=3)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 caches use exact fp32 products; tf32 would cost ~1e-3 relative error."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
+                 APPLY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a K/V tile. Scores are in base 2; every row must have a
+    visible key in its first tile so that m_i is finite from then on."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if APPLY_MASK:
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_splits_ptr,
+                   out_ptr, part_out, part_lse, qk_scale,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_slot, stride_ch,
+                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                   G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if MAX_SPLITS == 1:
+        n_splits = 1
+    else:
+        n_splits = tl.minimum(tl.load(num_splits_ptr + b), MAX_SPLITS)
+    if split >= n_splits:
+        return
+    ctx = tl.load(context_lens + b)
+    # Splits own whole tiles; trailing splits of a short row get an empty range.
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), n_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < G
+    heads = kvh * G + offs_h
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    bt_row = block_tables + b.to(tl.int64) * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_slot) + kvh * stride_ch
+        kv_ptrs = rows[:, None] + d[None, :]
+        k = tl.load(k_cache + kv_ptrs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache + kv_ptrs, mask=valid[:, None], other=0.0)
+        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, valid[None, :], qk_scale,
+                                     True, DOT_PRECISION)
+    # Empty ranges (padding rows, surplus splits) give zeros and lse = -inf, never NaN.
+    nonempty = l_i > 0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if MAX_SPLITS == 1:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    else:
+        p_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+        tl.store(p_ptrs + d[None, :], o, mask=h_mask[:, None])
+        lse = tl.where(nonempty, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _merge_kernel(part_out, part_lse, num_splits_ptr, out_ptr,
+                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n_splits = tl.minimum(tl.load(num_splits_ptr + b), MAX_SPLITS)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < n_splits
+    d = tl.arange(0, HEAD_DIM)
+    # Splits past n_splits hold stale data from earlier steps: masked, never read.
+    lse = tl.load(part_lse + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
+    parts = tl.load(part_out + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                    mask=s_mask[:, None], other=0.0)
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    denom = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * parts, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+@dataclass
+class DecodeWorkspace:
+    """Preallocated fp32 split-K buffers, reused every step (nothing is allocated per call)."""
+
+    partial_out: torch.Tensor  # [max_batch, Hq, max_splits, D]
+    partial_lse: torch.Tensor  # [max_batch, Hq, max_splits]
+
+    @classmethod
+    def allocate(cls, max_batch: int, num_q_heads: int, head_dim: int, max_splits: int,
+                 device: torch.device | str) -> "DecodeWorkspace":
+        shape = (max_batch, num_q_heads, max_splits)
+        return cls(torch.empty(*shape, head_dim, dtype=torch.float32, device=device),
+                   torch.empty(*shape, dtype=torch.float32, device=device))
+
+
+def max_splits_for(batch_size: int, num_kv_heads: int, num_sms: int, waves: int = 2,
+                   cap: int = MAX_SPLITS_CAP) -> int:
+    """Grid width for a batch size: enough (sequence, KV head, split) programs to fill about
+    `waves` waves of SMs; batches that fill them already get 1 (no merge kernel)."""
+    return max(1, min(cap, waves * num_sms // max(1, batch_size * num_kv_heads)))
+
+
+def choose_num_splits(context_lens: torch.Tensor, max_splits: int,
+                      min_tokens_per_split: int = 256) -> torch.Tensor:
+    """Per-row split counts on the device (torch ops only, graph-safe): one split per
+    `min_tokens_per_split` KV tokens, clamped to [1, max_splits]."""
+    n = torch.div(context_lens + (min_tokens_per_split - 1), min_tokens_per_split,
+                  rounding_mode="floor")
+    return n.clamp_(1, max_splits).to(torch.int32)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor, num_splits: torch.Tensor | None = None,
+                           max_splits: int = 1,
+                           workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+    """q, out: [B, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D];
+    block_tables: int32 [B, max_blocks]; context_lens: int32 [B], 0 for padding rows (their
+    output rows are zeros). With max_splits > 1, num_splits (int32 [B], see choose_num_splits;
+    computed here when None) and a workspace with at least B rows and max_splits splits are
+    used; rows never read splits past their own count. Returns out."""
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
+    assert num_q_heads % num_kv_heads == 0 and head_dim == triton.next_power_of_2(head_dim)
+    assert block_tables.stride(-1) == 1 and 1 <= max_splits <= MAX_SPLITS_CAP
+    assert q.dtype == k_cache.dtype
+    group = num_q_heads // num_kv_heads
+    tiles = decode_tiles(head_dim, block_size)
+    if max_splits > 1:
+        if num_splits is None:
+            num_splits = choose_num_splits(context_lens, max_splits)
+        if workspace is None:
+            workspace = DecodeWorkspace.allocate(batch, num_q_heads, head_dim, max_splits, q.device)
+        part_out, part_lse = workspace.partial_out, workspace.partial_lse
+        assert part_out.shape[0] >= batch and part_out.shape[2] >= max_splits
+    else:
+        num_splits, part_out, part_lse = context_lens, out, out  # unread placeholders
+    _decode_kernel[(batch, num_kv_heads, max_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, num_splits, out, part_out, part_lse,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        G=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, MAX_SPLITS=max_splits,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    if max_splits > 1:
+        _merge_kernel[(batch, num_q_heads)](
+            part_out, part_lse, num_splits, out,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
+            BLOCK_S=triton.next_power_of_2(max_splits), num_warps=4)
+    return out

@@ -1,0 +1,122 @@
+"""Writing K/V into the paged pool, optionally fused with RoPE, and the pool-gather helper the
+attention kernels share.
+
+Pool layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], contiguous. A token's
+flat slot is block_id * block_size + row; slot -1 marks a padding token that is not written.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_kv_offsets(block_table_row, offs_n, mask, BLOCK_SIZE: tl.constexpr, stride_slot):
+    """Element offsets (int64) of the pool rows holding KV positions `offs_n` of one sequence.
+
+    Each position's block is looked up separately, so one tile may span several KV blocks.
+    """
+    block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask, other=0)
+    return (block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * stride_slot
+
+
+@triton.jit
+def _rotate_halves(ptrs1, ptrs2, mask, cos, sin):
+    """Rotates x = [x1 | x2] in place (HF rotate_half), in fp32; returns the rounded halves."""
+    x1 = tl.load(ptrs1, mask=mask, other=0.0)
+    x2 = tl.load(ptrs2, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    r1 = (x1f * cos - x2f * sin).to(x1.dtype)
+    r2 = (x2f * cos + x1f * sin).to(x1.dtype)
+    tl.store(ptrs1, r1, mask=mask)
+    tl.store(ptrs2, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
+def _store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache, v_cache, slot_ptr,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cs, stride_slot, stride_ch, num_q_heads, num_kv_heads,
+                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                     BLOCK_HKV: tl.constexpr, APPLY_ROPE: tl.constexpr):
+    # One program per token: all of its q heads (RoPE only) and kv heads.
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < HALF
+    kh = tl.arange(0, BLOCK_HKV)
+    kv_mask = (kh < num_kv_heads)[:, None] & d_mask[None, :]
+    k1_ptrs = k_ptr + t * stride_kt + kh[:, None] * stride_kh + d[None, :]
+    if APPLY_ROPE:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)[None, :]
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)[None, :]
+        qh = tl.arange(0, BLOCK_HQ)
+        q_mask = (qh < num_q_heads)[:, None] & d_mask[None, :]
+        q1_ptrs = q_ptr + t * stride_qt + qh[:, None] * stride_qh + d[None, :]
+        _rotate_halves(q1_ptrs, q1_ptrs + HALF, q_mask, cos, sin)
+        k1, k2 = _rotate_halves(k1_ptrs, k1_ptrs + HALF, kv_mask, cos, sin)
+    else:
+        k1 = tl.load(k1_ptrs, mask=kv_mask)
+        k2 = tl.load(k1_ptrs + HALF, mask=kv_mask)
+    v1_ptrs = v_ptr + t * stride_vt + kh[:, None] * stride_vh + d[None, :]
+    v1 = tl.load(v1_ptrs, mask=kv_mask)
+    v2 = tl.load(v1_ptrs + HALF, mask=kv_mask)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        dst = slot * stride_slot + kh[:, None] * stride_ch + d[None, :]
+        tl.store(k_cache + dst, k1.to(k_cache.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache + dst + HALF, k2.to(k_cache.dtype.element_ty), mask=kv_mask)
+        tl.store(v_cache + dst, v1.to(v_cache.dtype.element_ty), mask=kv_mask)
+        tl.store(v_cache + dst + HALF, v2.to(v_cache.dtype.element_ty), mask=kv_mask)
+
+
+def _check_pool(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == key.shape[1:]
+    assert value.shape == key.shape and slot_mapping.shape == key.shape[:1]
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and key.shape[-1] % 2 == 0
+
+
+def _launch(query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor,
+            positions: torch.Tensor | None, cos_sin_cache: torch.Tensor | None,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _check_pool(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    rope = query is not None
+    q = query if rope else key  # placeholder pointer when RoPE is off; never read
+    num_q_heads = q.shape[1]
+    _store_kv_kernel[(num_tokens,)](
+        q, key, value, positions if rope else slot_mapping, cos_sin_cache if rope else key,
+        k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        cos_sin_cache.stride(0) if rope else 0, k_cache.stride(1), k_cache.stride(2),
+        num_q_heads, num_kv_heads,
+        HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads), APPLY_ROPE=rope, num_warps=4)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes key/value [T, Hkv, D] at their slots (int32 or int64 [T]; -1 = skip)."""
+    _launch(None, key, value, None, None, k_cache, v_cache, slot_mapping)
+
+
+def rope_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotates query [T, Hq, D] and key [T, Hkv, D] in place (HF Llama rotate_half, fp32 math
+    rounded to their dtype) and writes the rotated key and the value at their slots.
+
+    cos_sin_cache: fp32 [max_positions, D], cos in [:, :D/2] and sin in [:, D/2:].
+    positions and slot_mapping: int32 or int64 [T]; slot -1 = not written (still rotated).
+    """
+    assert query.shape[0] == key.shape[0] and query.shape[2] == key.shape[2]
+    assert query.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.shape[1] == key.shape[2] and positions.shape == slot_mapping.shape
+    _launch(query, key, value, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)

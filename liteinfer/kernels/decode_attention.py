@@ -99,14 +99,15 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
                                      True, DOT_PRECISION)
     # Empty ranges (padding rows, surplus splits) give zeros and lse = -inf, never NaN.
     nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    o = acc / l_safe[:, None]
     if MAX_SPLITS == 1:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
     else:
         p_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
         tl.store(p_ptrs + d[None, :], o, mask=h_mask[:, None])
-        lse = tl.where(nonempty, m_i + tl.log2(l_i), float("-inf"))
+        lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
 
 

@@ -41,16 +41,15 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        # Seeded requests only; the sampler creates it on the logits' device at the first draw.
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # Detokenization state, owned by the detokenizer.
         self.output_text = ""
         self.read_offset = 0
+        self.stream_offset = 0  # chars of output_text already returned to streaming consumers
 
     def __len__(self) -> int:
         return len(self.token_ids)

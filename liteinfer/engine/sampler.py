@@ -1,0 +1,177 @@
+"""Turns one step's logits into one token per sequence, vectorised across the batch.
+
+Order (vLLM's): fp32 → min_tokens stop-token mask → repetition/presence/frequency penalties →
+greedy argmax | temperature → top-k → top-p → min-p → exponential-race sample.
+Logprobs come from the raw model logits, before any of that (vLLM's default).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, Sequence as Seq
+
+import torch
+
+from liteinfer.engine.sequence import Sequence
+from liteinfer.sampling_params import SamplingParams
+
+# Temperatures below this are greedy, as in vLLM: dividing by them overflows fp32.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per sequence
+    # Per sequence: {sampled id: logprob, top-N ids: logprob} when params.logprobs is not None.
+    logprobs: list[dict[int, float] | None]
+
+
+def _to_device(data: Seq, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list → device tensor; a pinned source lets the copy run without a stream sync."""
+    if device.type == "cpu":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < _GREEDY_EPS
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Iterable[int]):
+        self.eos_token_ids = sorted(set(eos_token_ids))
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        params = [s.sampling_params for s in seqs]
+        greedy = [_is_greedy(p) for p in params]
+        min_tok_rows = [i for i, s in enumerate(seqs)
+                        if s.num_output_tokens < s.sampling_params.min_tokens]
+        pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if all(greedy) and not min_tok_rows and not pen_rows and not want_logprobs:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+
+        # A copy: the caller's logits buffer may be reused (CUDA graphs) and feeds the logprobs.
+        x = logits.to(torch.float32, copy=True)
+        if min_tok_rows:
+            self._mask_stop_tokens(x, seqs, min_tok_rows)
+        if pen_rows:
+            _apply_penalties(x, seqs, pen_rows)
+        token_ids = x.argmax(dim=-1)
+        if not all(greedy):
+            sampled = _sample(x, seqs, greedy)
+            token_ids = torch.where(_to_device(greedy, torch.bool, x.device), token_ids, sampled)
+
+        if not want_logprobs:
+            return SamplerOutput(token_ids.tolist(), [None] * len(seqs))
+        return _with_logprobs(logits, token_ids, params)
+
+    def _mask_stop_tokens(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        """Below min_tokens nothing may end the sequence: EOS (even with ignore_eos, as vLLM)
+        and stop_token_ids get -inf."""
+        vocab = x.shape[1]
+        r: list[int] = []
+        c: list[int] = []
+        for i in rows:
+            ids = [t for t in {*self.eos_token_ids, *seqs[i].sampling_params.stop_token_ids}
+                   if t < vocab]
+            r += [i] * len(ids)
+            c += ids
+        x[_to_device(r, torch.long, x.device), _to_device(c, torch.long, x.device)] = float("-inf")
+
+
+def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(id_lists), vocab] float occurrence counts."""
+    flat = list(itertools.chain.from_iterable(id_lists))
+    lengths = _to_device([len(ids) for ids in id_lists], torch.long, device)
+    # output_size spares repeat_interleave a device→host sync.
+    rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), lengths,
+                                   output_size=len(flat))
+    counts = torch.zeros(len(id_lists), vocab, device=device)
+    return counts.index_put_((rows, _to_device(flat, torch.long, device)),
+                             torch.ones((), device=device), accumulate=True)
+
+
+def _apply_penalties(x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """Repetition penalty over prompt+output ids (HF/vLLM: divide positive logits, multiply
+    negative ones); presence/frequency over output ids (OpenAI: -= p*(count>0) + f*count)."""
+    device, vocab = x.device, x.shape[1]
+    ps = [seqs[i].sampling_params for i in rows]
+    idx = _to_device(rows, torch.long, device)
+    rep, pres, freq = _to_device(
+        [[p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
+         [p.frequency_penalty for p in ps]], torch.float32, device).unsqueeze(-1)
+    sub = x[idx]
+    counts = _token_counts([seqs[i].output_token_ids for i in rows], vocab, device)
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        prompt = _token_counts([seqs[i].prompt_token_ids for i in rows], vocab, device)
+        pen = torch.where((counts > 0) | (prompt > 0), rep, 1.0)
+        sub = torch.where(sub > 0, sub / pen, sub * pen)
+    sub -= freq * counts + pres * (counts > 0)
+    x[idx] = sub
+
+
+def _sample(x: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+    """Samples every row (greedy rows get a throwaway draw from the default generator only)."""
+    device, vocab = x.device, x.shape[1]
+    ps = [s.sampling_params for s in seqs]
+    temp, top_k, top_p, min_p = _to_device(
+        [[1.0 if g else p.temperature for p, g in zip(ps, greedy)],
+         [p.top_k or vocab for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]],
+        torch.float32, device).unsqueeze(-1)
+    x.div_(temp)
+
+    use_top_p = any(p.top_p < 1.0 for p in ps)
+    if use_top_p or any(p.top_k for p in ps):
+        srt, order = x.sort(dim=-1, descending=True)
+        # Masking by rank keeps exactly k tokens even when logits tie.
+        srt.masked_fill_(torch.arange(vocab, device=device) >= top_k, float("-inf"))
+        if use_top_p:
+            probs = srt.softmax(dim=-1)
+            # Smallest nucleus: keep a token while the mass ranked above it is still < top_p.
+            # top_p == 1 rows are exempt: rounding can push the cumsum to 1 before the tail.
+            before = probs.cumsum(dim=-1) - probs
+            srt.masked_fill_((before >= top_p) & (top_p < 1.0), float("-inf"))
+        x.scatter_(-1, order, srt)
+    if any(p.min_p > 0.0 for p in ps):
+        # prob < min_p * max_prob  ⇔  logit < max_logit + log(min_p); log(0) = -inf masks nothing.
+        floor = x.amax(dim=-1, keepdim=True) + min_p.log()
+        x.masked_fill_(x < floor, float("-inf"))
+
+    probs = x.softmax(dim=-1)
+    # Exponential race: argmax(p / q), q ~ Exp(1), picks i with probability p_i. A seeded row
+    # draws exactly one fresh [vocab] tensor from its own generator, so its stream does not
+    # depend on the batch it is in.
+    q = torch.empty_like(probs).exponential_()
+    for i, (s, g) in enumerate(zip(seqs, greedy)):
+        if s.sampling_params.seed is not None and not g:
+            if s.generator is None:
+                s.generator = torch.Generator(device=device)
+                s.generator.manual_seed(s.sampling_params.seed)
+            q[i] = torch.empty(vocab, device=device).exponential_(generator=s.generator)
+    # q == 0 would turn a masked p == 0 into NaN, which argmax picks.
+    q.clamp_(min=torch.finfo(torch.float32).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+                   params: list[SamplingParams]) -> SamplerOutput:
+    """Sampled-token and top-N logprobs of the raw logits, fetched in one device→host copy."""
+    n = max(p.logprobs or 0 for p in params)
+    lp = raw.float().log_softmax(dim=-1)
+    cols = [token_ids.unsqueeze(-1).double(), lp.gather(-1, token_ids.unsqueeze(-1)).double()]
+    if n:
+        top = lp.topk(n, dim=-1)
+        cols += [top.indices.double(), top.values.double()]
+    rows = torch.cat(cols, dim=-1).tolist()
+    ids = [int(r[0]) for r in rows]
+    logprobs: list[dict[int, float] | None] = []
+    for r, p in zip(rows, params):
+        if p.logprobs is None:
+            logprobs.append(None)
+            continue
+        k = p.logprobs
+        d = {int(r[0]): r[1]}
+        d.update((int(t), v) for t, v in zip(r[2:2 + k], r[2 + n:2 + n + k]))
+        logprobs.append(d)
+    return SamplerOutput(ids, logprobs)

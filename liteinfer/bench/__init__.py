@@ -1,0 +1,1 @@
+"""Benchmark harness (`liteinfer bench`) and the report generator (`liteinfer report`)."""

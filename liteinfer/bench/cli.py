@@ -1,0 +1,180 @@
+"""`liteinfer bench` (measure and append rows) and `liteinfer report` (render the page)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from liteinfer.bench import registry
+from liteinfer.bench.registry import TRANSFORMERS, Run
+from liteinfer.bench.report import fmt
+from liteinfer.bench.store import (REFERENCE_DIR, RESULTS_DIR, Row, append_row, default_results_file,
+                                   environment, latest, load_rows, now_iso, row_key)
+from liteinfer.bench.tables import mismatches, ratio
+from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure latency or throughput and append result rows",
+        description="Measure registry configs on the workloads of shared/bench/WORKLOADS.md "
+                    "(dummy weights, greedy, forced length) and append one JSON row per run.")
+    p.add_argument("kind", nargs="?", choices=("latency", "throughput"),
+                   help="latency: one request at a time; throughput: at most --width in flight "
+                        "(with --quick or --all: omit to run both)")
+    p.add_argument("--config", nargs="+", metavar="NAME",
+                   help=f"registry configs (default: {registry.DEFAULT}; with --all: every "
+                        f"runnable one): {', '.join(c.name for c in registry.CONFIGS if c.runnable)}")
+    p.add_argument("--isl", help="prompt length, or 'mixed2048' (default 128; with --quick/--all: "
+                                 "replaces each run's)")
+    p.add_argument("--osl", type=int, help="output length (default 256; with --quick/--all: "
+                                           "replaces each run's)")
+    p.add_argument("--width", type=int, help="throughput: requests in flight (default: the "
+                                             "config's width)")
+    p.add_argument("--prompts", type=int, help="measured requests (default: WORKLOADS.md's count)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true",
+                      help="latency 128/256 with 20 prompts and throughput 128/256 at the "
+                           "config's width")
+    mode.add_argument("--all", action="store_true",
+                      help="every run of the report's tables for the configs")
+    p.add_argument("--model", default=MODEL, help="model name or HF directory (dummy weights)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an engine argument of every liteinfer config, recorded in the "
+                        "rows (e.g. --set gpu_memory_utilization=0.9)")
+    p.add_argument("--out", type=Path,
+                   help="results file to append to (default benchmarks/results/<date>-<gpu>.jsonl)")
+    p.add_argument("--dry-run", action="store_true", help="print the planned runs, run nothing")
+    p.set_defaults(func=cmd_bench)
+
+
+def add_report_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("report", help="render the benchmark page from the result rows")
+    p.add_argument("--results", type=Path, default=RESULTS_DIR,
+                   help="directory (or file) of result rows (default: %(default)s)")
+    p.add_argument("--reference", type=Path, default=REFERENCE_DIR,
+                   help="directory of vLLM / transformers reference rows (default: %(default)s)")
+    p.add_argument("--md", type=Path, default=Path("BENCHMARKS.md"), help="default: %(default)s")
+    p.add_argument("--html", type=Path, default=Path("benchmarks/report.html"),
+                   help="default: %(default)s")
+    p.add_argument("--model", help="model whose rows to show (default: the newest row's)")
+    p.set_defaults(func=cmd_report)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """KEY=VALUE pairs; values are JSON where they parse (true, 4096, null), else strings."""
+    from liteinfer.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def plan(args: argparse.Namespace) -> list[Run]:
+    if args.quick or args.all:
+        runs = registry.quick_runs(args.config) if args.quick else registry.full_matrix(args.config)
+        runs = [dataclasses.replace(
+            r, shape=Shape.parse(args.isl or r.shape.isl, args.osl or r.shape.osl),
+            width=r.width if r.kind == "latency" else args.width or r.width,
+            prompts=args.prompts or r.prompts) for r in runs if args.kind in (None, r.kind)]
+    elif args.kind is None:
+        raise ValueError("name a kind (latency or throughput), or use --quick or --all")
+    else:
+        shape = Shape.parse(args.isl or HEADLINE.isl, args.osl or HEADLINE.osl)
+        configs = [registry.get(n) for n in args.config or [registry.DEFAULT]]
+        runs = [c.run(args.kind, shape, args.width or c.width, args.prompts) for c in configs]
+    for r in runs:
+        if not registry.get(r.config).runnable:
+            raise ValueError(f"{r.config} is a {registry.get(r.config).status}, not runnable")
+    return list(dict.fromkeys(runs))
+
+
+def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
+                   overrides: dict[str, Any], out: Path) -> list[Row]:
+    """Loads the model once for all runs of one config; each row is saved as soon as it exists."""
+    rows = []
+    if config.engine == TRANSFORMERS:
+        from liteinfer.bench.hf_baseline import HFBaseline, measure_hf
+
+        handle, measure, args = HFBaseline(model), measure_hf, config.engine_args
+    else:
+        from liteinfer.bench.runner import make_llm, measure
+
+        args = {**config.engine_args, **overrides}
+        handle = make_llm(model, args)
+    try:
+        for run in runs:
+            row = measure(handle, run, model, args)
+            append_row(row, out)
+            rows.append(row)
+            print(f"{run.config} {run.kind} {run.shape.label} W={run.width}: "
+                  f"ITL p50 {fmt(row['itl_p50'])} ms, tok/s {fmt(row['tok_s'])}", flush=True)
+    finally:
+        handle.shutdown()
+    return rows
+
+
+def summary(rows: list[Row], reference: Path = REFERENCE_DIR) -> str:
+    """A fixed-width table of this invocation's rows, with the vLLM row of the same width."""
+    refs = {row_key(r): r for r in latest(load_rows(None, reference))}
+    head = ("config", "kind", "ISL/OSL", "W", "n", "ITL p50", "TTFT p50", "E2E p50", "tok/s",
+            "vs vLLM")
+    lines = [head]
+    for r in rows:
+        vllm = refs.get((r["model"], registry.vllm_config_for(r["width"]), *row_key(r)[2:]))
+        vs = "—"
+        if vllm is not None and (v := ratio(r["kind"], r, vllm)) is not None:
+            vs = f"{v:.2f}x" + ("~" if mismatches(r, vllm, same_engine=False) else "")
+        lines.append((r["config"], r["kind"], Shape.parse(r["isl"], r["osl"]).label, str(r["width"]),
+                      str(r["prompts"]), fmt(r["itl_p50"]), fmt(r["ttft_p50"]), fmt(r["e2e_p50"]),
+                      fmt(r["tok_s"]), vs))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(line, widths))) for line in lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    runs = plan(args)
+    if args.dry_run:
+        for r in runs:
+            print(f"{r.config:14} {r.kind:10} {r.shape.label:14} W={r.width:<4} prompts={r.prompts}")
+        return
+    overrides = parse_overrides(args.overrides)
+    out = args.out or default_results_file(environment()["gpu"], now_iso())
+    rows: list[Row] = []
+    failed: list[str] = []
+    for name, group in itertools.groupby(runs, key=lambda r: r.config):
+        try:
+            rows += _measure_group(registry.get(name), list(group), args.model, overrides, out)
+        except Exception:  # one broken config must not cost the rest of a long matrix
+            traceback.print_exc()
+            failed.append(name)
+    if rows:
+        print(f"\n{len(rows)} row(s) appended to {out}\n{summary(rows)}")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from liteinfer.bench.report import render_markdown
+    from liteinfer.bench.report_html import render_html
+    from liteinfer.bench.tables import build_page
+
+    page = build_page(load_rows(args.results, args.reference), args.model)
+    for path, text in ((args.md, render_markdown(page)), (args.html, render_html(page))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}")

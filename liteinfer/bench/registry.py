@@ -1,0 +1,163 @@
+"""Named benchmark configurations: the lineage of the original page, and the runs of each."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from liteinfer.bench.workloads import (HEADLINE, LATENCY_SHAPES, MIXED, THROUGHPUT_SHAPES, Shape,
+                                       default_prompts)
+
+RUNNABLE = "runnable"
+REFERENCE = "reference point"
+REMOVED = "removed from the codebase"
+
+LITEINFER, TRANSFORMERS, VLLM = "liteinfer", "transformers", "vllm"
+
+
+@dataclass(frozen=True)
+class Run:
+    config: str
+    kind: str  # latency | throughput
+    shape: Shape
+    width: int
+    prompts: int
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    description: str
+    base: str | None
+    status: str
+    engine: str  # who runs it: LITEINFER (engine_args are EngineConfig fields), TRANSFORMERS, VLLM
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    width: int = 32  # its throughput width; latency always runs at width 1
+    latency: tuple[Shape, ...] = ()
+    throughput: tuple[tuple[Shape, int], ...] = ()  # (shape, width) of the full matrix
+    max_prompts: int | None = None  # slow baselines run capped prompt counts
+
+    @property
+    def label(self) -> str:
+        return self.name if self.engine == VLLM else f"liteinfer-{self.name}"
+
+    @property
+    def runnable(self) -> bool:
+        return self.status == RUNNABLE
+
+    def runs(self) -> list[Run]:
+        planned = [("latency", s, 1) for s in self.latency]
+        planned += [("throughput", s, w) for s, w in self.throughput]
+        return [self.run(kind, shape, width) for kind, shape, width in planned]
+
+    def run(self, kind: str, shape: Shape, width: int, prompts: int | None = None) -> Run:
+        n = prompts or default_prompts(kind, shape)
+        if self.max_prompts is not None and prompts is None:
+            n = min(n, self.max_prompts)
+        return Run(self.name, kind, shape, 1 if kind == "latency" else width, n)
+
+
+_FIXED_W32 = tuple((s, 32) for s in THROUGHPUT_SHAPES if s.isl != MIXED)
+_MIXED_W32 = ((HEADLINE, 32),) + tuple((s, 32) for s in THROUGHPUT_SHAPES if s.isl == MIXED)
+# Configs older than `packed` in the lineage pad their prefill.
+_EAGER32 = {"max_num_seqs": 32, "enforce_eager": True, "packed_prefill": False}
+_GRAPHS = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": False,
+           "max_num_seqs": 32, "packed_prefill": False}
+_SPLITK = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": True,
+           "max_num_seqs": 128, "packed_prefill": True}
+_MIXED_BUDGET = {"max_model_len": 4096}  # holds 2048-token prompts plus 1024 generated
+
+CONFIGS: tuple[BenchConfig, ...] = (
+    BenchConfig("nocache", "No KV cache: every step re-feeds the whole sequence "
+                "(transformers generate)", None, RUNNABLE, TRANSFORMERS, {"use_cache": False},
+                width=1, latency=(HEADLINE,), throughput=((HEADLINE, 1),), max_prompts=3),
+    BenchConfig("eager", "KV cache via transformers DynamicCache", "nocache", RUNNABLE,
+                TRANSFORMERS, {"use_cache": True}, width=1, latency=(HEADLINE,),
+                throughput=((HEADLINE, 1),), max_prompts=10),
+    BenchConfig("native-eager", "KV cache as plain tensors, no DynamicCache", "eager", REMOVED,
+                LITEINFER, width=1),
+    BenchConfig("paged", "Paged KV cache: fixed-size blocks from a pool", "native-eager", REMOVED,
+                LITEINFER, width=1),
+    BenchConfig("eager-b4", "Static batching, B=4, eager cache (transformers generate)", "eager",
+                RUNNABLE, TRANSFORMERS, {"use_cache": True}, width=4,
+                throughput=((HEADLINE, 4),), max_prompts=24),
+    BenchConfig("native-eager-b4", "Static batching, B=4, native eager cache", "native-eager",
+                REMOVED, LITEINFER, width=4),
+    BenchConfig("paged-b4", "Static batching, B=4, paged cache", "paged", REMOVED, LITEINFER,
+                width=4),
+    BenchConfig("continuous", "Continuous batching, up to 32 concurrent sequences", "paged-b4",
+                RUNNABLE, LITEINFER, {"attention_backend": "torch", **_EAGER32},
+                latency=(HEADLINE,), throughput=_FIXED_W32),
+    BenchConfig("sdpa", "Continuous batching, attention through PyTorch SDPA", "continuous",
+                RUNNABLE, LITEINFER, {"attention_backend": "sdpa", **_EAGER32},
+                latency=(HEADLINE,), throughput=_FIXED_W32),
+    BenchConfig("paged-attn", "Continuous batching, decode attention reads the KV pool in-kernel",
+                "sdpa", RUNNABLE, LITEINFER,
+                {"attention_backend": "triton", "decode_split_k": False, **_EAGER32},
+                latency=LATENCY_SHAPES[:2], throughput=_FIXED_W32),
+    BenchConfig("graphs", "Paged decode replayed from a CUDA graph instead of launched per kernel",
+                "paged-attn", RUNNABLE, LITEINFER, _GRAPHS, latency=LATENCY_SHAPES[:2],
+                throughput=_FIXED_W32),
+    # The default (fastest) configuration: it runs every shape a vLLM reference row has.
+    BenchConfig("splitk", "Captured decode, narrow batches splitting their key loop across "
+                "programs", "graphs", RUNNABLE, LITEINFER, _SPLITK, latency=LATENCY_SHAPES,
+                throughput=tuple((s, 32) for s in THROUGHPUT_SHAPES)
+                + ((HEADLINE, 1), (HEADLINE, 4), (HEADLINE, 128))),
+    BenchConfig("graphs-b128", "Captured decode at 128 concurrent sequences", None, RUNNABLE,
+                LITEINFER, {**_GRAPHS, "max_num_seqs": 128}, width=128,
+                throughput=((HEADLINE, 128),)),
+    BenchConfig("packed", "Prefill as one flat token run; measure it on a mixed-length dataset",
+                "graphs-mixed", RUNNABLE, LITEINFER,
+                {**_GRAPHS, **_MIXED_BUDGET, "packed_prefill": True}, throughput=_MIXED_W32),
+    BenchConfig("graphs-mixed", "Captured decode with a padded prefill, at a mixed dataset's "
+                "context budget", None, RUNNABLE, LITEINFER,
+                {**_GRAPHS, **_MIXED_BUDGET, "packed_prefill": False}, throughput=_MIXED_W32),
+    BenchConfig("graphs-16k", "Captured decode with a 16k context budget, one program per KV head",
+                None, RUNNABLE, LITEINFER, {**_GRAPHS, "max_model_len": 16384},
+                latency=LATENCY_SHAPES[2:]),
+    BenchConfig("splitk-16k", "Split decode where attention is most of the step: long context, "
+                "narrow batch", "graphs-16k", RUNNABLE, LITEINFER,
+                {**_GRAPHS, "max_model_len": 16384, "decode_split_k": True},
+                latency=LATENCY_SHAPES[2:]),
+    BenchConfig("vllm", "vLLM, one sequence at a time", None, REFERENCE, VLLM, width=1),
+    BenchConfig("vllm-b4", "vLLM, up to 4 concurrent sequences", None, REFERENCE, VLLM, width=4),
+    BenchConfig("vllm-continuous", "vLLM, up to 32 concurrent sequences", None, REFERENCE, VLLM),
+    BenchConfig("vllm-b128", "vLLM, up to 128 concurrent sequences", None, REFERENCE, VLLM,
+                width=128),
+)
+BY_NAME = {c.name: c for c in CONFIGS}
+ORDER = {c.name: i for i, c in enumerate(CONFIGS)}
+DEFAULT = "splitk"
+
+
+def get(name: str) -> BenchConfig:
+    if name not in BY_NAME:
+        raise ValueError(f"unknown benchmark config {name!r}; known: {', '.join(BY_NAME)}")
+    return BY_NAME[name]
+
+
+def vllm_config_for(width: int) -> str | None:
+    """The vLLM reference configuration measured at this width."""
+    return next((c.name for c in CONFIGS if c.engine == VLLM and c.width == width), None)
+
+
+def lineage(name: str) -> list[str]:
+    """Ancestors of a config, nearest first (its base, the base's base, ...)."""
+    chain: list[str] = []
+    base = BY_NAME[name].base if name in BY_NAME else None
+    while base is not None:
+        chain.append(base)
+        base = BY_NAME[base].base
+    return chain
+
+
+def full_matrix(names: list[str] | None = None) -> list[Run]:
+    """Every run of the original page's tables, for the named (default: all runnable) configs."""
+    configs = [get(n) for n in names] if names else [c for c in CONFIGS if c.runnable]
+    return [r for c in configs for r in c.runs()]
+
+
+def quick_runs(names: list[str] | None = None) -> list[Run]:
+    """A short check (default: of the default config); a few minutes on an H200."""
+    configs = [get(n) for n in names or [DEFAULT]]
+    return [r for c in configs for r in (c.run("latency", HEADLINE, 1, prompts=20),
+                                         c.run("throughput", HEADLINE, c.width))]

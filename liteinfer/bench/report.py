@@ -1,0 +1,53 @@
+"""The benchmark page as Markdown (BENCHMARKS.md)."""
+from __future__ import annotations
+
+from liteinfer.bench.tables import INTRO, MIXED_PROMPTS, RATIOS, Page, Pivot, Table
+
+_SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+def mark(note: int) -> str:
+    return str(note).translate(_SUPERSCRIPT)
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(t: Table) -> list[str]:
+    out = [f"## {t.title}", ""]
+    if t.mixed_prompts:
+        out += [MIXED_PROMPTS, ""]
+    out.append(_row(["config"] + [name for name, _ in t.columns] + list(RATIOS)))
+    out.append(_row(["---"] + ["---:"] * (len(t.columns) + len(RATIOS))))
+    for line in t.lines:
+        label = f"**{line.label}**<br><sub>{' · '.join(line.notes)}</sub>"
+        values = [fmt(line.row.get(key)) for _, key in t.columns]
+        ratios = [c.text + (mark(c.note) if c.note else "") for c in line.ratios]
+        out.append(_row([label] + values + ratios))
+    if t.footnotes:
+        out.append("")
+        out += [f"- ~{mark(i)} {note}" for i, note in enumerate(t.footnotes, 1)]
+    return out + [""]
+
+
+def _pivot(p: Pivot) -> list[str]:
+    out = [f"## {p.title}", "", f"{p.unit} of each config's row at each shape.", ""]
+    out.append(_row(["config"] + [s.label for s in p.shapes]))
+    out.append(_row(["---"] + ["---:"] * len(p.shapes)))
+    out += [_row([label] + [fmt(v) for v in values]) for label, values in p.rows]
+    return out + [""]
+
+
+def render_markdown(page: Page) -> str:
+    out = ["# liteinfer benchmarks", "", INTRO, ""]
+    out += [f"- **{key}** {value}" for key, value in page.header] + [""]
+    for t in page.tables:
+        out += _table(t)
+    for p in page.pivots:
+        out += _pivot(p)
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,118 @@
+"""Drives the liteinfer engine over a benchmark workload and turns its timestamps into a row."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from liteinfer.bench.metrics import Trace, summarize
+from liteinfer.bench.registry import LITEINFER, Run, get
+from liteinfer.bench.store import Row, environment, now_iso
+from liteinfer.bench.workloads import SEED, WARMUP_SEED, Shape, fingerprint, fold_into_vocab, make_prompts
+
+_request_ids: Iterator[int] = itertools.count()
+
+
+def model_label(model: str) -> str:
+    """How rows name the model: a known name as given, a directory by its basename."""
+    return Path(model).name if Path(model).exists() else model
+
+
+def make_llm(model: str, engine_args: dict[str, Any]) -> Any:
+    from liteinfer import LLM
+
+    return LLM(model=model, load_format="dummy", disable_log_stats=True,
+               **{"dtype": "bfloat16", **engine_args})
+
+
+def workload(shape: Shape, n: int, seed: int, vocab_size: int) -> tuple[list[list[int]], int | None]:
+    return fold_into_vocab(make_prompts(shape.isl, n, seed), vocab_size)
+
+
+def staggered_lengths(osl: int, n: int) -> list[int]:
+    """Output lengths that end one request at a time, so the running batch shrinks through
+    every size from n down to 1 and each captured graph size runs once."""
+    return [max(1, osl * (i + 1) // n) for i in range(n)]
+
+
+def drive(engine: Any, prompts: list[list[int]], max_tokens: list[int], width: int,
+          bar: tqdm | None = None) -> list[Trace]:
+    """Keeps at most `width` requests in flight, admitting the next as soon as one finishes.
+    A token counts as available when the step() that produced it returns."""
+    from liteinfer import SamplingParams
+
+    traces: list[Trace] = []
+    owner: dict[str, int] = {}
+
+    def admit() -> None:
+        i = len(traces)
+        rid = f"bench-{next(_request_ids)}"
+        owner[rid] = i
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True)
+        traces.append(Trace(submit=time.perf_counter()))
+        engine.add_request(rid, prompts[i], params)
+
+    in_flight = 0
+    while in_flight < width and len(traces) < len(prompts):
+        admit()
+        in_flight += 1
+    while in_flight:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"the engine holds no requests while {in_flight} are unfinished")
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            trace = traces[owner[out.request_id]]
+            trace.tokens.extend([now] * len(out.new_token_ids))
+            if out.finished:
+                in_flight -= 1
+                if bar is not None:
+                    bar.update(1)
+                if len(traces) < len(prompts):
+                    admit()
+                    in_flight += 1
+    return traces
+
+
+def make_row(run: Run, engine: str, traces: list[Trace], prompts: list[list[int]],
+             fold: int | None, model: str, **extra: Any) -> Row:
+    return {"config": run.config, "engine": engine, "model": model_label(model), "kind": run.kind,
+            "isl": run.shape.isl, "osl": run.shape.osl, "prompts": len(prompts),
+            "width": run.width, "seed": SEED, **summarize(traces, run.shape.osl),
+            "fingerprint": fingerprint(prompts), "vocab_fold": fold, **extra, **environment(),
+            "timestamp": now_iso()}
+
+
+def progress(run: Run) -> tqdm:
+    return tqdm(total=run.prompts, unit="req", leave=False,
+                desc=f"{run.config} {run.kind} {run.shape.label} W={run.width}")
+
+
+def measure(llm: Any, run: Run, model: str, engine_args: dict[str, Any]) -> Row:
+    """Warms up on other prompts of the same shape, then measures `run`."""
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    n_warm = 2 if run.width == 1 else run.width
+    warm, _ = workload(run.shape, n_warm, WARMUP_SEED, vocab)
+    drive(engine, warm, staggered_lengths(run.shape.osl, n_warm), run.width)
+    prompts, fold = workload(run.shape, run.prompts, SEED, vocab)
+    with progress(run) as bar:
+        traces = drive(engine, prompts, [run.shape.osl] * len(prompts), run.width, bar)
+    return make_row(run, LITEINFER, traces, prompts, fold, model, engine_args=engine_args,
+                    warmup_requests=n_warm)
+
+
+def run_latency(llm: Any, config: str, shape: Shape, prompts: int, model: str,
+                engine_args: dict[str, Any]) -> Row:
+    """One request at a time."""
+    return measure(llm, get(config).run("latency", shape, 1, prompts), model, engine_args)
+
+
+def run_throughput(llm: Any, config: str, shape: Shape, width: int, prompts: int, model: str,
+                   engine_args: dict[str, Any]) -> Row:
+    """At most `width` requests in flight."""
+    return measure(llm, get(config).run("throughput", shape, width, prompts), model, engine_args)

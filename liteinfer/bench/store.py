@@ -1,0 +1,136 @@
+"""Result rows as JSON lines: written by `liteinfer bench`, read back (with the reference rows)
+by `liteinfer report`."""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import subprocess
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from liteinfer.bench import registry
+from liteinfer.bench.workloads import MODEL, Shape, fingerprint, make_prompts
+
+Row = dict[str, Any]
+
+RESULTS_DIR = Path("benchmarks/results")
+REFERENCE_DIR = Path("benchmarks/reference")
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=_PACKAGE_DIR, capture_output=True, text=True,
+                         check=True, timeout=30)
+    return out.stdout.strip()
+
+
+@functools.cache
+def engine_commit() -> str:
+    """HEAD of the engine's checkout, '-dirty' when tracked code (results aside) has changed."""
+    try:
+        head = _git("rev-parse", "HEAD")
+        dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                     ":(top,exclude)benchmarks")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def environment() -> Row:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"commit": engine_commit(), "gpu": gpu, "torch": torch.__version__,
+            "triton": _version("triton"), "transformers": _version("transformers")}
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def default_results_file(gpu: str, when: str) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    return RESULTS_DIR / f"{when[:10]}-{slug}.jsonl"
+
+
+def append_row(row: Row, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: Path) -> list[Row]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def build_of(row: Row) -> str:
+    """What produced a row: the liteinfer commit, or '<engine>-<version>' for another engine."""
+    return row.get("commit") or f"{row['engine']}-{row.get('version', '?')}"
+
+
+def shape_of(row: Row) -> Shape:
+    return Shape.parse(row["isl"], row["osl"])
+
+
+@functools.cache
+def _workload_fingerprint(isl: int | str, prompts: int, seed: int) -> str:
+    return fingerprint(make_prompts(isl, prompts, seed))
+
+
+def reference_row(raw: Row, source: Path) -> Row | None:
+    """A vLLM or transformers reference row under its configuration name; None if unmapped.
+
+    Reference rows carry no fingerprint; they were drawn with WORKLOADS.md's generator from
+    their (isl, prompts, seed), so the fingerprint is recomputed from those."""
+    if raw["engine"] == "vllm":
+        name = registry.vllm_config_for(raw["width"])
+    else:
+        name = raw.get("config", "").removeprefix("hf-")
+    if name not in registry.BY_NAME:
+        return None
+    at = raw.get("at")
+    if at is not None:
+        stamp = datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds")
+    else:  # rows without a time of their own date from their file's name
+        stamp = re.search(r"\d{4}-\d{2}-\d{2}", source.name)[0] + "T00:00:00+00:00"
+    return {**raw, "config": name, "model": MODEL, "timestamp": stamp,
+            "fingerprint": _workload_fingerprint(raw["isl"], raw["prompts"], raw["seed"])}
+
+
+def load_rows(results: Path | None = RESULTS_DIR, reference: Path | None = REFERENCE_DIR) -> list[Row]:
+    """Measured rows of every *.jsonl under `results` plus the mapped reference rows."""
+    rows: list[Row] = []
+    if results is not None and results.exists():
+        files = sorted(results.glob("*.jsonl")) if results.is_dir() else [results]
+        rows += [r for f in files for r in read_jsonl(f)]
+    if reference is not None and reference.exists():
+        for f in sorted(reference.glob("*.jsonl")):
+            rows += [r for raw in read_jsonl(f) if (r := reference_row(raw, f)) is not None]
+    return rows
+
+
+def row_key(row: Row) -> tuple[str, str, str, str, int, int]:
+    """What a row measures: (model, config, kind, isl, osl, width)."""
+    return row["model"], row["config"], row["kind"], str(row["isl"]), row["osl"], row["width"]
+
+
+def latest(rows: list[Row]) -> list[Row]:
+    """The newest row per (model, config, kind, shape, width)."""
+    best: dict[tuple[Any, ...], Row] = {}
+    for row in rows:
+        k = row_key(row)
+        if k not in best or row["timestamp"] >= best[k]["timestamp"]:
+            best[k] = row
+    return list(best.values())

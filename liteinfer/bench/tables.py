@@ -1,0 +1,239 @@
+"""The benchmark page as data: tables per (kind, shape) with lineage ratios and their caveats,
+across-shapes pivots and the header. report.py and report_html.py only render this."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from liteinfer.bench import registry
+from liteinfer.bench.registry import LITEINFER, REMOVED, VLLM, BenchConfig
+from liteinfer.bench.store import Row, build_of, latest, shape_of
+from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
+
+KINDS = ("latency", "throughput")
+COLUMNS = {"latency": (("ITL p50", "itl_p50"), ("ITL p95", "itl_p95"), ("TTFT p50", "ttft_p50"),
+                       ("TTFT p95", "ttft_p95"), ("E2E p50", "e2e_p50")),
+           "throughput": (("tok/s", "tok_s"), ("req/s", "req_s"), ("wall (s)", "wall_s"))}
+HEADLINE_METRIC = {"latency": "itl_p50", "throughput": "tok_s"}
+RATIOS = ("vs base", "vs first", "vs vLLM")
+INTRO = ("Each config is scored against the one it improves on (vs base), against the start of "
+         "its lineage (vs first), and against vLLM at the same batch width (vs vLLM). Above 1.00x "
+         "is better. Each row names the config it improves on; vLLM rows are references, not "
+         "competitors. Bars show standing on the headline metric of each table. A ratio marked ~ "
+         "compares rows not measured under the same conditions; the note under its table says why.")
+MIXED_PROMPTS = "These runs did not all use the same prompts."
+SPANS_ENGINES = "which is no longer runnable, so this delta spans two engines"
+
+
+def ratio(kind: str, this: Row, other: Row) -> float | None:
+    """Above 1 means `this` is better: lower ITL for latency, more tok/s for throughput."""
+    key = HEADLINE_METRIC[kind]
+    a, b = this.get(key), other.get(key)
+    if not a or not b:
+        return None
+    return b / a if kind == "latency" else a / b
+
+
+def short_build(build: str) -> str:
+    head, dirty, _ = build.partition("-dirty")
+    return (head[:10] if len(head) == 40 else head) + (dirty and "-dirty")
+
+
+def mismatches(a: Row, b: Row, same_engine: bool) -> list[str]:
+    """Why two rows were not measured under the same conditions; [] when they were."""
+    why = []
+    if a.get("fingerprint") != b.get("fingerprint"):
+        why.append(f"different prompts ({a['prompts']} prompts #{str(a.get('fingerprint'))[:8]} "
+                   f"vs {b['prompts']} prompts #{str(b.get('fingerprint'))[:8]})")
+    if a.get("gpu") != b.get("gpu"):
+        why.append(f"different GPUs ({a.get('gpu')} vs {b.get('gpu')})")
+    if same_engine and build_of(a) != build_of(b):
+        why.append(f"different engine builds ({short_build(build_of(a))} "
+                   f"vs {short_build(build_of(b))})")
+    return why
+
+
+@dataclass
+class Cell:
+    value: float | None
+    note: int | None = None  # footnote number; set when the two rows' conditions differ
+
+    @property
+    def text(self) -> str:
+        if self.value is None:
+            return "—"
+        return f"{self.value:.2f}x" + ("~" if self.note else "")
+
+
+@dataclass
+class Line:
+    config: BenchConfig
+    row: Row
+    label: str
+    notes: list[str]
+    ratios: list[Cell]
+    standing: float = 0.0  # headline metric relative to the table's best, in (0, 1]
+
+
+@dataclass
+class Table:
+    kind: str
+    shape: Shape
+    model: str
+    lines: list[Line]
+    footnotes: list[str] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        return f"{self.kind} · {self.model} · {self.shape.title}"
+
+    @property
+    def columns(self) -> tuple[tuple[str, str], ...]:
+        return COLUMNS[self.kind]
+
+    @property
+    def mixed_prompts(self) -> bool:
+        return len({line.row.get("fingerprint") for line in self.lines}) > 1
+
+
+@dataclass
+class Pivot:
+    kind: str
+    shapes: list[Shape]
+    rows: list[tuple[str, list[float | None]]]
+
+    @property
+    def title(self) -> str:
+        return f"{self.kind} across shapes"
+
+    @property
+    def unit(self) -> str:
+        return "tok/s" if self.kind == "throughput" else "ITL p50 (ms)"
+
+
+@dataclass
+class Page:
+    model: str
+    headline: Shape  # the shape the header names and the HTML plots by batch width show
+    header: list[tuple[str, str]]
+    tables: list[Table]
+    pivots: list[Pivot]
+
+
+def _is_primary(kind: str, config: BenchConfig, width: int) -> bool:
+    return kind == "latency" or width == config.width
+
+
+def row_label(kind: str, config: BenchConfig, width: int) -> str:
+    return config.label + ("" if _is_primary(kind, config, width) else f" · W={width}")
+
+
+def _notes(config: BenchConfig) -> list[str]:
+    notes = [config.description]
+    notes.append(f"improves on {registry.get(config.base).label}" if config.base else
+                 registry.REFERENCE)
+    if config.status == REMOVED:
+        notes.append(REMOVED)
+    if config.base and registry.get(config.base).status == REMOVED:
+        notes.append(SPANS_ENGINES)
+    return notes
+
+
+class _TableBuilder:
+    def __init__(self, kind: str, shape: Shape, model: str, rows: list[Row]):
+        self.kind = kind
+        self.rows = {(r["config"], r["width"]): r for r in rows}
+        self.table = Table(kind, shape, model, [])
+
+    def counterpart(self, name: str, config: BenchConfig, width: int) -> Row | None:
+        """`name`'s row to compare with: a row at a config's own width meets the other config's
+        own-width row (eager-b4 at W=4 against eager at W=1); other widths only the same width."""
+        if self.kind == "latency":
+            return self.rows.get((name, 1))
+        if _is_primary(self.kind, config, width):
+            return self.rows.get((name, registry.get(name).width))
+        return self.rows.get((name, width))
+
+    def cell(self, line_label: str, row: Row, other: Row | None, same_engine: bool) -> Cell:
+        if other is None:
+            return Cell(None)
+        cell = Cell(ratio(self.kind, row, other))
+        why = mismatches(row, other, same_engine)
+        if why and cell.value is not None:
+            other_label = row_label(self.kind, registry.get(other["config"]), other["width"])
+            note = f"{line_label} vs {other_label}: {'; '.join(why)}"
+            if note not in self.table.footnotes:
+                self.table.footnotes.append(note)
+            cell.note = self.table.footnotes.index(note) + 1
+        return cell
+
+    def line(self, config: BenchConfig, row: Row) -> Line:
+        width = row["width"]
+        label = row_label(self.kind, config, width)
+        base = self.counterpart(config.base, config, width) if config.base else None
+        ancestors = [self.counterpart(a, config, width) for a in reversed(registry.lineage(config.name))]
+        first = next((r for r in ancestors if r is not None), None)
+        vllm_name = registry.vllm_config_for(width)
+        vllm = (self.rows.get((vllm_name, width))
+                if config.engine != VLLM and vllm_name is not None else None)
+        ratios = [self.cell(label, row, base, True), self.cell(label, row, first, True),
+                  self.cell(label, row, vllm, False)]
+        return Line(config, row, label, _notes(config), ratios)
+
+    def build(self) -> Table:
+        order = sorted(self.rows, key=lambda k: (registry.ORDER[k[0]], k[1]))
+        lines = [self.line(registry.get(name), self.rows[(name, w)]) for name, w in order]
+        metric = HEADLINE_METRIC[self.kind]
+        values = [line.row[metric] for line in lines if line.row.get(metric)]
+        for line in lines:
+            v = line.row.get(metric)
+            if v:
+                line.standing = (min(values) / v if self.kind == "latency" else v / max(values))
+        self.table.lines = lines
+        return self.table
+
+
+def _pivot(kind: str, tables: list[Table]) -> Pivot:
+    tables = [t for t in tables if t.kind == kind]
+    cells: dict[tuple[str, int], dict[Shape, float]] = {}
+    for t in tables:
+        for line in t.lines:
+            key = (line.config.name, line.row["width"])
+            cells.setdefault(key, {})[t.shape] = line.row.get(HEADLINE_METRIC[kind])
+    keys = sorted(cells, key=lambda k: (registry.ORDER[k[0]], k[1]))
+    return Pivot(kind, [t.shape for t in tables],
+                 [(row_label(kind, registry.get(n), w), [cells[(n, w)].get(t.shape) for t in tables])
+                  for n, w in keys])
+
+
+def _header(model: str, rows: list[Row], headline: Shape) -> list[tuple[str, str]]:
+    own = [r for r in rows if r.get("engine") == LITEINFER] or rows
+    counts = [Counter(r["prompts"] for r in own if r["kind"] == k and shape_of(r) == headline)
+              for k in KINDS]
+    prompts = " / ".join(str(c.most_common(1)[0][0]) if c else "—" for c in counts)
+    builds = sorted({short_build(build_of(r)) for r in own})
+    return [("model", model), ("ISL", str(headline.isl)), ("OSL", str(headline.osl)),
+            ("prompts", prompts), ("decoding", "greedy, forced length"),
+            ("GPU", ", ".join(sorted({str(r.get("gpu")) for r in own}))),
+            ("builds", ", ".join(builds)), ("last run", max(r["timestamp"] for r in own))]
+
+
+def build_page(rows: list[Row], model: str | None = None) -> Page:
+    """The newest row per (config, kind, shape, width) of one model, laid out as the page."""
+    rows = [r for r in latest(rows) if r["config"] in registry.BY_NAME]
+    if model is None:
+        own = [r for r in rows if r.get("engine") != VLLM]
+        model = max(own, key=lambda r: r["timestamp"])["model"] if own else MODEL
+    rows = [r for r in rows if r.get("model") == model]
+    if not rows:
+        raise ValueError(f"no benchmark rows for model {model!r}")
+    tables = []
+    for kind in KINDS:
+        shapes = sorted({shape_of(r) for r in rows if r["kind"] == kind}, key=lambda s: s.sort_key)
+        for shape in shapes:
+            of_table = [r for r in rows if r["kind"] == kind and shape_of(r) == shape]
+            tables.append(_TableBuilder(kind, shape, model, of_table).build())
+    pivots = [_pivot(k, tables) for k in ("throughput", "latency") if any(t.kind == k for t in tables)]
+    shapes = [t.shape for t in tables]
+    headline = HEADLINE if HEADLINE in shapes else shapes[0]
+    return Page(model, headline, _header(model, rows, headline), tables, pivots)

@@ -16,8 +16,9 @@ def paged_kv_offsets(block_table_row, offs_n, mask, BLOCK_SIZE: tl.constexpr, st
     """Element offsets (int64) of the pool rows holding KV positions `offs_n` of one sequence.
 
     Each position's block is looked up separately, so one tile may span several KV blocks.
+    Masked-off positions get undefined offsets: the caller masks its K/V loads with `mask`.
     """
-    block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask, other=0)
+    block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask)
     return (block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * stride_slot
 
 

@@ -1,0 +1,47 @@
+"""RMSNorm with an optional fused residual add, rounding exactly as Hugging Face's LlamaRMSNorm
+(normalize in fp32, round to the input dtype, then multiply by the weight in that dtype)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stride_r,
+                     stride_ro, stride_o, hidden, eps,
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None, out: torch.Tensor | None = None):
+    """x: [T, H] (rows may be strided, last dim contiguous). Returns out, or with a residual
+    (out, new_residual) where new_residual = x + residual rounded to x.dtype, written to a
+    new tensor (inputs are never modified; out may alias x)."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and weight.shape == x.shape[1:]
+    num_rows, hidden = x.shape
+    out = torch.empty_like(x) if out is None else out
+    new_res = torch.empty_like(x) if residual is not None else None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(-1) == 1
+    res, res_out = (residual, new_res) if residual is not None else (x, x)  # unread when None
+    block = triton.next_power_of_2(hidden)
+    if num_rows > 0:
+        _rms_norm_kernel[(num_rows,)](
+            x, res, res_out, weight, out, x.stride(0), res.stride(0), res_out.stride(0),
+            out.stride(0), hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            num_warps=min(16, max(4, block // 512)))
+    return out if residual is None else (out, new_res)

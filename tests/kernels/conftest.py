@@ -1,0 +1,130 @@
+"""Shared fixtures for the Triton kernel tests.
+
+Without CUDA the kernels run under the Triton interpreter on small CPU shapes; with
+`-m gpu` on a CUDA machine the same tests run on full-size shapes.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Read by triton.jit when the kernel modules are imported, so it must be set first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# (max abs error relative to max|ref|, ||out - ref|| / ||ref||). The interpreter rounds
+# fp32 -> bf16 by truncation, hence the bf16 slack.
+TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (4e-3, 2e-3),
+              torch.bfloat16: (3e-2, 1.5e-2)}
+
+
+@pytest.fixture(params=[
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+])
+def device(request) -> str:
+    torch.manual_seed(0)
+    return request.param
+
+
+@pytest.fixture
+def full(device: str) -> bool:
+    """Full-size shapes on the GPU, small ones under the interpreter."""
+    return device == "cuda"
+
+
+@pytest.fixture
+def needs_dot(device: str):
+    """Attention tests call this with their dtype: the interpreter multiplies bf16 bit
+    patterns as integers in tl.dot, so bf16 attention is checked on the GPU only."""
+    def check(dtype: torch.dtype) -> None:
+        if device == "cpu" and dtype == torch.bfloat16:
+            pytest.skip("bf16 tl.dot is wrong under the Triton interpreter")
+    return check
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """Every element finite and close: max error and relative norm error, per dtype."""
+    max_tol, rel_tol = TOLERANCES[dtype or out.dtype]
+    out64, ref64 = out.double(), ref.double().to(out.device)
+    assert torch.isfinite(out64).all(), "non-finite output"
+    max_err = (out64 - ref64).abs().max().item()
+    scale = max(1.0, ref64.abs().max().item())
+    assert max_err <= max_tol * scale, f"max error {max_err:.3g} > {max_tol * scale:.3g}"
+    rel = ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+    assert rel <= rel_tol, f"relative error {rel:.3g} > {rel_tol:.3g}"
+
+
+class _PagedKV:
+    """A KV pool holding ragged sequences in shuffled blocks. Every pool row that no sequence
+    owns (unused blocks, tails of last blocks) is NaN, so any stray read poisons the output."""
+
+    def __init__(self, context_lens: list[int], num_kv_heads: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype, device: str, spare_blocks: int = 3):
+        self.context_lens = context_lens
+        self.block_size = block_size
+        per_seq = [-(-c // block_size) for c in context_lens]
+        num_blocks = sum(per_seq) + spare_blocks
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        perm = torch.randperm(num_blocks, device=device)
+        width = max(1, max(per_seq, default=1))
+        self.block_tables = torch.zeros(len(context_lens), width, dtype=torch.int32, device=device)
+        used = 0
+        for b, (ctx, n) in enumerate(zip(context_lens, per_seq)):
+            self.block_tables[b, :n] = perm[used:used + n].to(torch.int32)
+            used += n
+            slots = self.slots(b)
+            self.k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+                ctx, num_kv_heads, head_dim, dtype=dtype, device=device)
+            self.v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+                ctx, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.context_lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
+
+    def slots(self, b: int) -> torch.Tensor:
+        pos = torch.arange(self.context_lens[b], device=self.block_tables.device)
+        return self.block_tables[b, pos // self.block_size].long() * self.block_size \
+            + pos % self.block_size
+
+    def kv64(self, b: int, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence b's K and V as float64 [ctx, Hq, D], KV heads repeated HF-style."""
+        heads, dim = self.k_cache.shape[2:]
+        group = num_q_heads // heads
+        slots = self.slots(b)
+        k = self.k_cache.view(-1, heads, dim)[slots].double()
+        v = self.v_cache.view(-1, heads, dim)[slots].double()
+        return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+
+def _attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int,
+                   scale: float, chunk: int = 1024) -> torch.Tensor:
+    """float64 causal attention of q [n, H, D] at positions first_pos.. over k/v [ctx, H, D],
+    in query chunks so that long prompts fit in memory."""
+    outs = []
+    kv_pos = torch.arange(k.shape[0], device=k.device)
+    for i in range(0, q.shape[0], chunk):
+        qc = q[i:i + chunk].double()
+        s = torch.einsum("qhd,khd->hqk", qc, k) * scale
+        q_pos = first_pos + i + torch.arange(qc.shape[0], device=k.device)
+        s = s.masked_fill(kv_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+    return torch.cat(outs)
+
+
+@pytest.fixture(name="assert_close")
+def assert_close_fixture():
+    return _assert_close
+
+
+@pytest.fixture(name="PagedKV")
+def paged_kv_fixture():
+    return _PagedKV
+
+
+@pytest.fixture(name="attention_ref")
+def attention_ref_fixture():
+    return _attention_ref

@@ -1,0 +1,87 @@
+"""Paged split-K decode attention against a float64 reference."""
+import math
+
+import pytest
+import torch
+
+from liteinfer.kernels.decode_attention import (DecodeWorkspace, choose_num_splits,
+                                                max_splits_for, paged_decode_attention)
+
+
+def _contexts(full: bool, block_size: int, batch: int = 16) -> list[int]:
+    """Ragged contexts: 1 token, exact block edges, several tiles, and a padding row (0)."""
+    if full:
+        lens = torch.randint(1, 16385, (batch - 3,)).tolist()
+        return [1, block_size, 16384] + lens[:-1] + [0]
+    return [1, block_size, block_size + 1, 3 * block_size + 5, 300, 0]
+
+
+def _check(PagedKV, attention_ref, assert_close, contexts, num_q_heads, num_kv_heads, head_dim,
+           block_size, dtype, device, max_splits, num_splits=None):
+    kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device)
+    batch = len(contexts)
+    q = torch.randn(batch, num_q_heads, head_dim, dtype=dtype, device=device)
+    out = torch.full_like(q, float("nan"))
+    ws = DecodeWorkspace.allocate(batch, num_q_heads, head_dim, max_splits, device)
+    ws.partial_out.fill_(float("nan"))  # stale splits must never be read
+    ws.partial_lse.fill_(float("nan"))
+    scale = 1 / math.sqrt(head_dim)
+    paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, scale,
+                           out, num_splits, max_splits, ws)
+    rows = [b for b, c in enumerate(contexts) if c > 0]
+    ref = torch.stack([attention_ref(q[b:b + 1], *kv.kv64(b, num_q_heads), contexts[b] - 1,
+                                     scale)[0] for b in rows])
+    assert_close(out[rows], ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("max_splits", [1, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_matches_reference(PagedKV, attention_ref, assert_close, needs_dot, device, full,
+                                  group, head_dim, block_size, max_splits, dtype):
+    needs_dot(dtype)
+    num_kv_heads = 32 // group if full else 2
+    _check(PagedKV, attention_ref, assert_close, _contexts(full, block_size),
+           num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, device, max_splits)
+
+
+def test_decode_per_row_splits(PagedKV, attention_ref, assert_close, device, full):
+    """Split counts differ per row, exceed some rows' tile counts, and one exceeds max_splits
+    (clamped); the workspace is wider than this call's grid."""
+    max_splits = 8
+    contexts = _contexts(full, 16, batch=24) if full else [1, 16, 129, 300, 0, 257]
+    num_splits = torch.randint(1, max_splits + 3, (len(contexts),), dtype=torch.int32,
+                               device=device)
+    num_splits[:3] = torch.tensor([8, 1, 10], dtype=torch.int32)
+    dtype = torch.bfloat16 if full else torch.float32
+    _check(PagedKV, attention_ref, assert_close, contexts, 8, 2, 64, 16, dtype, device,
+           max_splits, num_splits)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 32, 128])
+def test_decode_engine_policy(PagedKV, attention_ref, assert_close, device, full, batch):
+    """The engine's path: grid width from the host policy, per-row splits on the device."""
+    num_kv_heads = 8 if full else 2
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if full else 8
+    if not full:
+        batch = min(batch, 5)
+    max_splits = max_splits_for(batch, num_kv_heads, num_sms)
+    contexts = torch.randint(1, 16385 if full else 400, (batch,)).tolist()
+    num_splits = choose_num_splits(torch.tensor(contexts, device=device), max_splits,
+                                   min_tokens_per_split=256 if full else 64)
+    dtype = torch.bfloat16 if full else torch.float16
+    _check(PagedKV, attention_ref, assert_close, contexts, 4 * num_kv_heads, num_kv_heads, 64,
+           16, dtype, device, max_splits, num_splits)
+
+
+def test_split_policy():
+    assert max_splits_for(1, 8, 132) >= 16  # one long sequence spreads over the SMs
+    widths = [max_splits_for(b, 8, 132) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    assert widths == sorted(widths, reverse=True)
+    assert widths[-3:] == [1, 1, 1]  # wide batches fill the GPU without splitting
+    assert all(1 <= w <= 64 for w in widths)
+    lens = torch.tensor([0, 1, 256, 257, 5000, 100000], dtype=torch.int32)
+    n = choose_num_splits(lens, max_splits=16, min_tokens_per_split=256)
+    assert n.dtype == torch.int32 and n.tolist() == [1, 1, 1, 2, 16, 16]

@@ -1,0 +1,60 @@
+"""Packed (ragged, chunked) prefill attention over the paged pool against a float64 reference."""
+import math
+
+import pytest
+import torch
+
+from liteinfer.kernels.prefill_attention import packed_prefill_attention
+
+
+def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads, head_dim,
+           block_size, dtype, device):
+    """seqs: (q_len, context_len) per sequence; context_len - q_len tokens are a cached
+    prefix."""
+    q_lens = [q for q, _ in seqs]
+    contexts = [c for _, c in seqs]
+    kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device)
+    cu = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, device=device)
+    out = torch.full_like(q, float("nan"))
+    scale = 1 / math.sqrt(head_dim)
+    packed_prefill_attention(q, kv.k_cache, kv.v_cache, cu, kv.context_lens_t, kv.block_tables,
+                             scale, out, max(q_lens))
+    ref = torch.cat([attention_ref(q[cu[b]:cu[b + 1]], *kv.kv64(b, num_q_heads), c - n, scale)
+                     for b, (n, c) in enumerate(seqs)])
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_matches_reference(PagedKV, attention_ref, assert_close, needs_dot, device, full,
+                                   group, head_dim, block_size, dtype):
+    """Ragged prompts and chunks after cached prefixes; one prompt spans several query tiles."""
+    needs_dot(dtype)
+    if full:
+        seqs, num_kv_heads = [(1, 1), (700, 700), (3000, 5000), (129, 129), (64, 2111)], 32 // group
+    else:
+        seqs, num_kv_heads = [(1, 1), (150, 150), (20, 37), (3, 70), (64, 64)], 1
+    _check(PagedKV, attention_ref, assert_close, seqs, num_kv_heads * group, num_kv_heads,
+           head_dim, block_size, dtype, device)
+
+
+@pytest.mark.parametrize("seqs", [
+    [(1, 40), (3, 3), (16, 97), (2, 33)],          # short chunks over long prefixes
+    [(37, 37)] * 3 + [(5, 200)],                   # several equal prompts
+], ids=["short-chunks", "many-prompts"])
+def test_prefill_ragged_batches(PagedKV, attention_ref, assert_close, device, full, seqs):
+    dtype = torch.bfloat16 if full else torch.float16
+    _check(PagedKV, attention_ref, assert_close, seqs, 8, 2, 64, 16, dtype, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqs", [[(15360, 15360)], [(128, 128)] * 32, [(2048, 2048)] * 8,
+                                  [(1024, 9000), (1, 16000), (500, 500)]],
+                         ids=["1x15360", "32x128", "8x2048", "chunked"])
+def test_prefill_full_shapes(PagedKV, attention_ref, assert_close, device, seqs):
+    if device != "cuda":
+        pytest.skip("full shapes run on the GPU")
+    _check(PagedKV, attention_ref, assert_close, seqs, 32, 8, 64, 16, torch.bfloat16, device)

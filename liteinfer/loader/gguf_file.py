@@ -1,0 +1,191 @@
+"""llama.cpp GGUF files: config from `llama.*` metadata, dequantized weights under Hugging Face
+names, tokenizer rebuilt by transformers from the file's own vocabulary."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType, ReaderField, dequantize
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+# llama.cpp's precomputed llama3 RoPE divisors; folded into rope_scaling instead of yielded.
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def open_reader(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _scalar(part: np.ndarray, kind: GGUFValueType) -> Any:
+    if kind == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    if kind == GGUFValueType.FLOAT32:
+        # The shortest decimal that is the same float32 (1e-05, not 9.999999747378752e-06).
+        return float(str(part[0]))
+    return part[0].item()
+
+
+def _value(field: ReaderField) -> Any:
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [_scalar(field.parts[i], field.types[-1]) for i in field.data]
+    return _scalar(field.parts[field.data[0]], field.types[0])
+
+
+def _get(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else _value(field)
+
+
+def _require(reader: GGUFReader, key: str) -> Any:
+    if key not in reader.fields:
+        raise ValueError(f"GGUF metadata lacks {key!r}")
+    return _get(reader, key)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, kind = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}" if part in _LAYER_TENSORS else None
+    return f"{_GLOBAL_TENSORS[base]}.{kind}" if base in _GLOBAL_TENSORS else None
+
+
+def _llama3_factors(inv_wavelen: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
+    """Per-frequency RoPE divisors of Hugging Face's llama3 scaling (1 for short wavelengths,
+    `factor` for long ones, interpolated in between)."""
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    ratio = scaling["original_max_position_embeddings"] * inv_wavelen
+    smooth = np.clip((ratio - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1.0 - smooth) / scaling["factor"] + smooth)
+
+
+def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """Recover rope_scaling from llama.cpp's `rope_freqs` divisors. In the interpolated band
+    smooth = (old_ctx / wavelen - low) / (high - low) is linear in 1 / wavelen, so a line fit
+    gives two of the three parameters' combinations; fixing low_freq_factor = 1 (Meta's value)
+    pins the rest without changing the frequencies."""
+    inv_wavelen = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / (2 * np.pi)
+    factors = factors.astype(np.float64)
+    factor = float(factors.max())
+    band = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if band.sum() < 2:
+        raise ValueError("cannot infer llama3 rope_scaling from rope_freqs: fewer than two "
+                         "interpolated frequencies")
+    smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(inv_wavelen[band], smooth, 1)
+    high = 1 - 1 / intercept
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": round(float(high), 4),
+               "original_max_position_embeddings": round(float(slope * (high - 1)))}
+    if not np.allclose(_llama3_factors(inv_wavelen, scaling), factors, rtol=1e-3):
+        raise ValueError("rope_freqs in the GGUF do not follow llama3 RoPE scaling")
+    return scaling
+
+
+def _rope_scaling(reader: GGUFReader, theta: float, head_dim: int) -> dict[str, Any] | None:
+    kind = _get(reader, "llama.rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _require(reader, "llama.rope.scaling.factor")}
+    if kind != "none":
+        raise ValueError(f"unsupported GGUF RoPE scaling type {kind!r}")
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    return None if freqs is None else _llama3_scaling(dequantize(freqs.data, freqs.tensor_type),
+                                                      theta, head_dim)
+
+
+def read_config(reader: GGUFReader) -> dict[str, Any]:
+    """A Hugging Face style Llama config.json dict from the GGUF's metadata."""
+    arch = _require(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF general.architecture is {arch!r}; liteinfer serves only 'llama'")
+    if _get(reader, "llama.expert_count", 0):
+        raise ValueError("mixture-of-experts Llama GGUFs are not supported")
+    hidden = _require(reader, "llama.embedding_length")
+    heads = _require(reader, "llama.attention.head_count")
+    head_dim = _get(reader, "llama.attention.key_length", hidden // heads)
+    if _get(reader, "llama.rope.dimension_count", head_dim) != head_dim:
+        raise ValueError("GGUF applies RoPE to part of each head; Llama rotates the whole head")
+    theta = _get(reader, "llama.rope.freq_base", 10000.0)
+    names = {t.name for t in reader.tensors}
+    unknown = sorted(n for n in names - {_ROPE_FREQS} if _hf_name(n) is None)
+    if unknown:
+        raise ValueError(f"GGUF has tensors a Llama model does not use: {unknown[:8]}")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ValueError("GGUF has no token_embd.weight tensor")
+    eos_ids = list(dict.fromkeys(i for i in (_get(reader, f"tokenizer.ggml.{k}_token_id")
+                                             for k in ("eos", "eot", "eom")) if i is not None))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": _require(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _require(reader, "llama.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _get(reader, "llama.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": _require(reader, "llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(reader, theta, head_dim),
+        "vocab_size": _get(reader, "llama.vocab_size", int(embed.data.shape[0])),
+        "tie_word_embeddings": "output.weight" not in names,
+        "max_position_embeddings": _require(reader, "llama.context_length"),
+        "bos_token_id": _get(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids or None,
+        "pad_token_id": _get(reader, "tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",  # what iter_weights yields after dequantization
+    }
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter stores each q/k head's rows interleaved (rotary pairs adjacent, as
+    its RoPE kernel expects); restore Hugging Face's half-split order (pairs dim/2 apart)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize one tensor at a time from the memory-mapped file, as float32."""
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        w = dequantize(t.data, t.tensor_type)
+        proj = name.split(".")[-2]
+        if proj in heads:
+            w = _unpermute(w, heads[proj])
+        # F32 tensors come back as read-only views of the file; copy those only.
+        yield name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+
+
+def chat_template(reader: GGUFReader) -> str | None:
+    return _get(reader, "tokenizer.chat_template")
+
+
+def has_tokenizer(reader: GGUFReader) -> bool:
+    return "tokenizer.ggml.model" in reader.fields
+
+
+def load_tokenizer(path: Path, template: str | None) -> Any:
+    # transformers' own GGUF vocabulary conversion. Not AutoTokenizer: it parses the whole file a
+    # second time (seconds) just to pick this same class.
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer

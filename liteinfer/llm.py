@@ -108,9 +108,10 @@ class LLM:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"a chat message needs 'role' and 'content', got {m!r}")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        # Render, then encode without adding special tokens: the template already has them.
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields this request's output each time it gains tokens; the last one is finished.

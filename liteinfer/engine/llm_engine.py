@@ -43,7 +43,7 @@ class LLMEngine:
         self.max_model_len = resolve_config(config, self.model_config)
         self.tokenizer = source.tokenizer
         self.generation_config = source.generation_config
-        self.runner = ModelRunner(self.model_config, config, source, load_format,
+        self.runner = ModelRunner(self.model_config, config, source, source.load_format,
                                   self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -126,34 +126,28 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
-        self._check_stop(seq, token)
-        finished = seq.finish_reason is not None
+        self._check_stop_token(seq, token)
         new_text = ""
         if self.detokenizer is not None:
-            new_text = self.detokenizer.decode_new(seq, finished=finished)
-        if finished:
+            new_text = self.detokenizer.decode_new(seq, finished=seq.finish_reason is not None)
+            if seq.finish_reason is None and self.detokenizer.check_stop_strings(seq) is not None:
+                seq.finish_reason = "stop"
+        if seq.finish_reason is not None:
             m.finished_time = now
             self.scheduler.finish(seq)
             del self.seqs[seq.request_id]
         return self._output(seq, [token], new_text)
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop_token(self, seq: Sequence, token: int) -> None:
         params = seq.sampling_params
-        n_out = seq.num_output_tokens
-        if n_out >= params.min_tokens:
+        if seq.num_output_tokens >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = "stop"
                 return
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 return
-            if params.stop and self.detokenizer is not None:
-                self.detokenizer.decode_new(seq, finished=False, emit=False)
-                stop = self.detokenizer.check_stop_strings(seq)
-                if stop is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                    return
-        if n_out >= params.max_tokens or len(seq) >= self.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             seq.finish_reason = "length"
 
     def _output(self, seq: Sequence, new_tokens: list[int], new_text: str) -> RequestOutput:

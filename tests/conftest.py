@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random Llama models, the real SmolLM2, and engines reused across tests.
+
+Every engine a test touches must have all of its KV blocks back in the pool when the test ends.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fixtures import make_tiny_llama_dir, smollm2_gguf_path
+from liteinfer import LLM
+
+_engines: list[LLM] = []
+
+
+def build_llm(model: str, **kwargs) -> LLM:
+    llm = LLM(model, **kwargs)
+    _engines.append(llm)
+    return llm
+
+
+@pytest.fixture(autouse=True)
+def all_blocks_returned():
+    yield
+    for llm in _engines:
+        engine = getattr(llm, "engine", None)
+        if engine is None:
+            continue
+        bm = engine.block_manager
+        assert not engine.has_unfinished_requests(), "a request was left running"
+        assert bm.num_free_blocks == bm.num_blocks, \
+            f"{bm.num_blocks - bm.num_free_blocks} KV blocks were not returned"
+        assert len(set(bm.free_blocks)) == bm.num_blocks, "a KV block was returned twice"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """GQA (4 query heads per 2 KV heads... see fixtures) with Llama-3 RoPE scaling."""
+    torch.manual_seed(0)
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"), rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_llama_dir):
+    return build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path):
+    return build_llm(str(smollm2_path), dtype="float32", device="cpu", max_model_len=1024)

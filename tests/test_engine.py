@@ -1,0 +1,179 @@
+"""The engine against transformers on a tiny random Llama (GQA, Llama-3 RoPE scaling), on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import build_llm
+from liteinfer import SamplingParams
+from reference import hf_greedy, random_prompts
+
+MAX_NEW = 24
+
+
+def greedy(n: int = MAX_NEW, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llm):
+    vocab = tiny_llm.engine.model_config.vocab_size
+    return random_prompts(10, vocab, 1, 70, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts):
+    return hf_greedy(hf_model, prompts, MAX_NEW)
+
+
+def test_tiny_model_has_gqa_and_llama3_rope(tiny_llm):
+    cfg = tiny_llm.engine.model_config
+    assert cfg.num_attention_heads > cfg.num_key_value_heads
+    assert cfg.rope_scaling["rope_type"] == "llama3"
+
+
+def test_greedy_batch_matches_transformers(tiny_llm, prompts, reference):
+    assert len({len(p) for p in prompts}) >= 8
+    assert token_ids(tiny_llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"attention_backend": "sdpa"},
+    {"packed_prefill": False},
+    {"max_num_batched_tokens": 16},          # prompts prefilled in chunks
+    {"block_size": 32},
+    {"max_num_seqs": 3},
+], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()))
+def test_engine_variants_match_transformers(tiny_llama_dir, prompts, reference, engine_args):
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
+                    **engine_args)
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+
+
+def test_batch_invariance(tiny_llm):
+    prompts = random_prompts(32, tiny_llm.engine.model_config.vocab_size, 1, 60, seed=2)
+    batched = token_ids(tiny_llm.generate(prompts, greedy(16), use_tqdm=False))
+    alone = [token_ids(tiny_llm.generate([p], greedy(16), use_tqdm=False))[0] for p in prompts]
+    assert batched == alone
+
+
+def test_preemption_keeps_outputs(tiny_llama_dir, prompts, reference):
+    # 12 blocks of 16 tokens cannot hold ten sequences of up to 94 tokens at once.
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128,
+                    num_kv_blocks=12)
+    outputs = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert outputs == reference
+
+
+def test_seeded_sampling_is_reproducible(tiny_llm, prompts):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    alone = token_ids(tiny_llm.generate([prompts[0]], params, use_tqdm=False))[0]
+    mixed = [params] + [SamplingParams(temperature=1.0, max_tokens=16)] * 5
+    batch = token_ids(tiny_llm.generate(prompts[:6], mixed, use_tqdm=False))[0]
+    again = token_ids(tiny_llm.generate([prompts[0]], params, use_tqdm=False))[0]
+    other = SamplingParams(temperature=1.0, top_p=0.9, seed=8, max_tokens=16, ignore_eos=True)
+    different = token_ids(tiny_llm.generate([prompts[0]], other, use_tqdm=False))[0]
+    assert alone == batch == again
+    assert different != alone
+
+
+def test_stop_token_ids_and_min_tokens(tiny_llm, prompts, reference):
+    ref = reference[3]
+    stop = ref[5]
+    first = ref.index(stop)
+    out = tiny_llm.generate([prompts[3]], greedy(stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref[:first + 1]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
+    later = tiny_llm.generate([prompts[3]], greedy(stop_token_ids=[stop], min_tokens=first + 1),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    # The stop id is masked while fewer than min_tokens tokens exist, so generation goes on.
+    assert later[:first] == ref[:first] and later[first] != stop and len(later) > first + 1
+
+
+def test_max_tokens_finish_reason(tiny_llm, prompts):
+    out = tiny_llm.generate([prompts[0]], greedy(5), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+    m = out.metrics
+    assert m.arrival_time <= m.first_token_time <= m.last_token_time
+
+
+def test_logprobs_match_transformers(tiny_llm, hf_model, prompts):
+    out = tiny_llm.generate([prompts[2]], greedy(4, logprobs=3), use_tqdm=False)[0].outputs[0]
+    seq = prompts[2] + out.token_ids
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([seq])).logits[0].log_softmax(-1)
+    for i, (tok, lps) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompts[2]) - 1 + i]
+        assert set(row.topk(3).indices.tolist()) | {tok} == set(lps)
+        for t, lp in lps.items():
+            assert lp == pytest.approx(row[t].item(), abs=1e-4)
+
+
+def test_streaming_yields_tokens_as_produced(tiny_llm, prompts, reference):
+    chunks = list(tiny_llm.stream(prompts[1], greedy()))
+    assert [t for c in chunks for t in c.new_token_ids] == reference[1]
+    assert len(chunks) == MAX_NEW and chunks[-1].finished and not chunks[0].finished
+
+
+def test_abort_returns_blocks(tiny_llm, prompts):
+    engine = tiny_llm.engine
+    engine.add_request("to-abort", prompts[0], greedy(50))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.abort("to-abort")
+    assert not engine.abort("to-abort")
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], greedy(), "empty"),
+    ([1, 2, 3], greedy(300), "max_model_len"),
+    ([1, 10**6], greedy(), "vocabulary"),
+    ([1, -1], greedy(), "vocabulary"),
+    ([0] * 256, greedy(1), "max_model_len"),
+])
+def test_bad_requests_raise_and_leave_others_alone(tiny_llm, prompts, reference, prompt, params,
+                                                   message):
+    engine = tiny_llm.engine
+    engine.add_request("good", prompts[4], greedy())
+    tokens = [t for out in engine.step() for t in out.new_token_ids]
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", prompts[0], greedy())
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    assert tokens == reference[4]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"min_p": 2.0},
+    {"max_tokens": 0}, {"repetition_penalty": 0.0}, {"presence_penalty": 3.0},
+    {"min_tokens": 5, "max_tokens": 2}, {"logprobs": -1}, {"stop": [""]},
+])
+def test_invalid_sampling_params(kwargs):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        SamplingParams(**kwargs)
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(tiny_llm, prompts):
+    with pytest.raises(ValueError, match="vocabulary"):
+        tiny_llm.generate([prompts[0], [10**7]], greedy(), use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_unknown_engine_argument(tiny_llama_dir):
+    with pytest.raises(ValueError, match="unknown engine arguments"):
+        build_llm(str(tiny_llama_dir), max_num_sequences=4)

@@ -11,9 +11,9 @@ Engine contract, per sampled token:
     new_text = detok.decode_new(seq, finished=seq.finish_reason is not None)
     if seq.finish_reason is None and (stop := detok.check_stop_strings(seq)) is not None:
         seq.finish_reason = "stop"       # stop_reason is already `stop`; new_text already ends at it
-decode_new holds back text that could be the start of a stop string; finished=True flushes it,
-so call it exactly once with finished=True when a sequence ends for any other reason (EOS,
-stop token, length, abort).
+decode_new holds back text that could begin a stop string (and bytes of an unfinished
+character); finished=True flushes them, so every sequence that ends for another reason (EOS,
+stop token, length, abort) needs one decode_new(seq, finished=True) in its final step.
 """
 from __future__ import annotations
 
@@ -40,13 +40,14 @@ class Detokenizer:
         sequence stopped on a token (finish_reason "stop", stop_reason an id or None for EOS),
         that token's text is left out unless include_stop_str_in_output, as in vLLM.
         """
-        self._decode_tokens(seq, finished)
+        if not isinstance(seq.stop_reason, str):  # text past a stop string is never decoded
+            self._decode_tokens(seq, finished)
         stopped = self.check_stop_strings(seq) is not None
         end = len(seq.output_text)
         if not (finished or stopped):
-            end -= _holdback(seq)
+            end = max(end - _holdback(seq), seq.stream_offset)
         new = seq.output_text[seq.stream_offset:end]
-        seq.stream_offset = max(seq.stream_offset, end)
+        seq.stream_offset = end
         return new
 
     def check_stop_strings(self, seq: Sequence) -> str | None:
@@ -60,7 +61,6 @@ class Detokenizer:
             return None
         cut, stop = hit
         seq.output_text = seq.output_text[:cut]
-        seq.read_offset = len(seq.token_ids)  # text past a stop string is never decoded
         seq.stop_reason = stop
         return stop
 

@@ -111,9 +111,9 @@ def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
 
         handle, measure, args = HFBaseline(model), measure_hf, config.engine_args
     else:
-        from liteinfer.bench.runner import make_llm, measure
+        from liteinfer.bench.runner import engine_args_for, make_llm, measure
 
-        args = {**config.engine_args, **overrides}
+        args = engine_args_for(config.name, overrides)
         handle = make_llm(model, args)
     try:
         for run in runs:

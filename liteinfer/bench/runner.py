@@ -22,11 +22,15 @@ def model_label(model: str) -> str:
     return Path(model).name if Path(model).exists() else model
 
 
+def engine_args_for(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """What a row records and LLM receives: bf16 (WORKLOADS.md), the config's args, overrides."""
+    return {"dtype": "bfloat16", **get(config).engine_args, **overrides}
+
+
 def make_llm(model: str, engine_args: dict[str, Any]) -> Any:
     from liteinfer import LLM
 
-    return LLM(model=model, load_format="dummy", disable_log_stats=True,
-               **{"dtype": "bfloat16", **engine_args})
+    return LLM(model=model, load_format="dummy", disable_log_stats=True, **engine_args)
 
 
 def workload(shape: Shape, n: int, seed: int, vocab_size: int) -> tuple[list[list[int]], int | None]:
@@ -88,7 +92,7 @@ def make_row(run: Run, engine: str, traces: list[Trace], prompts: list[list[int]
 
 
 def progress(run: Run) -> tqdm:
-    return tqdm(total=run.prompts, unit="req", leave=False,
+    return tqdm(total=run.prompts, unit="req", leave=False, mininterval=1.0,
                 desc=f"{run.config} {run.kind} {run.shape.label} W={run.width}")
 
 

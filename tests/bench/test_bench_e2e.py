@@ -1,0 +1,41 @@
+"""END-TO-END: `liteinfer bench latency|throughput --quick` through the real engine on CPU with a
+tiny dummy-weight model, then `liteinfer report` over what it wrote."""
+from __future__ import annotations
+
+import pytest
+
+from liteinfer.bench.store import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+# The quick runs shrunk to CPU size; splitk names the Triton backend, which needs a GPU.
+CPU_QUICK = ("--quick", "--isl", "16", "--osl", "8", "--prompts", "4",
+             "--set", "attention_backend=torch", "--set", "enforce_eager=true")
+
+
+def test_quick_bench_end_to_end_on_cpu(cli, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "results" / "cpu.jsonl"
+    cli("bench", "latency", *CPU_QUICK, "--model", tiny_model_dir, "--out", out)
+    cli("bench", "throughput", *CPU_QUICK, "--width", "3", "--model", tiny_model_dir, "--out", out)
+    latency, throughput = read_jsonl(out)
+    for row in (latency, throughput):
+        assert row["config"] == "splitk" and row["engine"] == "liteinfer"
+        assert row["model"] == "tiny-llama" and (row["isl"], row["osl"]) == (16, 8)
+        assert row["prompts"] == row["requests"] == 4 and row["out_tokens"] == 32
+        assert row["all_forced"] and row["vocab_fold"] == 512
+        assert row["engine_args"]["attention_backend"] == "torch"
+        assert row["engine_args"]["decode_split_k"] is True
+        assert row["ttft_p50"] > 0 and row["itl_p50"] > 0 and row["tok_s"] > 0
+    assert (latency["kind"], latency["width"]) == ("latency", 1)
+    assert (throughput["kind"], throughput["width"]) == ("throughput", 3)
+    assert latency["fingerprint"] == throughput["fingerprint"]
+    assert "row(s) appended" in capsys.readouterr().out
+
+    md, html = tmp_path / "BENCHMARKS.md", tmp_path / "report.html"
+    cli("report", "--results", out.parent, "--reference", tmp_path / "none", "--md", md,
+        "--html", html)
+    text = md.read_text()
+    assert "## latency · tiny-llama · ISL=16 OSL=8" in text
+    assert "## throughput · tiny-llama · ISL=16 OSL=8" in text
+    assert "liteinfer-splitk · W=3" in text
+    assert html.read_text().count('class="chart"') == 3

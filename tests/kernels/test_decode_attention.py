@@ -29,6 +29,8 @@ def _check(PagedKV, attention_ref, assert_close, contexts, num_q_heads, num_kv_h
     paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, scale,
                            out, num_splits, max_splits, ws)
     rows = [b for b, c in enumerate(contexts) if c > 0]
+    padding = [b for b, c in enumerate(contexts) if c == 0]
+    assert (out[padding] == 0).all(), "padding rows must be zeros"
     ref = torch.stack([attention_ref(q[b:b + 1], *kv.kv64(b, num_q_heads), contexts[b] - 1,
                                      scale)[0] for b in rows])
     assert_close(out[rows], ref)

@@ -42,8 +42,9 @@ def test_prefill_matches_reference(PagedKV, attention_ref, assert_close, needs_d
 
 
 @pytest.mark.parametrize("seqs", [
-    [(1, 40), (3, 3), (16, 97), (2, 33)],          # short chunks over long prefixes
-    [(37, 37)] * 3 + [(5, 200)],                   # several equal prompts
+    # Short chunks over long prefixes; prefixes of 62/63 put the diagonal at a KV tile edge.
+    [(1, 40), (3, 3), (16, 97), (2, 33), (4, 66), (2, 65)],
+    [(37, 37)] * 3 + [(5, 200)],
 ], ids=["short-chunks", "many-prompts"])
 def test_prefill_ragged_batches(PagedKV, attention_ref, assert_close, device, full, seqs):
     dtype = torch.bfloat16 if full else torch.float16

@@ -13,7 +13,7 @@ from typing import Any
 from liteinfer.bench import registry
 from liteinfer.bench.registry import TRANSFORMERS, Run
 from liteinfer.bench.report import fmt
-from liteinfer.bench.store import (REFERENCE_DIR, RESULTS_DIR, Row, append_row, default_results_file,
+from liteinfer.bench.store import (REFERENCE_DIR, RESULTS_DIR, Row, append_row, results_file,
                                    environment, latest, load_rows, now_iso, row_key)
 from liteinfer.bench.tables import mismatches, ratio
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
@@ -48,7 +48,9 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="override an engine argument of every liteinfer config, recorded in the "
                         "rows (e.g. --set gpu_memory_utilization=0.9)")
     p.add_argument("--out", type=Path,
-                   help="results file to append to (default benchmarks/results/<date>-<gpu>.jsonl)")
+                   help="results file to append to, or a directory to hold <date>-<gpu>.jsonl "
+                        "(default: benchmarks/results/). Rows record the engine's git commit; "
+                        "set LITEINFER_COMMIT where the tree has no .git")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs, run nothing")
     p.set_defaults(func=cmd_bench)
 
@@ -153,7 +155,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             print(f"{r.config:14} {r.kind:10} {r.shape.label:14} W={r.width:<4} prompts={r.prompts}")
         return
     overrides = parse_overrides(args.overrides)
-    out = args.out or default_results_file(environment()["gpu"], now_iso())
+    out = results_file(args.out, environment()["gpu"], now_iso())
     rows: list[Row] = []
     failed: list[str] = []
     for name, group in itertools.groupby(runs, key=lambda r: r.config):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import subprocess
 from datetime import datetime, timezone
@@ -29,7 +30,10 @@ def _git(*args: str) -> str:
 
 @functools.cache
 def engine_commit() -> str:
-    """HEAD of the engine's checkout, '-dirty' when tracked code (results aside) has changed."""
+    """HEAD of the engine's checkout, '-dirty' when tracked code (results aside) has changed.
+    LITEINFER_COMMIT overrides it, for copies of the tree that travel without their .git."""
+    if os.environ.get("LITEINFER_COMMIT"):
+        return os.environ["LITEINFER_COMMIT"]
     try:
         head = _git("rev-parse", "HEAD")
         dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
@@ -59,9 +63,12 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def default_results_file(gpu: str, when: str) -> Path:
+def results_file(out: Path | None, gpu: str, when: str) -> Path:
+    """`out` when it names a file; else <date>-<gpu>.jsonl in `out` (default RESULTS_DIR)."""
+    if out is not None and not out.is_dir():
+        return out
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    return RESULTS_DIR / f"{when[:10]}-{slug}.jsonl"
+    return (out or RESULTS_DIR) / f"{when[:10]}-{slug}.jsonl"
 
 
 def append_row(row: Row, path: Path) -> None:

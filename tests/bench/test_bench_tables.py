@@ -1,12 +1,13 @@
 """Ratios, `~` marks, lineage resolution and the loading of result and reference rows."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from liteinfer.bench import registry
-from liteinfer.bench.store import append_row, latest, load_rows
+from liteinfer.bench.store import append_row, engine_commit, latest, load_rows, results_file
 from liteinfer.bench.tables import SPANS_ENGINES, build_page, ratio
 from liteinfer.bench.workloads import fingerprint, make_prompts
 
@@ -157,3 +158,16 @@ def test_default_config_covers_every_vllm_shape():
     for r in refs:
         if r["engine"] == "vllm":
             assert (r["kind"], r["isl"], r["osl"], r["width"]) in planned
+
+
+def test_results_file_and_commit(tmp_path, monkeypatch):
+    when = "2026-11-30T06:00:00+00:00"
+    assert results_file(tmp_path / "x.jsonl", "NVIDIA H200", when) == tmp_path / "x.jsonl"
+    assert results_file(tmp_path, "NVIDIA H200", when) == tmp_path / "2026-11-30-nvidia-h200.jsonl"
+    assert results_file(None, "cpu", when) == Path("benchmarks/results/2026-11-30-cpu.jsonl")
+    engine_commit.cache_clear()
+    assert re.fullmatch(r"([0-9a-f]{40}(-dirty)?|unknown)", engine_commit())
+    monkeypatch.setenv("LITEINFER_COMMIT", "0123abc-dirty")
+    engine_commit.cache_clear()
+    assert engine_commit() == "0123abc-dirty"
+    engine_commit.cache_clear()

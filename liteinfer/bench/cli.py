@@ -10,13 +10,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from liteinfer.bench import registry
+from liteinfer.bench import registry, runner
 from liteinfer.bench.registry import TRANSFORMERS, Run
-from liteinfer.bench.report import fmt
+from liteinfer.bench.report import fmt, render_markdown
+from liteinfer.bench.report_html import render_html
 from liteinfer.bench.store import (REFERENCE_DIR, RESULTS_DIR, Row, append_row, results_file,
                                    environment, latest, load_rows, now_iso, row_key)
-from liteinfer.bench.tables import mismatches, ratio
+from liteinfer.bench.tables import build_page, mismatches, ratio
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
+from liteinfer.config import EngineConfig
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -70,8 +72,6 @@ def add_report_parser(subparsers: Any) -> None:
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """KEY=VALUE pairs; values are JSON where they parse (true, 4096, null), else strings."""
-    from liteinfer.config import EngineConfig
-
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     out: dict[str, Any] = {}
     for item in items:
@@ -109,17 +109,15 @@ def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
     """Loads the model once for all runs of one config; each row is saved as soon as it exists."""
     rows = []
     if config.engine == TRANSFORMERS:
-        from liteinfer.bench.hf_baseline import HFBaseline, measure_hf
+        from liteinfer.bench.hf_baseline import HFBaseline, measure_hf  # imports transformers
 
-        handle, measure, args = HFBaseline(model), measure_hf, config.engine_args
+        handle, measure_one, args = HFBaseline(model), measure_hf, config.engine_args
     else:
-        from liteinfer.bench.runner import engine_args_for, make_llm, measure
-
-        args = engine_args_for(config.name, overrides)
-        handle = make_llm(model, args)
+        args = runner.engine_args_for(config.name, overrides)
+        handle, measure_one = runner.make_llm(model, args), runner.measure
     try:
         for run in runs:
-            row = measure(handle, run, model, args)
+            row = measure_one(handle, run, model, args)
             append_row(row, out)
             rows.append(row)
             print(f"{run.config} {run.kind} {run.shape.label} W={run.width}: "
@@ -171,10 +169,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from liteinfer.bench.report import render_markdown
-    from liteinfer.bench.report_html import render_html
-    from liteinfer.bench.tables import build_page
-
     page = build_page(load_rows(args.results, args.reference), args.model)
     for path, text in ((args.md, render_markdown(page)), (args.html, render_html(page))):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,15 @@ import time
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+from transformers.generation.streamers import BaseStreamer
 
 from liteinfer.bench.metrics import Trace
 from liteinfer.bench.registry import TRANSFORMERS, Run
 from liteinfer.bench.runner import make_row, progress, workload
 from liteinfer.bench.store import Row
 from liteinfer.bench.workloads import MIXED, SEED, WARMUP_SEED
+from liteinfer.loader import load_model_source
 
 _WARMUP_TOKENS = 16  # eager transformers captures nothing: a short batch warms CUDA and cuBLAS
 
@@ -22,10 +25,6 @@ class HFBaseline:
     `shutdown()` frees its memory before the next config loads."""
 
     def __init__(self, model: str):
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        from liteinfer.loader import load_model_source
-
         config = LlamaConfig.from_dict(load_model_source(model, "dummy").hf_config)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         with torch.device(device):
@@ -38,38 +37,31 @@ class HFBaseline:
             torch.cuda.empty_cache()
 
 
-def _clock() -> Any:
-    from transformers.generation.streamers import BaseStreamer
+class TokenClock(BaseStreamer):
+    """Times each generated token; generate() pushes them after copying them to the host."""
 
-    class Clock(BaseStreamer):
-        """Times each generated token; generate() pushes them after copying to the host."""
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.seen_prompt = False
 
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.seen_prompt = False
+    def put(self, value: torch.Tensor) -> None:
+        if self.seen_prompt:
+            self.times.append(time.perf_counter())
+        self.seen_prompt = True  # the first push is the prompt itself
 
-        def put(self, value: torch.Tensor) -> None:
-            if self.seen_prompt:
-                self.times.append(time.perf_counter())
-            self.seen_prompt = True  # the first push is the prompt itself
-
-        def end(self) -> None:
-            pass
-
-    return Clock()
+    def end(self) -> None:
+        pass
 
 
 def _generate(hf_model: Any, prompts: list[list[int]], osl: int, use_cache: bool,
               width: int, bar: Any = None) -> list[Trace]:
-    from transformers import GenerationConfig
-
     gen = GenerationConfig(max_new_tokens=osl, min_new_tokens=osl, do_sample=False,
                            use_cache=use_cache, pad_token_id=0)
     traces: list[Trace] = []
     for start in range(0, len(prompts), width):
         batch = prompts[start:start + width]
         ids = torch.tensor(batch, device=hf_model.device)
-        clock = _clock()
+        clock = TokenClock()
         submit = time.perf_counter()
         with torch.inference_mode():
             hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen,

@@ -20,7 +20,7 @@ def percentile(samples: list[float], q: float) -> float | None:
 
 
 def summarize(traces: list[Trace], osl: int) -> dict[str, float | int | bool | None]:
-    """Latencies in ms, rates per second; all_forced says every request produced exactly osl tokens."""
+    """Latencies in ms, rates per second; all_forced: every request produced exactly osl tokens."""
     done = [t for t in traces if t.tokens]
     if not done:
         raise ValueError("no request produced a token")

@@ -149,7 +149,7 @@ def _charts(page: Page) -> str:
 def render_html(page: Page) -> str:
     header = "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>"
                      for k, v in page.header)
-    body = [f"<h1>liteinfer benchmarks</h1>", f'<p class="intro">{escape(INTRO)}</p>',
+    body = ["<h1>liteinfer benchmarks</h1>", f'<p class="intro">{escape(INTRO)}</p>',
             f'<dl class="header">{header}</dl>', _charts(page)]
     body += [_table(t) for t in page.tables] + [_pivot(p) for p in page.pivots]
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

@@ -12,7 +12,10 @@ from tqdm import tqdm
 from liteinfer.bench.metrics import Trace, summarize
 from liteinfer.bench.registry import LITEINFER, Run, get
 from liteinfer.bench.store import Row, environment, now_iso
-from liteinfer.bench.workloads import SEED, WARMUP_SEED, Shape, fingerprint, fold_into_vocab, make_prompts
+from liteinfer.bench.workloads import (SEED, WARMUP_SEED, Shape, fingerprint, fold_into_vocab,
+                                       make_prompts)
+from liteinfer.llm import LLM
+from liteinfer.sampling_params import SamplingParams
 
 _request_ids: Iterator[int] = itertools.count()
 
@@ -27,9 +30,7 @@ def engine_args_for(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
     return {"dtype": "bfloat16", **get(config).engine_args, **overrides}
 
 
-def make_llm(model: str, engine_args: dict[str, Any]) -> Any:
-    from liteinfer import LLM
-
+def make_llm(model: str, engine_args: dict[str, Any]) -> LLM:
     return LLM(model=model, load_format="dummy", disable_log_stats=True, **engine_args)
 
 
@@ -47,8 +48,6 @@ def drive(engine: Any, prompts: list[list[int]], max_tokens: list[int], width: i
           bar: tqdm | None = None) -> list[Trace]:
     """Keeps at most `width` requests in flight, admitting the next as soon as one finishes.
     A token counts as available when the step() that produced it returns."""
-    from liteinfer import SamplingParams
-
     traces: list[Trace] = []
     owner: dict[str, int] = {}
 

@@ -12,6 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from liteinfer.bench import registry
 from liteinfer.bench.workloads import MODEL, Shape, fingerprint, make_prompts
 
@@ -52,8 +54,6 @@ def _version(package: str) -> str | None:
 
 @functools.cache
 def environment() -> Row:
-    import torch
-
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {"commit": engine_commit(), "gpu": gpu, "torch": torch.__version__,
             "triton": _version("triton"), "transformers": _version("transformers")}
@@ -116,7 +116,8 @@ def reference_row(raw: Row, source: Path) -> Row | None:
             "fingerprint": _workload_fingerprint(raw["isl"], raw["prompts"], raw["seed"])}
 
 
-def load_rows(results: Path | None = RESULTS_DIR, reference: Path | None = REFERENCE_DIR) -> list[Row]:
+def load_rows(results: Path | None = RESULTS_DIR,
+              reference: Path | None = REFERENCE_DIR) -> list[Row]:
     """Measured rows of every *.jsonl under `results` plus the mapped reference rows."""
     rows: list[Row] = []
     if results is not None and results.exists():

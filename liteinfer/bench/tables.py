@@ -171,8 +171,8 @@ class _TableBuilder:
         width = row["width"]
         label = row_label(self.kind, config, width)
         base = self.counterpart(config.base, config, width) if config.base else None
-        ancestors = [self.counterpart(a, config, width) for a in reversed(registry.lineage(config.name))]
-        first = next((r for r in ancestors if r is not None), None)
+        ancestors = reversed(registry.lineage(config.name))  # earliest first
+        first = next((r for a in ancestors if (r := self.counterpart(a, config, width))), None)
         vllm_name = registry.vllm_config_for(width)
         vllm = (self.rows.get((vllm_name, width))
                 if config.engine != VLLM and vllm_name is not None else None)
@@ -222,7 +222,7 @@ def build_page(rows: list[Row], model: str | None = None) -> Page:
     """The newest row per (config, kind, shape, width) of one model, laid out as the page."""
     rows = [r for r in latest(rows) if r["config"] in registry.BY_NAME]
     if model is None:
-        own = [r for r in rows if r.get("engine") != VLLM]
+        own = [r for r in rows if r.get("engine") == LITEINFER]
         model = max(own, key=lambda r: r["timestamp"])["model"] if own else MODEL
     rows = [r for r in rows if r.get("model") == model]
     if not rows:
@@ -233,7 +233,8 @@ def build_page(rows: list[Row], model: str | None = None) -> Page:
         for shape in shapes:
             of_table = [r for r in rows if r["kind"] == kind and shape_of(r) == shape]
             tables.append(_TableBuilder(kind, shape, model, of_table).build())
-    pivots = [_pivot(k, tables) for k in ("throughput", "latency") if any(t.kind == k for t in tables)]
+    kinds = {t.kind for t in tables}
+    pivots = [_pivot(k, tables) for k in ("throughput", "latency") if k in kinds]
     shapes = [t.shape for t in tables]
     headline = HEADLINE if HEADLINE in shapes else shapes[0]
     return Page(model, headline, _header(model, rows, headline), tables, pivots)

@@ -154,7 +154,8 @@ def test_reference_rows_map_onto_configs():
 
 def test_default_config_covers_every_vllm_shape():
     refs = load_rows(None, REPO / "benchmarks" / "reference")
-    planned = {(r.kind, r.shape.isl, r.shape.osl, r.width) for r in registry.full_matrix([registry.DEFAULT])}
+    planned = {(r.kind, r.shape.isl, r.shape.osl, r.width)
+               for r in registry.full_matrix([registry.DEFAULT])}
     for r in refs:
         if r["engine"] == "vllm":
             assert (r["kind"], r["isl"], r["osl"], r["width"]) in planned

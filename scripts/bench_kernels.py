@@ -1,0 +1,222 @@
+"""GPU microbenchmark of the liteinfer Triton kernels at the 1B Llama model's shapes
+(Hq=32, Hkv=8, D=64, hidden 2048, intermediate 8192, bf16, KV block size 16).
+
+Each kernel is first checked against a torch reference at the benchmarked shape, then timed
+with triton.testing.do_bench (median; L2 flushed between runs). Decode is also timed as a
+CUDA-graph replay, which is how the engine runs it. Prints a table; with $OUT set, also writes
+$OUT/kernels.json. `--sweep` additionally times alternative tile configurations.
+
+    python scripts/bench_kernels.py [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+from liteinfer.kernels import decode_attention as dec
+from liteinfer.kernels import prefill_attention as pre
+from liteinfer.kernels.activation import silu_and_mul
+from liteinfer.kernels.kv_cache import rope_store_kv
+from liteinfer.kernels.norm import rms_norm
+
+HQ, HKV, D, BLOCK_SIZE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192
+DTYPE = torch.bfloat16
+PEAK_GBS = 4300.0  # measured H200 copy bandwidth
+SCALE = 1 / math.sqrt(D)
+DEV = "cuda"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Median milliseconds."""
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    """Max abs error relative to max|ref|; raises past tol so a wrong kernel is never timed."""
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1)).item()
+    if not math.isfinite(err) or err > tol:
+        raise AssertionError(f"kernel disagrees with the torch reference: {err:.3g} > {tol}")
+    return err
+
+
+def paged_pool(lens: list[int]):
+    """Pool holding sequences of the given lengths in shuffled blocks, plus their contiguous
+    K/V ([B, Hkv, max_len, D], zero-padded) for the torch reference."""
+    per_seq = [-(-n // BLOCK_SIZE) for n in lens]
+    num_blocks = sum(per_seq)
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, HKV, D, dtype=DTYPE, device=DEV)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device=DEV, dtype=torch.int32)
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=DEV)
+    used = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = perm[used:used + n]
+        used += n
+    return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+def contiguous_kv(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    pos = torch.arange(length, device=DEV)
+    slots = tables[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    return cache.view(-1, HKV, D)[slots].transpose(1, 2)  # [B, Hkv, length, D]
+
+
+DECODE_SHAPES = [(b, c) for b in (1, 4, 32, 128) for c in (128, 384, 3712, 15488)]
+PREFILL_SHAPES = [(1, 15360), (32, 128), (8, 2048)]
+ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
+
+
+def decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               tables: torch.Tensor, ctx: int) -> torch.Tensor:
+    """fp32 attention of q [B, Hq, D] over each row's first ctx pool tokens."""
+    k, v = (contiguous_kv(c, tables, ctx).float() for c in (k_cache, v_cache))
+    qg = q.float().view(q.shape[0], HKV, HQ // HKV, D)
+    p = torch.einsum("bhgd,bhnd->bhgn", qg, k).mul_(SCALE).softmax(-1)
+    return torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(q.shape)
+
+
+def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: str = "") -> None:
+    ws = dec.DecodeWorkspace.allocate(128, HQ, D, dec.MAX_SPLITS_CAP, DEV)
+    for batch, ctx in shapes:
+        k_cache, v_cache, tables, lens = paged_pool([ctx] * batch)
+        q = torch.randn(batch, HQ, D, dtype=DTYPE, device=DEV)
+        out = torch.empty_like(q)
+        ref = decode_ref(q, k_cache, v_cache, tables, ctx)
+        gbytes = 2 * batch * ctx * HKV * D * k_cache.element_size() / 1e9
+        for max_splits in sorted({1, dec.max_splits_for(batch, HKV, num_sms)}):
+            num_splits = dec.choose_num_splits(lens, max_splits)
+
+            def run() -> torch.Tensor:
+                return dec.paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE,
+                                                  out, num_splits, max_splits, ws)
+            err = check(run(), ref, 2e-2)
+            ms, graph_ms = timed(run), do_bench_cudagraph(run, return_mode="median")
+            rows.append(dict(kernel="decode" + label, batch=batch, ctx=ctx,
+                             max_splits=max_splits, us=ms * 1e3, graph_us=graph_ms * 1e3,
+                             err=err, gbps=gbytes / (ms / 1e3),
+                             pct_peak=100 * gbytes / (ms / 1e3) / PEAK_GBS))
+        del k_cache, v_cache, ref
+
+
+def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "") -> None:
+    for nseq, length in shapes:
+        k_cache, v_cache, tables, lens = paged_pool([length] * nseq)
+        q = torch.randn(nseq * length, HQ, D, dtype=DTYPE, device=DEV)
+        out = torch.empty_like(q)
+        cu = torch.arange(nseq + 1, device=DEV, dtype=torch.int32) * length
+
+        def run() -> torch.Tensor:
+            return pre.packed_prefill_attention(q, k_cache, v_cache, cu, lens, tables, SCALE,
+                                                out, length)
+        # KV heads repeated up front so that SDPA takes its flash-attention path.
+        q4 = q.view(nseq, length, HQ, D).transpose(1, 2)
+        k4, v4 = (contiguous_kv(c, tables, length).repeat_interleave(HQ // HKV, 1)
+                  for c in (k_cache, v_cache))
+
+        def sdpa() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=SCALE)
+        err = check(run(), sdpa().transpose(1, 2).reshape_as(q), 2e-2)
+        ms, sdpa_ms = timed(run), timed(sdpa)
+        tflop = 4 * nseq * length * (length + 1) / 2 * HQ * D / 1e12
+        rows.append(dict(kernel="prefill" + label, batch=nseq, ctx=length, us=ms * 1e3,
+                         err=err, tflops=tflop / (ms / 1e3), sdpa_tflops=tflop / (sdpa_ms / 1e3)))
+        del k_cache, v_cache, k4, v4
+
+
+def bench_elementwise(rows: list[dict]) -> None:
+    cos_sin = torch.randn(16384, D, device=DEV)
+    norm_w = torch.randn(HIDDEN, dtype=DTYPE, device=DEV)
+    for tokens in ELEMENTWISE_TOKENS:
+        x = torch.randn(tokens, HIDDEN, dtype=DTYPE, device=DEV)
+        res = torch.randn_like(x)
+        h = (x + res).float()
+        ref = norm_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DTYPE)
+        err = check(rms_norm(x, norm_w, 1e-5, res)[0], ref, 2e-2)
+        rows.append(dict(kernel="rms_norm+residual", batch=tokens, err=err,
+                         **_bandwidth(lambda: rms_norm(x, norm_w, 1e-5, res), 4 * x.nbytes)))
+
+        gu = torch.randn(tokens, 2 * INTER, dtype=DTYPE, device=DEV)
+        ref = F.silu(gu[:, :INTER]) * gu[:, INTER:]
+        err = check(silu_and_mul(gu), ref, 2e-2)
+        rows.append(dict(kernel="silu_and_mul", batch=tokens, err=err,
+                         **_bandwidth(lambda: silu_and_mul(gu), gu.nbytes * 3 // 2)))
+
+        qkv = torch.randn(tokens, (HQ + 2 * HKV) * D, dtype=DTYPE, device=DEV)
+        q, k, v = (t.view(tokens, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], -1))
+        k_cache = torch.zeros(tokens // BLOCK_SIZE + 1, BLOCK_SIZE, HKV, D, dtype=DTYPE,
+                              device=DEV)
+        v_cache = torch.zeros_like(k_cache)
+        pos = torch.randint(0, 16384, (tokens,), device=DEV)
+        slots = torch.randperm(k_cache.shape[0] * BLOCK_SIZE, device=DEV)[:tokens]
+        cos, sin = cos_sin[pos].unsqueeze(1).chunk(2, -1)
+        q1, q2 = q.float().chunk(2, -1)
+        ref = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], -1)
+        rope_store_kv(q, k, v, pos, cos_sin, k_cache, v_cache, slots)
+        err = check(q, ref, 2e-2)
+        moved = 2 * q.nbytes + 5 * k.nbytes  # q in/out; k in/out/pool; v in/pool
+        rows.append(dict(kernel="rope_store_kv", batch=tokens, err=err, **_bandwidth(
+            lambda: rope_store_kv(q, k, v, pos, cos_sin, k_cache, v_cache, slots), moved)))
+
+
+def _bandwidth(fn: Callable[[], object], nbytes: int) -> dict:
+    ms = timed(fn)
+    return dict(us=ms * 1e3, gbps=nbytes / 1e9 / (ms / 1e3))
+
+
+def sweep(rows: list[dict], num_sms: int) -> None:
+    """Alternative tile configurations (the kernels read their config functions at call time)."""
+    decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
+    try:
+        for n, w, s in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4)):
+            dec.decode_tiles = lambda *_, n=n, w=w, s=s: dec.DecodeTiles(n, w, s)
+            bench_decode(rows, num_sms, [(1, 15488), (128, 3712)], f" n{n} w{w} s{s}")
+        for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            pre.prefill_tiles = lambda *_, m=m, n=n, w=w, s=s: pre.PrefillTiles(m, n, w, s)
+            bench_prefill(rows, [(1, 15360)], f" m{m} n{n} w{w} s{s}")
+    finally:
+        dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "gbps", "pct_peak",
+            "tflops", "sdpa_tflops", "err"]
+    cols = [c for c in cols if any(c in r for r in rows)]
+    fmt = {float: "{:.3g}", int: "{}", str: "{}"}
+    cells = [[fmt[type(r[c])].format(r[c]) if c in r else "" for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    start = time.time()
+    rows: list[dict] = []
+    bench_decode(rows, props.multi_processor_count)
+    bench_prefill(rows)
+    bench_elementwise(rows)
+    if args.sweep:
+        sweep(rows, props.multi_processor_count)
+    print_table(rows)
+    print(f"# {props.name}, {props.multi_processor_count} SMs, {time.time() - start:.0f} s")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "kernels.json"), "w") as f:
+            json.dump(dict(device=props.name, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

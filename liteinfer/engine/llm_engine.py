@@ -158,10 +158,3 @@ class LLMEngine:
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=seq.finish_reason is not None, metrics=seq.metrics,
                              new_token_ids=new_tokens, new_text=new_text)
-
-    def abort_output(self, request_id: str) -> RequestOutput | None:
-        """Aborts a request and returns its final output (finish_reason 'abort')."""
-        seq = self.seqs.get(request_id)
-        if seq is None or not self.abort(request_id):
-            return None
-        return self._output(seq, [], "")

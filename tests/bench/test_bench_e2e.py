@@ -13,16 +13,16 @@ CPU_QUICK = ("--quick", "--isl", "16", "--osl", "8", "--prompts", "4",
              "--set", "attention_backend=torch", "--set", "enforce_eager=true")
 
 
-def test_quick_bench_end_to_end_on_cpu(cli, tiny_model_dir, tmp_path, capsys):
+def test_quick_bench_end_to_end_on_cpu(cli, tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "results" / "cpu.jsonl"
-    cli("bench", "latency", *CPU_QUICK, "--model", tiny_model_dir, "--out", out)
-    cli("bench", "throughput", *CPU_QUICK, "--width", "3", "--model", tiny_model_dir, "--out", out)
+    cli("bench", "latency", *CPU_QUICK, "--model", tiny_llama_dir, "--out", out)
+    cli("bench", "throughput", *CPU_QUICK, "--width", "3", "--model", tiny_llama_dir, "--out", out)
     latency, throughput = read_jsonl(out)
     for row in (latency, throughput):
         assert row["config"] == "splitk" and row["engine"] == "liteinfer"
         assert row["model"] == "tiny-llama" and (row["isl"], row["osl"]) == (16, 8)
         assert row["prompts"] == row["requests"] == 4 and row["out_tokens"] == 32
-        assert row["all_forced"] and row["vocab_fold"] == 512
+        assert row["all_forced"] and row["vocab_fold"] == 384
         assert row["engine_args"]["attention_backend"] == "torch"
         assert row["engine_args"]["decode_split_k"] is True
         assert row["ttft_p50"] > 0 and row["itl_p50"] > 0 and row["tok_s"] > 0

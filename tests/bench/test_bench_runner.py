@@ -80,10 +80,10 @@ def fake_llms(monkeypatch):
     return made
 
 
-def test_cli_bench_and_report(cli, fake_llms, tiny_model_dir, tmp_path, capsys):
+def test_cli_bench_and_report(cli, fake_llms, tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "results" / "r.jsonl"
     cli("bench", "throughput", "--config", "graphs", "--isl", "16", "--osl", "4", "--prompts", "5",
-        "--width", "2", "--model", tiny_model_dir, "--out", out, "--set", "max_num_seqs=8",
+        "--width", "2", "--model", tiny_llama_dir, "--out", out, "--set", "max_num_seqs=8",
         "--set", "attention_backend=triton")
     (row,) = read_jsonl(out)
     assert row["engine_args"] == {"dtype": "bfloat16", "attention_backend": "triton",
@@ -118,15 +118,15 @@ def test_cli_plan_errors(cli):
         cli("bench", "latency", "--set", "no_such_field=1")
 
 
-def test_transformers_baseline_on_cpu(tiny_model_dir):
-    baseline = HFBaseline(str(tiny_model_dir))
+def test_transformers_baseline_on_cpu(tiny_llama_dir):
+    baseline = HFBaseline(str(tiny_llama_dir))
     try:
         row = measure_hf(baseline, Run("eager-b4", "throughput", Shape(8, 3), 2, 4),
-                         str(tiny_model_dir), {"use_cache": True})
+                         str(tiny_llama_dir), {"use_cache": True})
         nocache = measure_hf(baseline, Run("nocache", "latency", Shape(8, 3), 1, 2),
-                             str(tiny_model_dir), {"use_cache": False})
+                             str(tiny_llama_dir), {"use_cache": False})
     finally:
         baseline.shutdown()
     assert row["engine"] == "transformers" and row["out_tokens"] == 12 and row["all_forced"]
-    assert row["width"] == 2 and row["prompts"] == 4 and row["vocab_fold"] == 512
+    assert row["width"] == 2 and row["prompts"] == 4 and row["vocab_fold"] == 384
     assert nocache["out_tokens"] == 6 and nocache["engine_args"] == {"use_cache": False}

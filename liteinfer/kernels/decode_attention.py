@@ -57,19 +57,19 @@ def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_splits_ptr,
-                   out_ptr, part_out, part_lse, qk_scale,
+                   out_ptr, part_out, part_lse, qk_scale, max_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_slot, stride_ch,
                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_K: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if MAX_SPLITS == 1:
-        n_splits = 1
+    if SPLIT_K:
+        n_splits = tl.minimum(tl.load(num_splits_ptr + b), max_splits)
     else:
-        n_splits = tl.minimum(tl.load(num_splits_ptr + b), MAX_SPLITS)
+        n_splits = 1
     if split >= n_splits:
         return
     ctx = tl.load(context_lens + b)
@@ -101,23 +101,23 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
     o = acc / l_safe[:, None]
-    if MAX_SPLITS == 1:
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
-    else:
+    if SPLIT_K:
         p_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
         tl.store(p_ptrs + d[None, :], o, mask=h_mask[:, None])
         lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+    else:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
 @triton.jit
-def _merge_kernel(part_out, part_lse, num_splits_ptr, out_ptr,
+def _merge_kernel(part_out, part_lse, num_splits_ptr, out_ptr, max_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n_splits = tl.minimum(tl.load(num_splits_ptr + b), MAX_SPLITS)
+    n_splits = tl.minimum(tl.load(num_splits_ptr + b), max_splits)
     s = tl.arange(0, BLOCK_S)
     s_mask = s < n_splits
     d = tl.arange(0, HEAD_DIM)
@@ -193,19 +193,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits, part_out, part_lse = context_lens, out, out  # unread placeholders
     _decode_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_splits, out, part_out, part_lse,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, max_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         G=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, MAX_SPLITS=max_splits,
+        BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     if max_splits > 1:
         _merge_kernel[(batch, num_q_heads)](
-            part_out, part_lse, num_splits, out,
+            part_out, part_lse, num_splits, out, max_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, MAX_SPLITS=max_splits,
-            BLOCK_S=triton.next_power_of_2(max_splits), num_warps=4)
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(max_splits), num_warps=4)
     return out

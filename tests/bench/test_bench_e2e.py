@@ -3,6 +3,7 @@ tiny dummy-weight model, then `liteinfer report` over what it wrote."""
 from __future__ import annotations
 
 import pytest
+from bench_support import cli
 
 from liteinfer.bench.store import read_jsonl
 
@@ -13,7 +14,7 @@ CPU_QUICK = ("--quick", "--isl", "16", "--osl", "8", "--prompts", "4",
              "--set", "attention_backend=torch", "--set", "enforce_eager=true")
 
 
-def test_quick_bench_end_to_end_on_cpu(cli, tiny_llama_dir, tmp_path, capsys):
+def test_quick_bench_end_to_end_on_cpu(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "results" / "cpu.jsonl"
     cli("bench", "latency", *CPU_QUICK, "--model", tiny_llama_dir, "--out", out)
     cli("bench", "throughput", *CPU_QUICK, "--width", "3", "--model", tiny_llama_dir, "--out", out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bench_fakes import FakeEngine, FakeLLM
+from bench_support import FakeEngine, FakeLLM, cli
 
 from liteinfer.bench import runner
 from liteinfer.bench.hf_baseline import HFBaseline, measure_hf
@@ -80,7 +80,7 @@ def fake_llms(monkeypatch):
     return made
 
 
-def test_cli_bench_and_report(cli, fake_llms, tiny_llama_dir, tmp_path, capsys):
+def test_cli_bench_and_report(fake_llms, tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "results" / "r.jsonl"
     cli("bench", "throughput", "--config", "graphs", "--isl", "16", "--osl", "4", "--prompts", "5",
         "--width", "2", "--model", tiny_llama_dir, "--out", out, "--set", "max_num_seqs=8",
@@ -100,7 +100,7 @@ def test_cli_bench_and_report(cli, fake_llms, tiny_llama_dir, tmp_path, capsys):
     assert "<svg" in html.read_text()
 
 
-def test_cli_keeps_going_past_a_broken_config(cli, fake_llms, tmp_path):
+def test_cli_keeps_going_past_a_broken_config(fake_llms, tmp_path):
     out = tmp_path / "r.jsonl"
     with pytest.raises(SystemExit, match="failed: sdpa"):
         cli("bench", "--quick", "--config", "sdpa", "graphs", "--isl", "8", "--osl", "2",
@@ -109,7 +109,7 @@ def test_cli_keeps_going_past_a_broken_config(cli, fake_llms, tmp_path):
                                                                    ("graphs", "throughput")]
 
 
-def test_cli_plan_errors(cli):
+def test_cli_plan_errors():
     with pytest.raises(ValueError, match="name a kind"):
         cli("bench", "--dry-run")
     with pytest.raises(ValueError, match="not runnable"):

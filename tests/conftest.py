@@ -4,8 +4,14 @@ Every engine a test touches must have all of its KV blocks back in the pool when
 """
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 from fixtures import make_tiny_llama_dir, smollm2_gguf_path
 from liteinfer import LLM

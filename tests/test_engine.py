@@ -53,6 +53,8 @@ def test_greedy_batch_matches_transformers(tiny_llm, prompts, reference):
     {"max_num_batched_tokens": 16},          # prompts prefilled in chunks
     {"block_size": 32},
     {"max_num_seqs": 3},
+    {"attention_backend": "triton", "num_kv_blocks": 40},   # Triton kernels, interpreted on CPU
+    {"attention_backend": "triton", "packed_prefill": False, "max_num_batched_tokens": 40},
 ], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()))
 def test_engine_variants_match_transformers(tiny_llama_dir, prompts, reference, engine_args):
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,

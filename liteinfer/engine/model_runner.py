@@ -27,6 +27,15 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend)
         self.model = self._load_model(source, load_format)
         self.kv_cache = self._allocate_kv_cache()
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 8)
+        self.decode_workspace = None
+        if self.use_triton and config.decode_split_k:
+            from liteinfer.kernels.decode_attention import DecodeWorkspace, max_splits_for
+            cfg = model_config
+            self.decode_workspace = DecodeWorkspace.allocate(
+                config.max_num_seqs, cfg.num_attention_heads, cfg.head_dim,
+                max_splits_for(1, cfg.num_key_value_heads, self.num_sms), self.device)
         self.graphs = None
         if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             from liteinfer.engine.cuda_graph import CUDAGraphRunner
@@ -131,7 +140,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Runs one step; returns fp32 logits [rows that sample, vocab], or None if none do."""
+        """Runs one step; returns logits [rows that sample, vocab], or None if none do."""
         if not batch.is_prefill and self.graphs is not None and self.graphs.fits(len(batch.seqs)):
             return self.graphs.run(batch)
         input_ids, positions, meta, rows = self.prepare(batch)
@@ -140,20 +149,16 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         if not rows:
             return None
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model.compute_logits(hidden[rows])
 
     def set_split_k(self, meta: AttentionMetadata, batch_size: int) -> None:
         """Decode split-K: the grid width is fixed per batch size, the split count per sequence
         is chosen on the device from its context length."""
         from liteinfer.kernels.decode_attention import choose_num_splits, max_splits_for
-        if not self.config.decode_split_k:
+        if self.decode_workspace is None:
             return
         meta.max_splits = max_splits_for(batch_size, self.model_config.num_key_value_heads,
                                          self.num_sms)
         if meta.max_splits > 1:
             meta.num_splits = choose_num_splits(meta.context_lens, meta.max_splits)
             meta.workspace = self.decode_workspace
-
-    @property
-    def num_sms(self) -> int:
-        return torch.cuda.get_device_properties(self.device).multi_processor_count

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device session: GPU tests, kernel microbenchmarks and benchmarks, logs under $OUT.
+# Usage: scripts/gpu_session.sh [tests] [kernels] [bench ARGS...]
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} | tee "$OUT/env.txt"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    tests) timeout 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests 2>&1 | tail -40 | tee "$OUT/pytest-gpu.txt"; shift ;;
+    kernels) timeout 240 python3 scripts/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt"; shift ;;
+    bench) shift; timeout 540 python3 -m liteinfer.cli bench "$@" --out "$OUT/results.jsonl" 2>&1 | grep -v "it/s]" | tail -60; break ;;
+    *) echo "unknown step $1"; exit 2 ;;
+  esac
+done

@@ -50,7 +50,7 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="override an engine argument of every liteinfer config, recorded in the "
                         "rows (e.g. --set gpu_memory_utilization=0.9)")
     p.add_argument("--out", type=Path,
-                   help="results file to append to, or a directory to hold <date>-<gpu>.jsonl "
+                   help="results .jsonl file to append to, or a directory for <date>-<gpu>.jsonl "
                         "(default: benchmarks/results/). Rows record the engine's git commit; "
                         "set LITEINFER_COMMIT where the tree has no .git")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs, run nothing")

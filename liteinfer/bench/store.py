@@ -64,8 +64,9 @@ def now_iso() -> str:
 
 
 def results_file(out: Path | None, gpu: str, when: str) -> Path:
-    """`out` when it names a file; else <date>-<gpu>.jsonl in `out` (default RESULTS_DIR)."""
-    if out is not None and not out.is_dir():
+    """`out` when it names a .jsonl file; else <date>-<gpu>.jsonl in the directory `out`
+    (default RESULTS_DIR)."""
+    if out is not None and out.suffix == ".jsonl":
         return out
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     return (out or RESULTS_DIR) / f"{when[:10]}-{slug}.jsonl"

@@ -164,7 +164,8 @@ def test_default_config_covers_every_vllm_shape():
 def test_results_file_and_commit(tmp_path, monkeypatch):
     when = "2026-11-30T06:00:00+00:00"
     assert results_file(tmp_path / "x.jsonl", "NVIDIA H200", when) == tmp_path / "x.jsonl"
-    assert results_file(tmp_path, "NVIDIA H200", when) == tmp_path / "2026-11-30-nvidia-h200.jsonl"
+    assert results_file(tmp_path / "new", "NVIDIA H200", when) == (
+        tmp_path / "new" / "2026-11-30-nvidia-h200.jsonl")
     assert results_file(None, "cpu", when) == Path("benchmarks/results/2026-11-30-cpu.jsonl")
     engine_commit.cache_clear()
     assert re.fullmatch(r"([0-9a-f]{40}(-dirty)?|unknown)", engine_commit())

@@ -176,7 +176,7 @@ def sweep(rows: list[dict], num_sms: int) -> None:
     """Alternative tile configurations (the kernels read their config functions at call time)."""
     decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
     try:
-        for n, w, s in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4)):
+        for n, w, s in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4, 5)):
             dec.decode_tiles = lambda *_, n=n, w=w, s=s: dec.DecodeTiles(n, w, s)
             bench_decode(rows, num_sms, [(1, 15488), (128, 3712)], f" n{n} w{w} s{s}")
         for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):

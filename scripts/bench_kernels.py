@@ -104,7 +104,6 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
                              max_splits=max_splits, us=ms * 1e3, graph_us=graph_ms * 1e3,
                              err=err, gbps=gbytes / (ms / 1e3),
                              pct_peak=100 * gbytes / (ms / 1e3) / PEAK_GBS))
-        del k_cache, v_cache, ref
 
 
 def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "") -> None:
@@ -129,7 +128,6 @@ def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "") -> N
         tflop = 4 * nseq * length * (length + 1) / 2 * HQ * D / 1e12
         rows.append(dict(kernel="prefill" + label, batch=nseq, ctx=length, us=ms * 1e3,
                          err=err, tflops=tflop / (ms / 1e3), sdpa_tflops=tflop / (sdpa_ms / 1e3)))
-        del k_cache, v_cache, k4, v4
 
 
 def bench_elementwise(rows: list[dict]) -> None:

@@ -13,22 +13,13 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CP
 
 import pytest
 
-from fixtures import make_tiny_llama_dir, smollm2_gguf_path
-from liteinfer import LLM
-
-_engines: list[LLM] = []
-
-
-def build_llm(model: str, **kwargs) -> LLM:
-    llm = LLM(model, **kwargs)
-    _engines.append(llm)
-    return llm
+from fixtures import ENGINES, build_llm, make_tiny_llama_dir, smollm2_gguf_path
 
 
 @pytest.fixture(autouse=True)
 def all_blocks_returned():
     yield
-    for llm in _engines:
+    for llm in ENGINES:
         engine = getattr(llm, "engine", None)
         if engine is None:
             continue
@@ -41,7 +32,7 @@ def all_blocks_returned():
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
-    """GQA (4 query heads per 2 KV heads... see fixtures) with Llama-3 RoPE scaling."""
+    """The tiny random Llama of fixtures.py (GQA) with Llama-3 RoPE scaling."""
     torch.manual_seed(0)
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"), rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

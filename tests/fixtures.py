@@ -151,3 +151,15 @@ def make_tiny_gguf(path: Path, state_dict: dict[str, torch.Tensor], arch: str = 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Every engine the tests build, so that each test can check all KV blocks came back.
+ENGINES: list[Any] = []
+
+
+def build_llm(model: str, **kwargs: Any) -> Any:
+    from liteinfer import LLM
+
+    llm = LLM(model, **kwargs)
+    ENGINES.append(llm)
+    return llm

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import build_llm
+from fixtures import build_llm
 from liteinfer import SamplingParams
 from reference import hf_greedy, random_prompts
 

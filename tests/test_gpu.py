@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import build_llm
+from fixtures import build_llm
 from fixtures import make_tiny_llama_dir
 from liteinfer import SamplingParams
 from liteinfer.loader.source import load_model_source

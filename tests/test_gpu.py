@@ -74,8 +74,8 @@ def test_fp32_token_for_token(model_dir, prompts, fp32_reference, name):
 def test_bf16_within_tolerance(model_dir, prompts, name):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     llm = build_llm(str(model_dir), dtype="bfloat16", max_model_len=1024, **CONFIGS[name])
-    outputs = llm.generate(prompts[:16], greedy(12, logprobs=5), use_tqdm=False)
-    checked = 0
+    outputs = llm.generate(prompts[:16], greedy(24, logprobs=5), use_tqdm=False)
+    checked = steps = 0
     for prompt, out in zip(prompts[:16], outputs):
         tokens, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
         with torch.no_grad():
@@ -83,13 +83,15 @@ def test_bf16_within_tolerance(model_dir, prompts, name):
         ref = ref[len(prompt) - 1:-1].log_softmax(-1)
         for step, (tok, lps) in enumerate(zip(tokens, logprobs)):
             row = ref[step]
+            steps += 1
             for t, lp in lps.items():
-                assert abs(lp - row[t].item()) <= BF16_TOL, (name, step, t)
+                assert abs(lp - row[t].item()) <= BF16_TOL, (name, len(prompt), step, t, lp,
+                                                             row[t].item())
             top2 = row.topk(2).values
             if top2[0] - top2[1] > BF16_TOL:
                 assert tok == row.argmax().item(), (name, step)
                 checked += 1
-    assert checked > 100  # most steps are decided, so the rule compares real tokens
+    assert checked >= steps // 4  # enough steps are decided for the rule to compare tokens
 
 
 def test_llama_1b_dummy_at_32_concurrent():

@@ -1,0 +1,91 @@
+"""Where a decode step's time goes: GPU time of the captured graph, host time per engine step,
+and the per-kernel breakdown of the same step run eagerly. Llama-3.2-1B, dummy weights.
+
+    python scripts/profile_decode.py [--batch 1 32 128] [--ctx 128] [--config KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from liteinfer import LLM, SamplingParams
+from liteinfer.engine.scheduler import ScheduledBatch
+
+
+def cuda_ms(fn, iters: int = 100) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--set", nargs="*", default=[])
+    args = ap.parse_args()
+    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_num_seqs=max(args.batch),
+              max_model_len=args.ctx + 512, **overrides)
+    engine, runner = llm.engine, llm.engine.runner
+    report = {}
+    for bs in args.batch:
+        for i in range(bs):
+            engine.add_request(f"p{bs}-{i}", [(7 * i + j) % 1000 + 100 for j in range(args.ctx)],
+                               SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        steps = 50
+        for _ in range(steps):
+            engine.step()
+        step_ms = (time.perf_counter() - t0) * 1e3 / steps
+        row = {"batch": bs, "engine_step_ms": step_ms}
+        batch = ScheduledBatch(list(engine.scheduler.running), [1] * bs, is_prefill=False)
+        if runner.graphs is not None:
+            size = next(s for s in runner.graphs.sizes if s >= bs)
+            graph = runner.graphs.graphs[size][0]
+            row["graph_replay_ms"] = cuda_ms(graph.replay)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                runner.graphs.run(batch)
+            row["graph_run_host_ms"] = (time.perf_counter() - t0) * 1e3 / steps
+        ids, pos, meta, _ = runner.prepare(batch)
+        runner.set_split_k(meta, bs)
+        with torch.inference_mode():
+            forward = lambda: runner.model.compute_logits(runner.model(ids, pos, meta))
+            row["eager_forward_ms"] = cuda_ms(forward, 20)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                forward()
+                torch.cuda.synchronize()
+        kernels = {}
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA":
+                kernels[ev.key[:60]] = (round(ev.device_time_total / 1e3, 4), ev.count)
+        row["kernels_ms_count"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25])
+        report[bs] = row
+        print(json.dumps(row, indent=1))
+        for i in range(bs):
+            engine.abort(f"p{bs}-{i}")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "profile.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

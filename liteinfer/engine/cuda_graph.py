@@ -47,22 +47,20 @@ class CUDAGraphRunner:
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _forward(self, bs: int) -> torch.Tensor:
         meta = AttentionMetadata(is_prefill=False, slot_mapping=self.slots[:bs],
                                  context_lens=self.context_lens[:bs],
                                  block_tables=self.block_tables[:bs], cu_seqlens_q=None)
-        self.runner.set_split_k(meta, bs)
-        return meta
+        self.runner.set_split_k(meta, bs)  # the split counts are computed inside the graph
+        model = self.runner.model
+        return model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], meta))
 
     def _capture(self, bs: int) -> None:
-        model = self.runner.model
-        meta = self._meta(bs)
-        ids, pos = self.input_ids[:bs], self.positions[:bs]
-        model.compute_logits(model(ids, pos, meta))  # compiles the kernels outside the capture
+        self._forward(bs)  # compiles the kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = model.compute_logits(model(ids, pos, meta))
+            logits = self._forward(bs)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[bs] = (graph, logits)

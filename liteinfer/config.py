@@ -96,6 +96,7 @@ class EngineConfig:
     enforce_eager: bool = False           # True: no CUDA graphs
     decode_split_k: bool = True           # split-K decode attention for narrow batches / long context
     packed_prefill: bool = True           # False: prompts padded to the longest in the step
+    overlap_scheduling: bool = True       # schedule step N+1 while the device runs step N
     seed: int = 0
 
     @property

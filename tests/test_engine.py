@@ -179,3 +179,32 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(tiny_llm, prompts):
 def test_unknown_engine_argument(tiny_llama_dir):
     with pytest.raises(ValueError, match="unknown engine arguments"):
         build_llm(str(tiny_llama_dir), max_num_sequences=4)
+
+
+def test_repetition_penalty_matches_transformers(tiny_llm, hf_model, prompts):
+    with torch.no_grad():
+        ref = []
+        for p in prompts[:4]:
+            ids = torch.tensor([p])
+            gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                    min_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                                    pad_token_id=0)
+            ref.append(gen[0, len(p):].tolist())
+    out = tiny_llm.generate(prompts[:4], greedy(12, repetition_penalty=1.5), use_tqdm=False)
+    assert token_ids(out) == ref
+
+
+def test_overlap_scheduling_changes_no_output(tiny_llama_dir, tiny_llm, prompts):
+    """Steps launched ahead of the host reading the previous tokens give the same results."""
+    mixed = [greedy(20), SamplingParams(temperature=0.8, seed=3, max_tokens=9),
+             greedy(5, logprobs=2), SamplingParams(temperature=1.0, top_k=5, seed=4, max_tokens=30),
+             greedy(1), greedy(17, stop_token_ids=[7, 8, 9]), greedy(12, presence_penalty=1.0),
+             SamplingParams(temperature=0.5, min_p=0.2, seed=5, max_tokens=14, min_tokens=3)]
+    serial = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
+                       overlap_scheduling=False)
+    a = serial.generate(prompts[:8], mixed, use_tqdm=False)
+    b = tiny_llm.generate(prompts[:8], mixed, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+             o.outputs[0].logprobs) for o in a] == \
+           [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+             o.outputs[0].logprobs) for o in b]

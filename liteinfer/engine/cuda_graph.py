@@ -2,8 +2,10 @@
 
 All inputs of a captured step live in one flat int32 device buffer at fixed offsets; each step
 fills a pinned host mirror of it and sends the used prefix in one copy, so a step costs one
-host-to-device copy and one graph launch. Batches are padded to the next captured size; padding
-rows have context length 0 and slot -1, so they neither read nor write the KV pool.
+host-to-device copy and one graph launch. Tokens the host has not read yet (overlapped steps)
+are gathered inside the graph from the runner's sampled-token buffer. Batches are padded to the
+next captured size; padding rows have context length 0 and slot -1, so they neither read nor
+write the KV pool.
 """
 from __future__ import annotations
 
@@ -32,12 +34,17 @@ class CUDAGraphRunner:
         self.max_bs = self.sizes[-1]
         self.width = runner.max_blocks_per_seq
         n = self.max_bs
-        # Layout: ids | positions | slots | context lens | block tables [max_bs, width].
-        self.host = torch.zeros(4 * n + n * self.width, dtype=torch.int32, pin_memory=True)
-        self.host_np = self.host.numpy()
-        self.dev = torch.zeros_like(self.host, device=runner.device)
-        self.input_ids, self.positions, self.slots, self.context_lens = self.dev[:4 * n].view(4, n)
-        self.block_tables = self.dev[4 * n:].view(n, self.width)
+        # Layout: ids | pending rows | positions | slots | context lens | block tables.
+        size = 5 * n + n * self.width
+        # Two host mirrors, so one is filled while the copy from the other may be in flight.
+        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.copied = [torch.cuda.Event() for _ in range(2)]
+        self.step_index = 0
+        self.dev = torch.zeros(size, dtype=torch.int32, device=runner.device)
+        (self.input_ids, self.pending_rows, self.positions, self.slots,
+         self.context_lens) = self.dev[:5 * n].view(5, n)
+        self.block_tables = self.dev[5 * n:].view(n, self.width)
+        self.pending_rows.fill_(-1)
         self.slots.fill_(-1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -52,8 +59,9 @@ class CUDAGraphRunner:
                                  context_lens=self.context_lens[:bs],
                                  block_tables=self.block_tables[:bs], cu_seqlens_q=None)
         self.runner.set_split_k(meta, bs)  # the split counts are computed inside the graph
-        model = self.runner.model
-        return model.compute_logits(model(self.input_ids[:bs], self.positions[:bs], meta))
+        runner = self.runner
+        ids = runner.with_pending(self.input_ids[:bs], self.pending_rows[:bs])
+        return runner.model.compute_logits(runner.model(ids, self.positions[:bs], meta))
 
     def _capture(self, bs: int) -> None:
         self._forward(bs)  # compiles the kernels outside the capture
@@ -74,19 +82,26 @@ class CUDAGraphRunner:
         pos = lens - 1
         last_blocks = np.fromiter((s.block_table[p // block_size] for s, p in zip(seqs, pos)),
                                   dtype=np.int64, count=n)
+        which = self.step_index % 2
+        self.step_index += 1
+        self.copied[which].synchronize()
+        host = self.hosts[which]
         m = self.max_bs
-        h = self.host_np
-        h[:n] = [s.token_ids[-1] for s in seqs]
-        h[m:m + n] = pos
-        h[2 * m:2 * m + n] = last_blocks * block_size + pos % block_size
-        h[2 * m + n:2 * m + bs] = -1
-        h[3 * m:3 * m + n] = lens
-        h[3 * m + n:3 * m + bs] = 0
-        tables = h[4 * m:].reshape(m, self.width)
+        h = host.numpy()
+        h[:n] = [0 if s.num_pending else s.token_ids[-1] for s in seqs]
+        h[m:m + n] = [s.pending_row if s.num_pending else -1 for s in seqs]
+        h[m + n:m + bs] = -1
+        h[2 * m:2 * m + n] = pos
+        h[3 * m:3 * m + n] = last_blocks * block_size + pos % block_size
+        h[3 * m + n:3 * m + bs] = -1
+        h[4 * m:4 * m + n] = lens
+        h[4 * m + n:4 * m + bs] = 0
+        tables = h[5 * m:].reshape(m, self.width)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
-        used = 4 * m + n * self.width
-        self.dev[:used].copy_(self.host[:used], non_blocking=True)
+        used = 5 * m + n * self.width
+        self.dev[:used].copy_(host[:used], non_blocking=True)
+        self.copied[which].record()
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits[:n]

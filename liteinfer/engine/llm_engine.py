@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -9,12 +10,20 @@ from liteinfer.config import EngineConfig, ModelConfig, parse_dtype
 from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.detokenizer import Detokenizer
 from liteinfer.engine.model_runner import ModelRunner
-from liteinfer.engine.sampler import Sampler
+from liteinfer.engine.sampler import SampledTokens, Sampler
 from liteinfer.engine.scheduler import ScheduledBatch, Scheduler
 from liteinfer.engine.sequence import Sequence
 from liteinfer.loader import load_model_source
 from liteinfer.outputs import CompletionOutput, RequestOutput
 from liteinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    sampled: SampledTokens
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -47,13 +56,14 @@ class LLMEngine:
                                   self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, self.max_model_len)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.seqs: dict[str, Sequence] = {}
+        self.inflight: InFlight | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -95,13 +105,32 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.inflight is not None
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launches the next step, then returns the outputs of the previous one.
+
+        With overlap scheduling the host schedules and launches step N+1 while the device still
+        runs step N: step N's sampled tokens feed step N+1 on the device and reach the host
+        afterwards. Without it (or when penalties need every token on the host) each step is
+        launched and read back in turn.
+        """
+        inflight, self.inflight = self.inflight, None
+        if inflight is not None and not self._can_overlap(inflight):
+            return self._resolve(inflight)
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        if batch is not None:
+            self.inflight = self._launch(batch)
+        if not self.config.overlap_scheduling and self.inflight is not None:
+            inflight, self.inflight = self.inflight, None
+        return self._resolve(inflight) if inflight is not None else []
+
+    def _can_overlap(self, inflight: InFlight) -> bool:
+        return self.config.overlap_scheduling and not any(
+            s.sampling_params.needs_penalties for s in inflight.seqs)
+
+    def _launch(self, batch: ScheduledBatch) -> InFlight | None:
         now = time.perf_counter()
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
@@ -111,11 +140,23 @@ class LLMEngine:
             seq.num_computed_tokens += n
         sampling = [s for s in batch.seqs if s.num_uncomputed_tokens == 0]
         if not sampling:
-            return []
-        out = self.sampler(logits, sampling)
+            return None
+        sampled = self.sampler.sample(logits, sampling)
+        self.runner.keep_sampled(sampled.token_ids)
+        for row, seq in enumerate(sampling):
+            seq.num_pending += 1
+            seq.pending_row = row
+        return InFlight(sampling, sampled)
+
+    def _resolve(self, inflight: InFlight) -> list[RequestOutput]:
+        out = inflight.sampled.result()
         now = time.perf_counter()
-        return [self._append(seq, tok, lp, now)
-                for seq, tok, lp in zip(sampling, out.token_ids, out.logprobs)]
+        outputs = []
+        for seq, token, logprobs in zip(inflight.seqs, out.token_ids, out.logprobs):
+            seq.num_pending -= 1
+            if not seq.is_finished:  # else finished or aborted while this step ran
+                outputs.append(self._append(seq, token, logprobs, now))
+        return outputs
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
                 now: float) -> RequestOutput:
@@ -147,7 +188,7 @@ class LLMEngine:
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 return
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
 
     def _output(self, seq: Sequence, new_tokens: list[int], new_text: str) -> RequestOutput:

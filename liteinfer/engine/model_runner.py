@@ -36,6 +36,9 @@ class ModelRunner:
             self.decode_workspace = DecodeWorkspace.allocate(
                 config.max_num_seqs, cfg.num_attention_heads, cfg.head_dim,
                 max_splits_for(1, cfg.num_key_value_heads, self.num_sms), self.device)
+        # The newest step's sampled tokens, which feed the next step on the device.
+        self.sampled_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32,
+                                          device=self.device)
         self.graphs = None
         if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             from liteinfer.engine.cuda_graph import CUDAGraphRunner
@@ -100,6 +103,7 @@ class ModelRunner:
         bs = self.block_size
         pad_to = max(batch.num_tokens) if batch.is_prefill and not self.config.packed_prefill else 0
         input_ids: list[int] = []
+        pending_rows: list[int] = []  # per token: row in sampled_tokens, or -1
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
@@ -108,7 +112,15 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed_tokens
             q_len = max(n, pad_to)  # padded prefill: right-pad each chunk to the longest
-            input_ids += seq.token_ids[start:start + n] + [0] * (q_len - n)
+            if seq.num_pending:  # decoding a token the host has not seen yet
+                assert n == 1 and start == len(seq.token_ids), "pending tokens are decoded alone"
+                input_ids.append(0)
+                pending_rows.append(seq.pending_row)
+            else:
+                input_ids += seq.token_ids[start:start + n]
+                pending_rows += [-1] * n
+            input_ids += [0] * (q_len - n)
+            pending_rows += [-1] * (q_len - n)
             positions += range(start, start + q_len)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
@@ -136,7 +148,17 @@ class ModelRunner:
             query_lens_host=query_lens,
             context_lens_host=context_lens,
         )
-        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64), meta, sample_rows
+        ids = as_tensor(input_ids, torch.int32)
+        if any(r >= 0 for r in pending_rows):
+            ids = self.with_pending(ids, as_tensor(pending_rows, torch.int32))
+        return ids, as_tensor(positions, torch.int64), meta, sample_rows
+
+    def with_pending(self, ids: torch.Tensor, pending_rows: torch.Tensor) -> torch.Tensor:
+        """Token ids with pending ones (row >= 0) read from the last sampled tokens."""
+        return torch.where(pending_rows >= 0, self.sampled_tokens[pending_rows.clamp(min=0)], ids)
+
+    def keep_sampled(self, token_ids: torch.Tensor) -> None:
+        self.sampled_tokens[:token_ids.shape[0]].copy_(token_ids)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:

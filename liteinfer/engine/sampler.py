@@ -26,6 +26,30 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
+class SampledTokens:
+    """One step's samples: on the device at once (they feed the next step), on the host when
+    `result()` is called. The device-to-host copy starts right away and overlaps what follows."""
+
+    def __init__(self, token_ids: torch.Tensor, rows: torch.Tensor, params: list[SamplingParams],
+                 num_top: int | None):
+        self.token_ids = token_ids  # [B] int64 on the device
+        self._params, self._num_top = params, num_top
+        if rows.device.type == "cpu":
+            self._host, self._event = rows, None
+        else:
+            self._host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            self._host.copy_(rows, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        if self._num_top is None:
+            return SamplerOutput(self._host.tolist(), [None] * len(self._params))
+        return _format_logprobs(self._host.tolist(), self._params, self._num_top)
+
+
 def _to_device(data: Seq, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host list → device tensor; a pinned source lets the copy run without a stream sync."""
     if device.type == "cpu":
@@ -42,14 +66,21 @@ class Sampler:
         self.eos_token_ids = sorted(set(eos_token_ids))
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        return self.sample(logits, seqs).result()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+        """Samples without waiting for the device. Penalties read the sequences' token ids, so
+        those must hold every earlier token (no pending ones)."""
         params = [s.sampling_params for s in seqs]
         greedy = [_is_greedy(p) for p in params]
+        # len(s) counts tokens still pending on the device: they are outputs too.
         min_tok_rows = [i for i, s in enumerate(seqs)
-                        if s.num_output_tokens < s.sampling_params.min_tokens]
+                        if len(s) - s.num_prompt_tokens < s.sampling_params.min_tokens]
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         want_logprobs = any(p.logprobs is not None for p in params)
         if all(greedy) and not min_tok_rows and not pen_rows and not want_logprobs:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+            token_ids = logits.argmax(dim=-1)
+            return SampledTokens(token_ids, token_ids, params, None)
 
         # A copy: the caller's logits buffer may be reused (CUDA graphs) and feeds the logprobs.
         x = logits.to(torch.float32, copy=True)
@@ -63,7 +94,7 @@ class Sampler:
             token_ids = torch.where(_to_device(greedy, torch.bool, x.device), token_ids, sampled)
 
         if not want_logprobs:
-            return SamplerOutput(token_ids.tolist(), [None] * len(seqs))
+            return SampledTokens(token_ids, token_ids, params, None)
         return _with_logprobs(logits, token_ids, params)
 
     def _mask_stop_tokens(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
@@ -155,15 +186,19 @@ def _sample(x: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.
 
 
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
-                   params: list[SamplingParams]) -> SamplerOutput:
-    """Sampled-token and top-N logprobs of the raw logits, fetched in one device→host copy."""
+                   params: list[SamplingParams]) -> SampledTokens:
+    """Sampled-token and top-N logprobs of the raw logits, packed for one device→host copy."""
     n = max(p.logprobs or 0 for p in params)
     lp = raw.float().log_softmax(dim=-1)
     cols = [token_ids.unsqueeze(-1).double(), lp.gather(-1, token_ids.unsqueeze(-1)).double()]
     if n:
         top = lp.topk(n, dim=-1)
         cols += [top.indices.double(), top.values.double()]
-    rows = torch.cat(cols, dim=-1).tolist()
+    return SampledTokens(token_ids, torch.cat(cols, dim=-1), params, n)
+
+
+def _format_logprobs(rows: list[list[float]], params: list[SamplingParams],
+                     n: int) -> SamplerOutput:
     ids = [int(r[0]) for r in rows]
     logprobs: list[dict[int, float] | None] = []
     for r, p in zip(rows, params):

@@ -32,8 +32,10 @@ class Scheduler:
     the queue, so the oldest requests always make progress and nothing starves.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -95,13 +97,19 @@ class Scheduler:
         return ScheduledBatch(seqs, num_tokens, is_prefill=True)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        # Partly prefilled prompts (waiting for blocks) sit decode steps out.
+        # Partly prefilled prompts (waiting for blocks) sit decode steps out, and so do
+        # sequences whose pending token already ends them.
         scheduled = [seq for seq in list(self.running)
                      if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
-                     and self._reserve(seq, len(seq))]
+                     and not self._at_length_limit(seq) and self._reserve(seq, len(seq))]
         if not scheduled:
             return None
         return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False)
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        max_tokens = seq.sampling_params.max_tokens
+        return len(seq) >= self.max_model_len or (
+            max_tokens is not None and len(seq) - seq.num_prompt_tokens >= max_tokens)
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give a running sequence room for `num_tokens`, preempting the newest running ones as

@@ -39,6 +39,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens sampled on the device whose ids the host has not read yet (overlapped steps),
+        # and the row of the newest one in the model runner's sampled-token buffer.
+        self.num_pending = 0
+        self.pending_row = -1
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         # Seeded requests only; the sampler creates it on the logits' device at the first draw.
@@ -52,7 +56,8 @@ class Sequence:
         self.stream_offset = 0  # chars of output_text already returned to streaming consumers
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Tokens including pending ones: what the KV cache must hold."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -61,10 +66,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:

@@ -59,11 +59,14 @@ class BenchConfig:
 _FIXED_W32 = tuple((s, 32) for s in THROUGHPUT_SHAPES if s.isl != MIXED)
 _MIXED_W32 = ((HEADLINE, 32),) + tuple((s, 32) for s in THROUGHPUT_SHAPES if s.isl == MIXED)
 # Configs older than `packed` in the lineage pad their prefill.
-_EAGER32 = {"max_num_seqs": 32, "enforce_eager": True, "packed_prefill": False}
+# Configs older than `overlap` read each step's tokens before scheduling the next.
+_EAGER32 = {"max_num_seqs": 32, "enforce_eager": True, "packed_prefill": False,
+            "overlap_scheduling": False}
 _GRAPHS = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": False,
-           "max_num_seqs": 32, "packed_prefill": False}
+           "max_num_seqs": 32, "packed_prefill": False, "overlap_scheduling": False}
 _SPLITK = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": True,
-           "max_num_seqs": 128, "packed_prefill": True}
+           "max_num_seqs": 128, "packed_prefill": True, "overlap_scheduling": False}
+_OVERLAP = {**_SPLITK, "overlap_scheduling": True}
 _MIXED_BUDGET = {"max_model_len": 4096}  # holds 2048-token prompts plus 1024 generated
 
 CONFIGS: tuple[BenchConfig, ...] = (
@@ -97,10 +100,13 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("graphs", "Paged decode replayed from a CUDA graph instead of launched per kernel",
                 "paged-attn", RUNNABLE, LITEINFER, _GRAPHS, latency=LATENCY_SHAPES[:2],
                 throughput=_FIXED_W32),
-    # The default (fastest) configuration: it runs every shape a vLLM reference row has.
     BenchConfig("splitk", "Captured decode, narrow batches splitting their key loop across "
-                "programs", "graphs", RUNNABLE, LITEINFER, _SPLITK, latency=LATENCY_SHAPES,
-                throughput=tuple((s, 32) for s in THROUGHPUT_SHAPES)
+                "programs", "graphs", RUNNABLE, LITEINFER, _SPLITK, latency=LATENCY_SHAPES[:2],
+                throughput=_FIXED_W32),
+    # The default (fastest) configuration: it runs every shape a vLLM reference row has.
+    BenchConfig("overlap", "The host schedules step N+1 while the GPU runs step N; sampled "
+                "tokens feed the next step on the GPU", "splitk", RUNNABLE, LITEINFER, _OVERLAP,
+                latency=LATENCY_SHAPES, throughput=tuple((s, 32) for s in THROUGHPUT_SHAPES)
                 + ((HEADLINE, 1), (HEADLINE, 4), (HEADLINE, 128))),
     BenchConfig("graphs-b128", "Captured decode at 128 concurrent sequences", None, RUNNABLE,
                 LITEINFER, {**_GRAPHS, "max_num_seqs": 128}, width=128,
@@ -126,7 +132,7 @@ CONFIGS: tuple[BenchConfig, ...] = (
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 ORDER = {c.name: i for i, c in enumerate(CONFIGS)}
-DEFAULT = "splitk"
+DEFAULT = "overlap"
 
 
 def get(name: str) -> BenchConfig:

@@ -33,11 +33,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: ctx + 512 (the KV pool is sized from it)")
     ap.add_argument("--set", nargs="*", default=[])
     args = ap.parse_args()
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
     llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_num_seqs=max(args.batch),
-              max_model_len=args.ctx + 512, **overrides)
+              max_model_len=args.max_model_len or args.ctx + 512, **overrides)
     engine, runner = llm.engine, llm.engine.runner
     report = {}
     for bs in args.batch:
@@ -54,7 +56,8 @@ def main() -> None:
         for _ in range(steps):
             engine.step()
         step_ms = (time.perf_counter() - t0) * 1e3 / steps
-        row = {"batch": bs, "engine_step_ms": step_ms}
+        row = {"batch": bs, "ctx": args.ctx, "kv_blocks": engine.block_manager.num_blocks,
+               "engine_step_ms": step_ms}
         batch = ScheduledBatch(list(engine.scheduler.running), [1] * bs, is_prefill=False)
         if runner.graphs is not None:
             size = next(s for s in runner.graphs.sizes if s >= bs)
@@ -78,12 +81,14 @@ def main() -> None:
                 kernels[ev.key[:60]] = (round(ev.device_time_total / 1e3, 4), ev.count)
         row["kernels_ms_count"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25])
         report[bs] = row
-        print(json.dumps(row, indent=1))
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()
+               if k != "kernels_ms_count"})
+        print("  ", list(row["kernels_ms_count"].items())[:8])
         for i in range(bs):
             engine.abort(f"p{bs}-{i}")
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "profile.json"), "w") as f:
+        with open(os.path.join(out, f"profile-{args.ctx}-{len(report)}.json"), "w") as f:
             json.dump(report, f, indent=1)
 
 

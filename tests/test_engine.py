@@ -208,3 +208,14 @@ def test_overlap_scheduling_changes_no_output(tiny_llama_dir, tiny_llm, prompts)
              o.outputs[0].logprobs) for o in a] == \
            [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
              o.outputs[0].logprobs) for o in b]
+
+
+def test_overlap_launches_a_step_every_call(tiny_llm, prompts):
+    """Each step() launches the next step and reads back the previous one: n tokens, n+1 calls."""
+    engine = tiny_llm.engine
+    engine.add_request("solo", prompts[0], greedy(10))
+    calls = tokens = 0
+    while engine.has_unfinished_requests():
+        calls += 1
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    assert (tokens, calls) == (10, 11)

@@ -105,7 +105,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.inflight is not None
+        return self.scheduler.has_unfinished() or (
+            self.inflight is not None and not all(s.is_finished for s in self.inflight.seqs))
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -121,7 +121,9 @@ class ModelRunner:
                 pending_rows += [-1] * n
             input_ids += [0] * (q_len - n)
             pending_rows += [-1] * (q_len - n)
-            positions += range(start, start + q_len)
+            # Padding rows repeat the last position: past it the RoPE table may end.
+            positions += range(start, start + n)
+            positions += [start + n - 1] * (q_len - n)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             slots += [-1] * (q_len - n)

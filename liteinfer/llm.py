@@ -25,8 +25,7 @@ class LLM:
     >>> llm.chat([{"role": "user", "content": "What is the capital of France?"}])[0].outputs[0].text
     """
 
-    def __init__(self, model: str, load_format: str = "auto", disable_log_stats: bool = True,
-                 **engine_args: Any):
+    def __init__(self, model: str, load_format: str = "auto", **engine_args: Any):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_args) - fields)
         if unknown:
@@ -35,7 +34,7 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         # Outputs produced by a step for requests other than the one being streamed.
-        self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
+        self._buffered: dict[str, deque[RequestOutput]] = defaultdict(deque)
 
     def _normalize(self, prompts: Prompt | Seq[Prompt]) -> list[str | list[int]]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
@@ -52,10 +51,19 @@ class LLM:
             out.append(p)
         return out
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (as vLLM does)."""
+        gen = self.engine.generation_config
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        defaults = {k: gen[k] for k in keys if gen.get(k) is not None}
+        if gen.get("do_sample") is False:
+            defaults["temperature"] = 0.0
+        return SamplingParams(**defaults)
+
     def _params_list(self, params: SamplingParams | Seq[SamplingParams] | None,
                      n: int) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.default_sampling_params()
         if isinstance(params, SamplingParams):
             return [dataclasses.replace(params) for _ in range(n)]
         if len(params) != n:
@@ -88,7 +96,7 @@ class LLM:
             while len(final) < len(ids):
                 for out in self._step():
                     if out.request_id not in wanted:
-                        self._pending[out.request_id].append(out)
+                        self._buffered[out.request_id].append(out)
                     elif out.finished:
                         final[out.request_id] = out
                         bar.update(1)
@@ -116,18 +124,21 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields this request's output each time it gains tokens; the last one is finished.
         Other requests keep running and keep their outputs."""
-        (rid,) = self._add(self._normalize(prompt), self._params_list(sampling_params, 1))
+        prompts = self._normalize(prompt)
+        if len(prompts) != 1:
+            raise ValueError(f"stream() takes one prompt, got {len(prompts)}")
+        (rid,) = self._add(prompts, self._params_list(sampling_params, 1))
         try:
             while True:
-                while self._pending[rid]:
-                    out = self._pending[rid].popleft()
+                while self._buffered[rid]:
+                    out = self._buffered[rid].popleft()
                     yield out
                     if out.finished:
                         return
                 for out in self._step():
-                    self._pending[out.request_id].append(out)
+                    self._buffered[out.request_id].append(out)
         finally:
-            self._pending.pop(rid, None)
+            self._buffered.pop(rid, None)
             self.engine.abort(rid)
 
     def abort(self, request_id: str) -> bool:

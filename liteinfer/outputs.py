@@ -14,12 +14,6 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
 
-    @property
-    def ttft(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
 
 @dataclass
 class CompletionOutput:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Sampling settings with vLLM's names and defaults.
 
-    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters.
+    Temperatures below 1e-5 (0 included) mean greedy: dividing by them would overflow fp32.
+    top_k 0 (or -1) and top_p 1 disable those filters.
     """
 
     temperature: float = 1.0
@@ -72,7 +73,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < 1e-5
 
     @property
     def needs_penalties(self) -> bool:

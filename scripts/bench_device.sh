@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The benchmark runs of one device session, most important first; rows append to $OUT as each
-# run ends, so a session cut short keeps what it measured.
+# The benchmark runs behind BENCHMARKS.md on a CUDA machine, most important first. Rows append
+# to $OUT/results.jsonl as each run ends, so a run cut short keeps what it measured.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device session: GPU tests, kernel microbenchmarks and benchmarks, logs under $OUT.
+# On a CUDA machine: GPU tests, kernel microbenchmarks, a decode profile and benchmarks, each
+# step named on the command line; logs and result rows go under $OUT.
 # Usage: scripts/gpu_session.sh [tests] [kernels] [bench ARGS...]
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -144,6 +144,7 @@ def test_abort_returns_blocks(tiny_llm, prompts):
     ([1, 10**6], greedy(), "vocabulary"),
     ([1, -1], greedy(), "vocabulary"),
     ([0] * 256, greedy(1), "max_model_len"),
+    ([1, 2], greedy(logprobs=10**6), "vocabulary size"),
 ])
 def test_bad_requests_raise_and_leave_others_alone(tiny_llm, prompts, reference, prompt, params,
                                                    message):
@@ -219,3 +220,29 @@ def test_overlap_launches_a_step_every_call(tiny_llm, prompts):
         calls += 1
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     assert (tokens, calls) == (10, 11)
+
+
+def test_stop_string_on_the_last_allowed_token_is_a_stop(tiny_llm, prompts):
+    text = tiny_llm.generate([prompts[5]], greedy(6), use_tqdm=False)[0].outputs[0].text
+    assert text
+    # The whole text is completed by the sixth token, which is also the max_tokens one.
+    out = tiny_llm.generate([prompts[5]], greedy(6, stop=[text]), use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", text, "")
+
+
+def test_stream_takes_one_prompt(tiny_llm, prompts):
+    with pytest.raises(ValueError, match="one prompt"):
+        next(tiny_llm.stream([prompts[0], prompts[1]], greedy()))
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_generation_config_supplies_default_sampling(tiny_llama_dir, tmp_path):
+    import json
+    import shutil
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    gen = json.loads((model / "generation_config.json").read_text())
+    gen.update(temperature=0.6, top_p=0.9, do_sample=True)
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    llm = build_llm(str(model), dtype="float32", device="cpu", max_model_len=64)
+    params = llm.default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 0)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from liteinfer.attention.base import AttentionBackend, AttentionMetadata
 from liteinfer.layers.rotary import apply_rotary_torch
+from liteinfer.utils import cdiv
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -18,7 +19,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """[B, length, Hkv, D]: the first `length` cached tokens of each sequence."""
-    num_blocks = -(-length // cache.shape[1])
+    num_blocks = cdiv(length, cache.shape[1])
     return cache[block_tables[:, :num_blocks].long()].flatten(1, 2)[:, :length]
 
 

@@ -24,7 +24,7 @@ from liteinfer.config import EngineConfig
 def add_bench_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench", help="measure latency or throughput and append result rows",
-        description="Measure registry configs on the workloads of shared/bench/WORKLOADS.md "
+        description="Measure registry configs on the workloads of benchmarks/WORKLOADS.md "
                     "(dummy weights, greedy, forced length) and append one JSON row per run.")
     p.add_argument("kind", nargs="?", choices=("latency", "throughput"),
                    help="latency: one request at a time; throughput: at most --width in flight "

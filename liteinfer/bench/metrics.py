@@ -1,4 +1,4 @@
-"""Benchmark metrics from per-request timestamps, as defined in shared/bench/WORKLOADS.md."""
+"""Benchmark metrics from per-request timestamps, as defined in benchmarks/WORKLOADS.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -31,7 +31,7 @@ def engine_args_for(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_llm(model: str, engine_args: dict[str, Any]) -> LLM:
-    return LLM(model=model, load_format="dummy", disable_log_stats=True, **engine_args)
+    return LLM(model=model, load_format="dummy", **engine_args)
 
 
 def workload(shape: Shape, n: int, seed: int, vocab_size: int) -> tuple[list[list[int]], int | None]:

@@ -112,7 +112,10 @@ def reference_row(raw: Row, source: Path) -> Row | None:
     if at is not None:
         stamp = datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds")
     else:  # rows without a time of their own date from their file's name
-        stamp = re.search(r"\d{4}-\d{2}-\d{2}", source.name)[0] + "T00:00:00+00:00"
+        date = re.search(r"\d{4}-\d{2}-\d{2}", source.name)
+        if date is None:
+            raise ValueError(f"{source}: rows have no 'at' time and the file name no date")
+        stamp = date[0] + "T00:00:00+00:00"
     return {**raw, "config": name, "model": MODEL, "timestamp": stamp,
             "fingerprint": _workload_fingerprint(raw["isl"], raw["prompts"], raw["seed"])}
 

@@ -1,4 +1,4 @@
-"""Benchmark prompt sets and shapes, drawn exactly as shared/bench/WORKLOADS.md prescribes."""
+"""Benchmark prompt sets and shapes, drawn exactly as benchmarks/WORKLOADS.md prescribes."""
 from __future__ import annotations
 
 import hashlib

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import deque
 
 from liteinfer.engine.sequence import Sequence
+from liteinfer.utils import cdiv
 
 
 class BlockManager:
@@ -22,7 +23,7 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to add so that `seq` can hold `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        return max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= len(self.free_blocks)

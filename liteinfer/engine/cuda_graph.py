@@ -51,9 +51,6 @@ class CUDAGraphRunner:
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             self._capture(bs)
 
-    def fits(self, batch_size: int) -> bool:
-        return batch_size <= self.max_bs
-
     def _forward(self, bs: int) -> torch.Tensor:
         meta = AttentionMetadata(is_prefill=False, slot_mapping=self.slots[:bs],
                                  context_lens=self.context_lens[:bs],

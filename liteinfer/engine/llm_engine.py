@@ -81,6 +81,8 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -172,7 +174,8 @@ class LLMEngine:
         new_text = ""
         if self.detokenizer is not None:
             new_text = self.detokenizer.decode_new(seq, finished=seq.finish_reason is not None)
-            if seq.finish_reason is None and self.detokenizer.check_stop_strings(seq) is not None:
+            # A stop string wins over the length limit it coincides with (not over a stop token).
+            if seq.finish_reason != "stop" and self.detokenizer.check_stop_strings(seq) is not None:
                 seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             m.finished_time = now

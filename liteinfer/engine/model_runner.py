@@ -9,6 +9,7 @@ from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LlamaForCausalLM
+from liteinfer.utils import cdiv, to_device
 
 
 class ModelRunner:
@@ -22,7 +23,7 @@ class ModelRunner:
         self.dtype: torch.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         self.use_triton = config.attention_backend == "triton"
         self.backend = get_backend(config.attention_backend)
         self.model = self._load_model(source, load_format)
@@ -100,7 +101,7 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Token ids, positions, attention metadata and the rows whose logits are sampled."""
-        bs = self.block_size
+        block = self.block_size
         pad_to = max(batch.num_tokens) if batch.is_prefill and not self.config.packed_prefill else 0
         input_ids: list[int] = []
         pending_rows: list[int] = []  # per token: row in sampled_tokens, or -1
@@ -125,18 +126,16 @@ class ModelRunner:
             positions += range(start, start + n)
             positions += [start + n - 1] * (q_len - n)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots += [table[p // block] * block + p % block for p in range(start, start + n)]
             slots += [-1] * (q_len - n)
             if batch.samples(i):
                 sample_rows.append(len(input_ids) - q_len + n - 1)
             query_lens.append(q_len)
             context_lens.append(start + q_len)
-        width = -(-max(context_lens) // bs)
+        width = cdiv(max(context_lens), block)
         tables = [seq.block_table[:width] + [0] * (width - min(width, len(seq.block_table)))
                   for seq in batch.seqs]
-        dev = self.device
-        as_tensor = lambda x, dt: torch.tensor(x, dtype=dt, pin_memory=dev.type == "cuda").to(
-            dev, non_blocking=True)
+        as_tensor = lambda data, dtype: to_device(data, dtype, self.device)
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
@@ -165,7 +164,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Runs one step; returns logits [rows that sample, vocab], or None if none do."""
-        if not batch.is_prefill and self.graphs is not None and self.graphs.fits(len(batch.seqs)):
+        if not batch.is_prefill and self.graphs is not None:
             return self.graphs.run(batch)
         input_ids, positions, meta, rows = self.prepare(batch)
         if not batch.is_prefill and self.use_triton:

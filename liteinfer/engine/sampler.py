@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterable, Sequence as Seq
+from typing import Iterable
 
 import torch
 
 from liteinfer.engine.sequence import Sequence
 from liteinfer.sampling_params import SamplingParams
-
-# Temperatures below this are greedy, as in vLLM: dividing by them overflows fp32.
-_GREEDY_EPS = 1e-5
-
+from liteinfer.utils import to_device
 
 @dataclass
 class SamplerOutput:
@@ -50,17 +47,6 @@ class SampledTokens:
         return _format_logprobs(self._host.tolist(), self._params, self._num_top)
 
 
-def _to_device(data: Seq, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list → device tensor; a pinned source lets the copy run without a stream sync."""
-    if device.type == "cpu":
-        return torch.tensor(data, dtype=dtype)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-def _is_greedy(p: SamplingParams) -> bool:
-    return p.temperature < _GREEDY_EPS
-
-
 class Sampler:
     def __init__(self, eos_token_ids: Iterable[int]):
         self.eos_token_ids = sorted(set(eos_token_ids))
@@ -72,7 +58,7 @@ class Sampler:
         """Samples without waiting for the device. Penalties read the sequences' token ids, so
         those must hold every earlier token (no pending ones)."""
         params = [s.sampling_params for s in seqs]
-        greedy = [_is_greedy(p) for p in params]
+        greedy = [p.greedy for p in params]
         # len(s) counts tokens still pending on the device: they are outputs too.
         min_tok_rows = [i for i, s in enumerate(seqs)
                         if len(s) - s.num_prompt_tokens < s.sampling_params.min_tokens]
@@ -91,7 +77,7 @@ class Sampler:
         token_ids = x.argmax(dim=-1)
         if not all(greedy):
             sampled = _sample(x, seqs, greedy)
-            token_ids = torch.where(_to_device(greedy, torch.bool, x.device), token_ids, sampled)
+            token_ids = torch.where(to_device(greedy, torch.bool, x.device), token_ids, sampled)
 
         if not want_logprobs:
             return SampledTokens(token_ids, token_ids, params, None)
@@ -108,18 +94,18 @@ class Sampler:
                    if t < vocab]
             r += [i] * len(ids)
             c += ids
-        x[_to_device(r, torch.long, x.device), _to_device(c, torch.long, x.device)] = float("-inf")
+        x[to_device(r, torch.long, x.device), to_device(c, torch.long, x.device)] = float("-inf")
 
 
 def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(id_lists), vocab] float occurrence counts."""
     flat = list(itertools.chain.from_iterable(id_lists))
-    lengths = _to_device([len(ids) for ids in id_lists], torch.long, device)
+    lengths = to_device([len(ids) for ids in id_lists], torch.long, device)
     # output_size spares repeat_interleave a device→host sync.
     rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), lengths,
                                    output_size=len(flat))
     counts = torch.zeros(len(id_lists), vocab, device=device)
-    return counts.index_put_((rows, _to_device(flat, torch.long, device)),
+    return counts.index_put_((rows, to_device(flat, torch.long, device)),
                              torch.ones((), device=device), accumulate=True)
 
 
@@ -128,8 +114,8 @@ def _apply_penalties(x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> 
     negative ones); presence/frequency over output ids (OpenAI: -= p*(count>0) + f*count)."""
     device, vocab = x.device, x.shape[1]
     ps = [seqs[i].sampling_params for i in rows]
-    idx = _to_device(rows, torch.long, device)
-    rep, pres, freq = _to_device(
+    idx = to_device(rows, torch.long, device)
+    rep, pres, freq = to_device(
         [[p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
          [p.frequency_penalty for p in ps]], torch.float32, device).unsqueeze(-1)
     sub = x[idx]
@@ -146,7 +132,7 @@ def _sample(x: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.
     """Samples every row (greedy rows get a throwaway draw from the default generator only)."""
     device, vocab = x.device, x.shape[1]
     ps = [s.sampling_params for s in seqs]
-    temp, top_k, top_p, min_p = _to_device(
+    temp, top_k, top_p, min_p = to_device(
         [[1.0 if g else p.temperature for p, g in zip(ps, greedy)],
          [p.top_k or vocab for p in ps], [p.top_p for p in ps], [p.min_p for p in ps]],
         torch.float32, device).unsqueeze(-1)

@@ -48,12 +48,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def find(self, request_id: str) -> Sequence | None:
-        for seq in (*self.running, *self.waiting):
-            if seq.request_id == request_id:
-                return seq
-        return None
-
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and return its blocks."""
         seq.status = SequenceStatus.FINISHED
@@ -70,23 +64,25 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_tokens: list[int] = []
-        # Prompts already partly computed continue first (chunked prefill).
-        for seq in list(self.running):
-            if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 1 and budget > 0:
+        # Prompts already partly computed continue first (chunked prefill); their blocks were
+        # all reserved when they were admitted.
+        for seq in self.running:
+            if seq.num_uncomputed_tokens > 1 and budget > 0:
                 n = min(seq.num_uncomputed_tokens, budget)
-                if self._reserve(seq, seq.num_computed_tokens + n):
-                    seqs.append(seq)
-                    num_tokens.append(n)
-                    budget -= n
+                seqs.append(seq)
+                num_tokens.append(n)
+                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            # Admitted only with room for the whole prompt, so that a prompt being prefilled in
+            # chunks never has to preempt (itself included) to continue.
+            if not self.block_manager.can_allocate(seq, len(seq)):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.block_manager.allocate(seq, n)
+            self.block_manager.allocate(seq, len(seq))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
             seqs.append(seq)
             num_tokens.append(n)
             budget -= n
@@ -126,6 +122,5 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 
 import torch
 
@@ -16,9 +15,6 @@ class SequenceStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
-_seq_ids = itertools.count()
-
-
 class Sequence:
     """Token ids, KV blocks and sampling state of one request.
 
@@ -29,7 +25,6 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float, prompt: str | None = None):
-        self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -43,7 +38,6 @@ class Sequence:
         # and the row of the newest one in the model runner's sampled-token buffer.
         self.num_pending = 0
         self.pending_row = -1
-        self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         # Seeded requests only; the sampler creates it on the logits' device at the first draw.
         self.generator: torch.Generator | None = None

@@ -138,10 +138,10 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
+        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
         logits = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
-        sampling = [s for s in batch.seqs if s.num_uncomputed_tokens == 0]
         if not sampling:
             return None
         sampled = self.sampler.sample(logits, sampling)

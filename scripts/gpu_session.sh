@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA machine: GPU tests, kernel microbenchmarks, a decode profile and benchmarks, each
 # step named on the command line; logs and result rows go under $OUT.
-# Usage: scripts/gpu_session.sh [tests] [kernels] [bench ARGS...]
+# Usage: scripts/gpu_session.sh [tests] [gputest FILE] [profile] [kernels] [bench ARGS...]
+# (PROFILE_ARGS passes options to scripts/profile_decode.py)
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"

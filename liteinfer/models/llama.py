@@ -107,14 +107,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies (Hugging Face name, tensor) pairs from liteinfer.loader into the parameters."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            # The loader already drops RoPE buffers and a tied model's lm_head.
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
             shard = None
             for ckpt, (fused, shard_id) in self.stacked_params.items():
                 if f".{ckpt}." in name:

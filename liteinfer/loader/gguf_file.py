@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType, ReaderField, dequantize
 
+from liteinfer.layers.rotary import inv_frequencies
+
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -67,15 +69,6 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_TENSORS[base]}.weight" if base in _GLOBAL_TENSORS else None
 
 
-def _llama3_factors(inv_wavelen: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
-    """Per-frequency RoPE divisors of Hugging Face's llama3 scaling (1 for short wavelengths,
-    `factor` for long ones, interpolated in between)."""
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    ratio = scaling["original_max_position_embeddings"] * inv_wavelen
-    smooth = np.clip((ratio - low) / (high - low), 0.0, 1.0)
-    return 1.0 / ((1.0 - smooth) / scaling["factor"] + smooth)
-
-
 def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
     """Recover rope_scaling from llama.cpp's `rope_freqs` divisors. In the interpolated band
     smooth = (old_ctx / wavelen - low) / (high - low) is linear in 1 / wavelen, so a line fit
@@ -94,7 +87,9 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[st
     scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
                "high_freq_factor": round(float(high), 4),
                "original_max_position_embeddings": round(float(slope * (high - 1)))}
-    if not np.allclose(_llama3_factors(inv_wavelen, scaling), factors, rtol=1e-3):
+    divisors = (inv_frequencies(head_dim, theta, None)
+                / inv_frequencies(head_dim, theta, scaling)).numpy()
+    if not np.allclose(divisors, factors, rtol=1e-3):
         raise ValueError("rope_freqs in the GGUF do not follow llama3 RoPE scaling")
     return scaling
 

@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from liteinfer import LLM, SamplingParams
+from liteinfer.bench.cli import parse_overrides
 from liteinfer.engine.scheduler import ScheduledBatch
 
 
@@ -35,9 +36,10 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: ctx + 512 (the KV pool is sized from it)")
-    ap.add_argument("--set", nargs="*", default=[])
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="engine arguments, as in `liteinfer bench --set`")
     args = ap.parse_args()
-    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    overrides = parse_overrides(args.set)
     llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_num_seqs=max(args.batch),
               max_model_len=args.max_model_len or args.ctx + 512, **overrides)
     engine, runner = llm.engine, llm.engine.runner

@@ -8,7 +8,8 @@ from liteinfer.bench import registry
 from liteinfer.bench.plots import PALETTE, REFERENCE_COLOR, Series, bar, line_chart
 from liteinfer.bench.registry import VLLM
 from liteinfer.bench.report import fmt
-from liteinfer.bench.tables import INTRO, MIXED_PROMPTS, RATIOS, Cell, Page, Pivot, Table
+from liteinfer.bench.tables import (INTRO, MIXED_PROMPTS, RATIOS, Cell, Page, Pivot, Table,
+                                    standing)
 from liteinfer.bench.workloads import MIXED
 
 _CSS = """
@@ -101,8 +102,8 @@ def _pivot(p: Pivot) -> str:
             if not v:
                 cells.append('<td class="num none">—</td>')
                 continue
-            standing = min(best[i]) / v if p.kind == "latency" else v / max(best[i])
-            cells.append(f'<td class="num headline">{bar(standing, 50)}{fmt(v)}</td>')
+            cells.append(f'<td class="num headline">{bar(standing(p.kind, v, best[i]), 50)}'
+                         f'{fmt(v)}</td>')
         out.append(f'<tr><th scope="row">{escape(label)}</th>' + "".join(cells) + "</tr>")
     return "\n".join(out + ["</tbody></table></section>"])
 

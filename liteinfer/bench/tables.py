@@ -34,6 +34,11 @@ def ratio(kind: str, this: Row, other: Row) -> float | None:
     return b / a if kind == "latency" else a / b
 
 
+def standing(kind: str, value: float, values: list[float]) -> float:
+    """value against the best of `values` (1 = the best): lowest ITL, or most tok/s."""
+    return min(values) / value if kind == "latency" else value / max(values)
+
+
 def short_build(build: str) -> str:
     head, dirty, _ = build.partition("-dirty")
     return (head[:10] if len(head) == 40 else head) + (dirty and "-dirty")
@@ -188,7 +193,7 @@ class _TableBuilder:
         for line in lines:
             v = line.row.get(metric)
             if v:
-                line.standing = (min(values) / v if self.kind == "latency" else v / max(values))
+                line.standing = standing(self.kind, v, values)
         self.table.lines = lines
         return self.table
 

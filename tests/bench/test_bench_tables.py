@@ -161,6 +161,17 @@ def test_default_config_covers_every_vllm_shape():
             assert (r["kind"], r["isl"], r["osl"], r["width"]) in planned
 
 
+def test_prompt_caps_apply_per_kind_and_yield_to_an_explicit_count():
+    runs = registry.full_matrix(["continuous", "overlap"])
+    counts = {(r.config, r.kind) for r in runs}
+    assert counts == {("continuous", "latency"), ("continuous", "throughput"),
+                      ("overlap", "latency"), ("overlap", "throughput")}
+    assert {r.prompts for r in runs if r.config == "continuous" and r.kind == "latency"} == {10}
+    assert {r.prompts for r in runs if r.config == "continuous" and r.kind == "throughput"} == {64}
+    assert {r.prompts for r in runs if r.config == "overlap" and r.kind == "throughput"} == {200}
+    assert registry.get("continuous").run("throughput", runs[0].shape, 32, prompts=200).prompts == 200
+
+
 def test_results_file_and_commit(tmp_path, monkeypatch):
     when = "2026-11-30T06:00:00+00:00"
     assert results_file(tmp_path / "x.jsonl", "NVIDIA H200", when) == tmp_path / "x.jsonl"

@@ -2,7 +2,7 @@
 # The benchmark matrix side by side on a machine with several GPUs: one lane per GPU, each
 # running `liteinfer bench --all` for its group of configs (one GPU per process, so lanes do
 # not share a device and their timings stay independent). The word `gputests` in a group runs
-# the GPU test suite on that lane's GPU first. Rows append to $OUT/results-<gpu>.jsonl as each
+# the GPU tests ($GPU_TESTS, default all) on that lane's GPU first. Rows append to $OUT/results-<gpu>.jsonl as each
 # run ends; logs go to $OUT/lane-<gpu>.log.
 # Usage: scripts/bench_lanes.sh "sdpa graphs-16k" "gputests continuous" ...
 set -uo pipefail
@@ -16,7 +16,7 @@ lane() {
   for word in "$@"; do
     if [ "$word" = gputests ]; then
       CUDA_VISIBLE_DEVICES=$gpu timeout $((deadline - SECONDS)) python3 -m pytest -m gpu -q \
-        -p no:cacheprovider tests 2>&1 | tail -15
+        -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tail -15
     else
       configs+=("$word")
     fi

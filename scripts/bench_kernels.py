@@ -84,7 +84,8 @@ def decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(q.shape)
 
 
-def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: str = "") -> None:
+def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: str = "",
+                 waves: int = 2) -> None:
     ws = dec.DecodeWorkspace.allocate(128, HQ, D, dec.MAX_SPLITS_CAP, DEV)
     for batch, ctx in shapes:
         k_cache, v_cache, tables, lens = paged_pool([ctx] * batch)
@@ -92,7 +93,7 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
         out = torch.empty_like(q)
         ref = decode_ref(q, k_cache, v_cache, tables, ctx)
         gbytes = 2 * batch * ctx * HKV * D * k_cache.element_size() / 1e9
-        for max_splits in sorted({1, dec.max_splits_for(batch, HKV, num_sms)}):
+        for max_splits in sorted({1, dec.max_splits_for(batch, HKV, num_sms, waves)}):
             num_splits = dec.choose_num_splits(lens, max_splits)
 
             def run() -> torch.Tensor:
@@ -174,10 +175,12 @@ def sweep(rows: list[dict], num_sms: int) -> None:
     """Alternative tile configurations (the kernels read their config functions at call time)."""
     decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
     try:
-        for n, w, s in itertools.product((32, 64, 128, 256), (2, 4, 8), (2, 3, 4, 5)):
+        for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4)):
             dec.decode_tiles = lambda *_, n=n, w=w, s=s: dec.DecodeTiles(n, w, s)
-            bench_decode(rows, num_sms, [(1, 15488), (128, 3712)], f" n{n} w{w} s{s}")
-        for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            bench_decode(rows, num_sms, [(1, 15488), (32, 3712)], f" n{n} w{w} s{s}")
+        dec.decode_tiles = decode_tiles
+        bench_decode(rows, num_sms, [(1, 384), (1, 15488)], " 4 waves", waves=4)
+        for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
             pre.prefill_tiles = lambda *_, m=m, n=n, w=w, s=s: pre.PrefillTiles(m, n, w, s)
             bench_prefill(rows, [(1, 15360)], f" m{m} n{n} w{w} s{s}")
     finally:

@@ -2,9 +2,11 @@
 
 One program per (sequence, KV head, split) serves all G query heads of that KV head, so each
 K/V tile is read from the pool once; the G query rows are padded to 16 for tl.dot. A sequence's
-KV tiles are divided between its `num_splits[b]` programs; each writes an fp32 partial output and
-its log-sum-exp, and a small kernel merges them. The grid is fixed at (B, Hkv, max_splits) so
-CUDA graphs can replay it; programs past a row's split count exit at once.
+KV tiles are divided between its `num_splits[b]` programs. A row with one split writes its output
+directly. Otherwise each program writes an fp32 partial output and its log-sum-exp to the
+workspace and bumps its (sequence, KV head) arrival counter; the program that arrives last merges
+the partials and resets the counter, so split-K costs one launch. The grid is fixed at
+(B, Hkv, max_splits) so CUDA graphs can replay it; programs past a row's split count exit at once.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from liteinfer.kernels.kv_cache import paged_kv_offsets
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
 MAX_SPLITS_CAP = 64
+MERGE_TILE = 4096  # fp32 partial elements the merging program loads at once (32 per thread)
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,12 @@ def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_splits_ptr,
-                   out_ptr, part_out, part_lse, qk_scale, max_splits,
+                   out_ptr, part_out, part_lse, counters, qk_scale, max_splits,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_slot, stride_ch,
-                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_cb,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -101,56 +105,90 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
     o = acc / l_safe[:, None]
-    if SPLIT_K:
+    if n_splits == 1:  # the whole row: final output, no workspace, no counter
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    else:
         p_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
         tl.store(p_ptrs + d[None, :], o, mask=h_mask[:, None])
         lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
-    else:
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        # Publish the partials. One thread performs the scalar atomic, so first the CTA barrier
+        # orders every thread's stores before it; the release half of acq_rel (cumulative,
+        # gpu scope) then makes them visible to whichever program observes the new count.
+        tl.debug_barrier()
+        cnt_ptr = counters + b * stride_cb + kvh
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        # The acquire half orders the atomic before this thread's later loads; the barrier
+        # extends that to all threads of the program before any of them reads the partials.
+        tl.debug_barrier()
+        if arrived == n_splits - 1:
+            # Last of this row's programs: every other split has arrived and none touches the
+            # counter again in this launch, so a plain store restores the zero invariant; the
+            # next launch (next layer, graph replay) is ordered after it by the stream.
+            tl.store(cnt_ptr, 0)
+            _merge_splits(part_out, part_lse, out_ptr, b, kvh, n_splits,
+                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                          stride_ob, stride_oh, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
 
 
 @triton.jit
-def _merge_kernel(part_out, part_lse, num_splits_ptr, out_ptr, max_splits,
+def _merge_splits(part_out, part_lse, out_ptr, b, kvh, n_splits,
                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    n_splits = tl.minimum(tl.load(num_splits_ptr + b), max_splits)
-    s = tl.arange(0, BLOCK_S)
-    s_mask = s < n_splits
+                  G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """Log-sum-exp (base 2) merge of splits [0, n_splits) of KV head kvh's G query heads.
+    Splits past n_splits hold stale data from earlier steps: masked, never read."""
+    g = tl.arange(0, BLOCK_G)
+    heads = kvh * G + g
+    g_mask = g < G
     d = tl.arange(0, HEAD_DIM)
-    # Splits past n_splits hold stale data from earlier steps: masked, never read.
-    lse = tl.load(part_lse + b * stride_lb + h * stride_lh + s, mask=s_mask, other=float("-inf"))
-    parts = tl.load(part_out + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                    mask=s_mask[:, None], other=0.0)
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    denom = tl.sum(w, 0)
-    o = tl.sum(w[:, None] * parts, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    lse_row = part_lse + b * stride_lb + heads[:, None] * stride_lh
+    s = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_row + s[None, :], mask=g_mask[:, None] & (s[None, :] < n_splits),
+                  other=float("-inf"))
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
+    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    # Partials are read CHUNK_S splits at a time (loads in flight together, bounded registers).
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    p_row = part_out + b * stride_pb + heads[:, None, None] * stride_ph + d[None, None, :]
+    for s0 in range(0, n_splits, CHUNK_S):
+        sc = s0 + tl.arange(0, CHUNK_S)
+        mask = g_mask[:, None] & (sc[None, :] < n_splits)
+        w = tl.exp2(tl.load(lse_row + sc[None, :], mask=mask, other=float("-inf")) - m[:, None])
+        parts = tl.load(p_row + sc[None, :, None] * stride_ps, mask=mask[:, :, None], other=0.0)
+        acc += tl.sum(w[:, :, None] * parts, 1)
+    o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @dataclass
 class DecodeWorkspace:
-    """Preallocated fp32 split-K buffers, reused every step (nothing is allocated per call)."""
+    """Preallocated split-K buffers, reused every step and layer (nothing is allocated per call;
+    one launch at a time may use a workspace)."""
 
-    partial_out: torch.Tensor  # [max_batch, Hq, max_splits, D]
-    partial_lse: torch.Tensor  # [max_batch, Hq, max_splits]
+    partial_out: torch.Tensor  # fp32 [max_batch, Hq, max_splits, D]
+    partial_lse: torch.Tensor  # fp32 [max_batch, Hq, max_splits]
+    # int32 [max_batch, Hq]: arrival count of (sequence, KV head) in column KV head (Hq bounds
+    # Hkv for any grouping). Zero between launches: zeroed here once, and each launch's last
+    # program of a (sequence, KV head) resets the count it raised.
+    counters: torch.Tensor
 
     @classmethod
     def allocate(cls, max_batch: int, num_q_heads: int, head_dim: int, max_splits: int,
-                 device: torch.device | str) -> "DecodeWorkspace":
+                 device: torch.device | str) -> DecodeWorkspace:
         shape = (max_batch, num_q_heads, max_splits)
         return cls(torch.empty(*shape, head_dim, dtype=torch.float32, device=device),
-                   torch.empty(*shape, dtype=torch.float32, device=device))
+                   torch.empty(*shape, dtype=torch.float32, device=device),
+                   torch.zeros(max_batch, num_q_heads, dtype=torch.int32, device=device))
 
 
 def max_splits_for(batch_size: int, num_kv_heads: int, num_sms: int, waves: int = 2,
                    cap: int = MAX_SPLITS_CAP) -> int:
     """Grid width for a batch size: enough (sequence, KV head, split) programs to fill about
-    `waves` waves of SMs; batches that fill them already get 1 (no merge kernel)."""
+    `waves` waves of SMs; batches that fill them already get 1 (no merge)."""
     return max(1, min(cap, waves * num_sms // max(1, batch_size * num_kv_heads)))
 
 
@@ -172,7 +210,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables: int32 [B, max_blocks]; context_lens: int32 [B], 0 for padding rows (their
     output rows are zeros). With max_splits > 1, num_splits (int32 [B], see choose_num_splits;
     computed here when None) and a workspace with at least B rows and max_splits splits are
-    used; rows never read splits past their own count. Returns out."""
+    used; rows never read splits past their own count. The workspace's counters must be zero,
+    as allocated; every launch leaves them so. Returns out."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
@@ -187,24 +226,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             num_splits = choose_num_splits(context_lens, max_splits)
         if workspace is None:
             workspace = DecodeWorkspace.allocate(batch, num_q_heads, head_dim, max_splits, q.device)
-        part_out, part_lse = workspace.partial_out, workspace.partial_lse
+        part_out, part_lse, counters = (workspace.partial_out, workspace.partial_lse,
+                                        workspace.counters)
         assert part_out.shape[0] >= batch and part_out.shape[2] >= max_splits
-    else:
-        num_splits, part_out, part_lse = context_lens, out, out  # unread placeholders
+        assert counters.shape[0] >= batch and counters.shape[1] >= num_kv_heads
+    else:  # unread placeholders
+        num_splits, part_out, part_lse, counters = context_lens, out, out, context_lens
+    block_g = triton.next_power_of_2(group)
+    block_s = triton.next_power_of_2(max_splits)
     _decode_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_splits, out, part_out, part_lse,
-        scale * LOG2E, max_splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        counters, scale * LOG2E, max_splits, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        G=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1,
+        part_lse.stride(0), part_lse.stride(1), counters.stride(0),
+        G=group, HEAD_DIM=head_dim, BLOCK_H=max(16, block_g), BLOCK_N=tiles.block_n,
+        BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1, BLOCK_G=block_g, BLOCK_S=block_s,
+        CHUNK_S=min(block_s, max(1, MERGE_TILE // (block_g * head_dim))),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
-    if max_splits > 1:
-        _merge_kernel[(batch, num_q_heads)](
-            part_out, part_lse, num_splits, out, max_splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(max_splits), num_warps=4)
     return out

@@ -16,19 +16,27 @@ def _contexts(full: bool, block_size: int, batch: int = 16) -> list[int]:
     return [1, block_size, block_size + 1, 3 * block_size + 5, 300, 0]
 
 
+def _workspace(batch, num_q_heads, head_dim, max_splits, device) -> DecodeWorkspace:
+    """Sized for a larger batch and grid, as the engine preallocates it once. The partials are
+    NaN (stale splits must never be read); the counters stay zero, as allocated."""
+    ws = DecodeWorkspace.allocate(batch + 2, num_q_heads, head_dim, max_splits + 3, device)
+    ws.partial_out.fill_(float("nan"))
+    ws.partial_lse.fill_(float("nan"))
+    return ws
+
+
 def _check(PagedKV, attention_ref, assert_close, contexts, num_q_heads, num_kv_heads, head_dim,
-           block_size, dtype, device, max_splits, num_splits=None):
+           block_size, dtype, device, max_splits, num_splits=None, ws=None):
     kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device)
     batch = len(contexts)
     q = torch.randn(batch, num_q_heads, head_dim, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))
-    # Sized for a larger batch and grid, as the engine preallocates it once.
-    ws = DecodeWorkspace.allocate(batch + 2, num_q_heads, head_dim, max_splits + 3, device)
-    ws.partial_out.fill_(float("nan"))  # stale splits must never be read
-    ws.partial_lse.fill_(float("nan"))
+    if ws is None:
+        ws = _workspace(batch, num_q_heads, head_dim, max_splits, device)
     scale = 1 / math.sqrt(head_dim)
     paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, scale,
                            out, num_splits, max_splits, ws)
+    assert (ws.counters == 0).all(), "the last program of each row must reset its counter"
     rows = [b for b, c in enumerate(contexts) if c > 0]
     padding = [b for b, c in enumerate(contexts) if c == 0]
     assert (out[padding] == 0).all(), "padding rows must be zeros"
@@ -61,6 +69,33 @@ def test_decode_per_row_splits(PagedKV, attention_ref, assert_close, device, ful
     dtype = torch.bfloat16 if full else torch.float32
     _check(PagedKV, attention_ref, assert_close, contexts, 6, 2, 64, 16, dtype, device,
            max_splits, num_splits)
+
+
+def test_decode_mixed_split_counts(PagedKV, attention_ref, assert_close, device):
+    """One launch where some rows take the single-split path (output written directly, the
+    workspace untouched) and others merge many splits, in several chunks (G=8, D=128: 4 splits
+    a chunk at MERGE_TILE = 4096) and a count that is not a multiple of the chunk."""
+    max_splits = 16
+    contexts = [1000, 40, 1100, 0, 700, 5, 64 * 13]
+    num_splits = torch.tensor([13, 1, 16, 1, 1, 3, 13], dtype=torch.int32, device=device)
+    ws = _workspace(len(contexts), 16, 128, max_splits, device)
+    _check(PagedKV, attention_ref, assert_close, contexts, 16, 2, 128, 16, torch.float32,
+           device, max_splits, num_splits, ws)
+    single = (num_splits == 1).nonzero()[:, 0]
+    assert ws.partial_lse[single].isnan().all() and ws.partial_out[single].isnan().all()
+
+
+def test_decode_workspace_reuse(PagedKV, attention_ref, assert_close, device):
+    """Consecutive launches (layers, steps, graph replays) share one workspace: each must find
+    the counters at zero and leave them so, whatever the previous launch's rows and splits."""
+    max_splits = 8
+    ws = _workspace(6, 8, 64, max_splits, device)
+    first = ([300, 129, 0, 257, 16], [8, 5, 3, 1, 2])
+    second = ([17, 400, 260, 1, 0, 90], [2, 8, 1, 4, 6, 8])
+    for contexts, splits in (first, second, first):
+        num_splits = torch.tensor(splits, dtype=torch.int32, device=device)
+        _check(PagedKV, attention_ref, assert_close, contexts, 8, 2, 64, 16, torch.float16,
+               device, max_splits, num_splits, ws)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 32, 128])

@@ -97,7 +97,6 @@ class EngineConfig:
     decode_split_k: bool = True           # split-K decode attention for narrow batches / long context
     packed_prefill: bool = True           # False: prompts padded to the longest in the step
     overlap_scheduling: bool = True       # schedule step N+1 while the device runs step N
-    fused_decode: bool = True             # triton: few-token steps through fused skinny GEMMs
     seed: int = 0
 
     @property

@@ -54,8 +54,7 @@ def test_greedy_batch_matches_transformers(tiny_llm, prompts, reference):
     {"block_size": 32},
     {"max_num_seqs": 3},
     {"attention_backend": "triton", "num_kv_blocks": 40},   # Triton kernels, interpreted on CPU
-    {"attention_backend": "triton", "packed_prefill": False, "max_num_batched_tokens": 40,
-     "fused_decode": False},
+    {"attention_backend": "triton", "packed_prefill": False, "max_num_batched_tokens": 40},
 ], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()))
 def test_engine_variants_match_transformers(tiny_llama_dir, prompts, reference, engine_args):
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
@@ -247,14 +246,3 @@ def test_generation_config_supplies_default_sampling(tiny_llama_dir, tmp_path):
     llm = build_llm(str(model), dtype="float32", device="cpu", max_model_len=64)
     params = llm.default_sampling_params()
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 0)
-
-
-def test_fused_decode_takes_the_skinny_gemm_path(tiny_llama_dir):
-    from liteinfer.kernels.skinny_gemm import FUSED_MAX_TOKENS
-
-    def fused_limit(**args) -> int:
-        llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64,
-                        attention_backend="triton", **args)
-        return llm.engine.runner.model.fused_max_tokens
-    assert fused_limit() == FUSED_MAX_TOKENS > 0
-    assert fused_limit(fused_decode=False) == 0

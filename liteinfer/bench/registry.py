@@ -62,18 +62,13 @@ _FIXED_W32 = tuple((s, 32) for s in THROUGHPUT_SHAPES if s.isl != MIXED)
 _MIXED_W32 = ((HEADLINE, 32),) + tuple((s, 32) for s in THROUGHPUT_SHAPES if s.isl == MIXED)
 # Configs older than `packed` in the lineage pad their prefill.
 # Configs older than `overlap` read each step's tokens before scheduling the next.
-# Configs older than `fused` run decode linears through cuBLAS with separate norm/activation
-# kernels.
 _EAGER32 = {"max_num_seqs": 32, "enforce_eager": True, "packed_prefill": False,
-            "overlap_scheduling": False, "fused_decode": False}
+            "overlap_scheduling": False}
 _GRAPHS = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": False,
-           "max_num_seqs": 32, "packed_prefill": False, "overlap_scheduling": False,
-           "fused_decode": False}
+           "max_num_seqs": 32, "packed_prefill": False, "overlap_scheduling": False}
 _SPLITK = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": True,
-           "max_num_seqs": 128, "packed_prefill": True, "overlap_scheduling": False,
-           "fused_decode": False}
+           "max_num_seqs": 128, "packed_prefill": True, "overlap_scheduling": False}
 _OVERLAP = {**_SPLITK, "overlap_scheduling": True}
-_FUSED = {**_OVERLAP, "fused_decode": True}
 _EVERY_SHAPE = dict(latency=LATENCY_SHAPES, throughput=tuple((s, 32) for s in THROUGHPUT_SHAPES)
                     + ((HEADLINE, 1), (HEADLINE, 4), (HEADLINE, 128)))
 _MIXED_BUDGET = {"max_model_len": 4096}  # holds 2048-token prompts plus 1024 generated
@@ -120,13 +115,13 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("splitk", "Captured decode, narrow batches splitting their key loop across "
                 "programs", "graphs", RUNNABLE, LITEINFER, _SPLITK, latency=LATENCY_SHAPES[:2],
                 throughput=_FIXED_W32),
+    # The default (fastest) configuration: it runs every shape a vLLM reference row has.
     BenchConfig("overlap", "The host schedules step N+1 while the GPU runs step N; sampled "
                 "tokens feed the next step on the GPU", "splitk", RUNNABLE, LITEINFER, _OVERLAP,
                 **_EVERY_SHAPE),
-    # The default (fastest) configuration: it runs every shape a vLLM reference row has.
+    # Measured slower than its base at a483c6f (NOTES.md), so not kept.
     BenchConfig("fused", "Few-token steps read weights through skinny GEMMs with RMSNorm, "
-                "SiLU-and-mul and residual adds fused in", "overlap", RUNNABLE, LITEINFER,
-                _FUSED, **_EVERY_SHAPE),
+                "SiLU-and-mul and residual adds fused in", "overlap", REMOVED, LITEINFER),
     BenchConfig("graphs-b128", "Captured decode at 128 concurrent sequences", None, RUNNABLE,
                 LITEINFER, {**_GRAPHS, "max_num_seqs": 128}, width=128,
                 throughput=((HEADLINE, 128),)),
@@ -151,7 +146,7 @@ CONFIGS: tuple[BenchConfig, ...] = (
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 ORDER = {c.name: i for i, c in enumerate(CONFIGS)}
-DEFAULT = "fused"
+DEFAULT = "overlap"
 
 
 def get(name: str) -> BenchConfig:

@@ -47,18 +47,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _load_model(self, source: ModelSource, load_format: str) -> LlamaForCausalLM:
-        fused_max_tokens = 0
-        if self.use_triton and self.config.fused_decode:
-            from liteinfer.kernels.skinny_gemm import FUSED_MAX_TOKENS
-            fused_max_tokens = FUSED_MAX_TOKENS
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             # Parameters are created on the device and filled tensor by tensor: the checkpoint
             # is never held twice.
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.model_config, self.backend, self.use_triton,
-                                         fused_max_tokens=fused_max_tokens)
+                model = LlamaForCausalLM(self.model_config, self.backend, self.use_triton)
         finally:
             torch.set_default_dtype(default_dtype)
         if load_format == "dummy":

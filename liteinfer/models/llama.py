@@ -31,19 +31,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), positions, cos_sin_cache, meta))
-
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """[T, (Hq + 2 Hkv) D] projections -> [T, Hq D] attention output (before o_proj)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
                                    meta, self.scale)
-        return out.reshape(-1, q_size)
+        return self.o_proj(out.reshape(-1, q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -78,21 +73,6 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def forward_fused(self, h: torch.Tensor, positions: torch.Tensor,
-                      cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The same layer for a few tokens, where reading the weights is the whole cost: the
-        residual stream h goes through four skinny GEMMs that apply the RMSNorms, SiLU-and-mul
-        and residual adds as they load their inputs (same rounding), six launches a layer."""
-        from liteinfer.kernels.skinny_gemm import skinny_linear
-        attn, mlp = self.self_attn, self.mlp
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv = skinny_linear(h, attn.qkv_proj.weight, norm_weight=norm1.weight, eps=norm1.eps)
-        h = skinny_linear(attn.attend(qkv, positions, cos_sin_cache, meta), attn.o_proj.weight,
-                          residual=h)
-        gate_up = skinny_linear(h, mlp.gate_up_proj.weight, norm_weight=norm2.weight,
-                                eps=norm2.eps)
-        return skinny_linear(gate_up, mlp.down_proj.weight, silu_mul=True, residual=h, out=h)
-
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint projections that live inside a fused parameter: name -> (fused name, shard).
@@ -101,12 +81,9 @@ class LlamaForCausalLM(nn.Module):
                       "up_proj": ("gate_up_proj", "up")}
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, use_triton: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, fused_max_tokens: int = 0):
+                 tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.config = cfg
-        # Steps of at most this many tokens take the fused skinny-GEMM path (0: never). Its
-        # residual epilogue would add before the all-reduce, so it is for one rank only.
-        self.fused_max_tokens = fused_max_tokens if tp_size == 1 else 0
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, use_triton, tp_rank, tp_size)
                                     for _ in range(cfg.num_hidden_layers))
@@ -120,10 +97,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if input_ids.shape[0] <= self.fused_max_tokens:
-            for layer in self.layers:
-                x = layer.forward_fused(x, positions, self.cos_sin_cache, meta)
-            return self.norm(x)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin_cache, meta)
@@ -131,9 +104,6 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] <= self.fused_max_tokens:
-            from liteinfer.kernels.skinny_gemm import skinny_linear
-            return skinny_linear(hidden, self.lm_head.weight)
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

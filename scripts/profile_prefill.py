@@ -1,0 +1,82 @@
+"""Where a prefill step's time goes: wall time of one packed prefill step and its per-kernel
+GPU time by category (matmuls, attention, norms, RoPE + KV write, SiLU, other), with the
+matmuls' achieved TFLOP/s. Llama-3.2-1B, dummy weights, the default engine configuration.
+
+    python scripts/profile_prefill.py [--shape 1x15360 8x2048] [--set KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from liteinfer import LLM, SamplingParams
+from liteinfer.bench.cli import parse_overrides
+from profile_decode import cuda_ms
+
+CATEGORIES = (("attention", ("_prefill_kernel",)), ("rope+kv", ("rope",)),
+              ("norm", ("rms_norm",)), ("silu", ("silu",)),
+              ("matmul", ("gemm", "nvjet", "sm90", "cutlass", "cublas")))
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", nargs="+", default=["1x15360", "8x2048"],
+                    help="SEQSxTOKENS prefilled in one step")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="engine arguments, as in `liteinfer bench --set`")
+    args = ap.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shape]
+    budget = max(n * length for n, length in shapes)
+    llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_model_len=16384,
+              max_num_batched_tokens=budget, **parse_overrides(args.set))
+    engine, runner, cfg = llm.engine, llm.engine.runner, llm.engine.model_config
+    # Matmul FLOPs per prompt token (q/k/v/o, gate/up/down); the LM head runs on last tokens.
+    per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * (
+        (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+        + cfg.num_attention_heads * cfg.head_dim + 3 * cfg.intermediate_size)
+    report = {}
+    for nseq, length in shapes:
+        for i in range(nseq):
+            engine.add_request(f"{nseq}x{length}-{i}", [(7 * i + j) % 1000 + 100
+                                                        for j in range(length)],
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+        batch = engine.scheduler.schedule()
+        assert batch is not None and batch.is_prefill and sum(batch.num_tokens) == nseq * length
+        with torch.inference_mode():
+            step_ms = cuda_ms(lambda b=batch: runner.execute(b), 5)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runner.execute(batch)
+                torch.cuda.synchronize()
+        by_cat: dict[str, float] = {}
+        for ev in prof.key_averages():
+            if ev.device_type.name == "CUDA":
+                c = category(ev.key)
+                by_cat[c] = by_cat.get(c, 0.0) + ev.device_time_total / 1e3
+        matmul_tflop = per_token * nseq * length / 1e12
+        attn_tflop = 4 * nseq * length * (length + 1) / 2 * cfg.num_attention_heads \
+            * cfg.head_dim * cfg.num_hidden_layers / 1e12
+        row = {"seqs": nseq, "tokens": length, "step_ms": round(step_ms, 2),
+               "kernel_ms": {c: round(t, 2) for c, t in sorted(by_cat.items(),
+                                                               key=lambda kv: -kv[1])},
+               "matmul_tflops": round(matmul_tflop / by_cat.get("matmul", float("nan")) * 1e3),
+               "attention_tflops": round(attn_tflop / by_cat.get("attention", float("nan")) * 1e3)}
+        report[f"{nseq}x{length}"] = row
+        print(row, flush=True)
+        for i in range(nseq):
+            engine.abort(f"{nseq}x{length}-{i}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "profile-prefill.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

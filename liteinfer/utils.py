@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
-def to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list -> device tensor; a pinned source lets the copy run without a stream sync."""
+def to_device(data: Sequence | np.ndarray, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """Host list or array -> device tensor; a pinned source lets the copy run without a stream
+    sync."""
     if device.type == "cpu":
         return torch.tensor(data, dtype=dtype)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.as_tensor(data, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 def cdiv(a: int, b: int) -> int:

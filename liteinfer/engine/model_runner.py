@@ -1,6 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model and returns the logits to sample from."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata, get_backend
@@ -100,57 +101,59 @@ class ModelRunner:
         return (tokens * width + self.config.max_num_seqs * cfg.vocab_size * 2) * 4
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Token ids, positions, attention metadata and the rows whose logits are sampled."""
-        block = self.block_size
-        pad_to = max(batch.num_tokens) if batch.is_prefill and not self.config.packed_prefill else 0
+        """Token ids, positions, attention metadata and the rows whose logits are sampled.
+
+        Positions and KV slots are computed for all tokens at once with numpy: a 16k-token
+        prefill would otherwise spend milliseconds of host time in per-token Python loops."""
+        block, seqs = self.block_size, batch.seqs
+        num_tokens = np.array(batch.num_tokens)
+        starts = np.array([seq.num_computed_tokens for seq in seqs])
+        # Padded prefill right-pads each chunk to the longest; packed prefill and decode do not.
+        pad_to = num_tokens.max() if batch.is_prefill and not self.config.packed_prefill else 0
+        query_lens = np.maximum(num_tokens, pad_to)
+        cu_seqlens = np.concatenate([[0], np.cumsum(query_lens)])
+        context_lens = starts + query_lens
         input_ids: list[int] = []
         pending_rows: list[int] = []  # per token: row in sampled_tokens, or -1
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            start = seq.num_computed_tokens
-            q_len = max(n, pad_to)  # padded prefill: right-pad each chunk to the longest
+        for seq, n, q_len in zip(seqs, batch.num_tokens, query_lens.tolist()):
             if seq.num_pending:  # decoding a token the host has not seen yet
-                assert n == 1 and start == len(seq.token_ids), "pending tokens are decoded alone"
+                assert n == 1 and seq.num_computed_tokens == len(seq.token_ids), \
+                    "pending tokens are decoded alone"
                 input_ids.append(0)
                 pending_rows.append(seq.pending_row)
             else:
+                start = seq.num_computed_tokens
                 input_ids += seq.token_ids[start:start + n]
                 pending_rows += [-1] * n
             input_ids += [0] * (q_len - n)
             pending_rows += [-1] * (q_len - n)
-            # Padding rows repeat the last position: past it the RoPE table may end.
-            positions += range(start, start + n)
-            positions += [start + n - 1] * (q_len - n)
-            table = seq.block_table
-            slots += [table[p // block] * block + p % block for p in range(start, start + n)]
-            slots += [-1] * (q_len - n)
-            if batch.samples(i):
-                sample_rows.append(len(input_ids) - q_len + n - 1)
-            query_lens.append(q_len)
-            context_lens.append(start + q_len)
-        width = cdiv(max(context_lens), block)
-        tables = [seq.block_table[:width] + [0] * (width - min(width, len(seq.block_table)))
-                  for seq in batch.seqs]
+        width = cdiv(int(context_lens.max()), block)
+        tables = np.zeros((len(seqs), width), dtype=np.int64)
+        for row, seq in zip(tables, seqs):
+            table = seq.block_table[:width]
+            row[:len(table)] = table
+        seq_of = np.repeat(np.arange(len(seqs)), query_lens)
+        offset = np.arange(cu_seqlens[-1]) - cu_seqlens[seq_of]
+        real = offset < num_tokens[seq_of]
+        # Padding tokens repeat the last position (past it the RoPE table may end) and are
+        # written nowhere (slot -1).
+        positions = starts[seq_of] + np.minimum(offset, num_tokens[seq_of] - 1)
+        slots = np.where(real, tables[seq_of, positions // block] * block + positions % block, -1)
+        sample_rows = [int(cu_seqlens[i]) + n - 1 for i, n in enumerate(batch.num_tokens)
+                       if batch.samples(i)]
         as_tensor = lambda data, dtype: to_device(data, dtype, self.device)
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
             slot_mapping=as_tensor(slots, torch.int64),
             context_lens=as_tensor(context_lens, torch.int32),
             block_tables=as_tensor(tables, torch.int32),
-            cu_seqlens_q=as_tensor(cu, torch.int32) if batch.is_prefill else None,
-            max_seqlen_q=max(query_lens),
-            query_lens_host=query_lens,
-            context_lens_host=context_lens,
+            cu_seqlens_q=as_tensor(cu_seqlens, torch.int32) if batch.is_prefill else None,
+            max_seqlen_q=int(query_lens.max()),
+            query_lens_host=query_lens.tolist(),
+            context_lens_host=context_lens.tolist(),
         )
         ids = as_tensor(input_ids, torch.int32)
-        if any(r >= 0 for r in pending_rows):
+        if any(seq.num_pending for seq in seqs):
             ids = self.with_pending(ids, as_tensor(pending_rows, torch.int32))
         return ids, as_tensor(positions, torch.int64), meta, sample_rows
 
@@ -172,7 +175,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         if not rows:
             return None
-        return self.model.compute_logits(hidden[rows])
+        # A device index: indexing with a host list would copy it synchronously and stall the
+        # host until the whole step has run, instead of letting it prepare the next one.
+        return self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
 
     def set_split_k(self, meta: AttentionMetadata, batch_size: int) -> None:
         """Decode split-K: the grid width is fixed per batch size, the split count per sequence

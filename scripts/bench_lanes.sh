@@ -2,8 +2,9 @@
 # The benchmark matrix side by side on a machine with several GPUs: one lane per GPU, each
 # running `liteinfer bench --all` for its group of configs (one GPU per process, so lanes do
 # not share a device and their timings stay independent). The word `gputests` in a group runs
-# the GPU tests ($GPU_TESTS, default all) on that lane's GPU first. Rows append to $OUT/results-<gpu>.jsonl as each
-# run ends; logs go to $OUT/lane-<gpu>.log.
+# the GPU tests ($GPU_TESTS, default all) on that lane's GPU first. Rows append to
+# $OUT/results-<gpu>.jsonl as each run ends; logs go to $OUT/lane-<gpu>.log. LANE_SECONDS
+# bounds every lane (default 560).
 # Usage: scripts/bench_lanes.sh "sdpa graphs-16k" "gputests continuous" ...
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1

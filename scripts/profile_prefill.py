@@ -17,7 +17,9 @@ from liteinfer import LLM, SamplingParams
 from liteinfer.bench.cli import parse_overrides
 from profile_decode import cuda_ms
 
-CATEGORIES = (("attention", ("_prefill_kernel",)), ("rope+kv", ("rope",)),
+# Attention first: SDPA's kernels (flash, cuDNN, cutlass fmha) would otherwise count as matmuls.
+CATEGORIES = (("attention", ("_prefill_kernel", "flash", "fmha", "sdpa", "attention")),
+              ("rope+kv", ("rope", "store_kv")),
               ("norm", ("rms_norm",)), ("silu", ("silu",)),
               ("matmul", ("gemm", "nvjet", "sm90", "cutlass", "cublas")))
 

@@ -11,20 +11,32 @@ import torch.distributed as dist
 from torch import nn
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's output rows split across tensor-parallel ranks."""
+class _ShardedLinear(nn.Module):
+    """y = x W^T with W split along `dim` across tensor-parallel ranks (0: output rows,
+    1: input columns); each rank holds and loads its own slice."""
 
-    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, in_features: int, out_features: int, tp_rank: int, tp_size: int,
+                 dim: int):
         super().__init__()
-        if out_features % tp_size:
-            raise ValueError(f"{out_features} output features do not split over {tp_size} ranks")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_features // tp_size, in_features))
+        shape = [out_features, in_features]
+        if shape[dim] % tp_size:
+            raise ValueError(f"{shape[dim]} {('output', 'input')[dim]} features do not split "
+                             f"over {tp_size} ranks")
+        shape[dim] //= tp_size
+        self.tp_rank, self.tp_size, self.dim = tp_rank, tp_size, dim
+        self.weight = nn.Parameter(torch.empty(shape))
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        rows = param.shape[0]
-        param.data.copy_(loaded[self.tp_rank * rows:(self.tp_rank + 1) * rows])
+        size = param.shape[self.dim]
+        param.data.copy_(loaded.narrow(self.dim, self.tp_rank * size, size))
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """y = x W^T with W's output rows split across tensor-parallel ranks."""
+
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(in_features, out_features, tp_rank, tp_size, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight)
@@ -56,20 +68,11 @@ class QKVParallelLinear(MergedColumnParallelLinear):
                                        "v": num_kv_heads * head_dim}, tp_rank, tp_size)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__()
-        if in_features % tp_size:
-            raise ValueError(f"{in_features} input features do not split over {tp_size} ranks")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size))
-        self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        cols = param.shape[1]
-        param.data.copy_(loaded[:, self.tp_rank * cols:(self.tp_rank + 1) * cols])
+        super().__init__(in_features, out_features, tp_rank, tp_size, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = nn.functional.linear(x, self.weight)

@@ -1,0 +1,37 @@
+"""Tensor-parallel slices of the linear layers: each rank loads its part of a checkpoint tensor."""
+import pytest
+import torch
+
+from liteinfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+
+def test_column_and_row_shards_tile_the_checkpoint_weight():
+    weight = torch.randn(8, 6)
+    rows = []
+    cols = []
+    for rank in range(2):
+        column = ColumnParallelLinear(6, 8, rank, 2)
+        column.weight.weight_loader(column.weight, weight)
+        rows.append(column.weight.detach())
+        row = RowParallelLinear(6, 8, rank, 2)
+        row.weight.weight_loader(row.weight, weight)
+        cols.append(row.weight.detach())
+    assert torch.equal(torch.cat(rows, 0), weight) and torch.equal(torch.cat(cols, 1), weight)
+
+
+def test_qkv_shards_take_their_heads_of_each_projection():
+    q, k, v = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)  # 4 q / 2 kv heads of 2
+    for rank in range(2):
+        qkv = QKVParallelLinear(4, 2, 4, 2, rank, 2)
+        for name, tensor in (("q", q), ("k", k), ("v", v)):
+            qkv.weight.weight_loader(qkv.weight, tensor, name)
+        expected = torch.cat([q[4 * rank:4 * rank + 4], k[2 * rank:2 * rank + 2],
+                              v[2 * rank:2 * rank + 2]])
+        assert torch.equal(qkv.weight.detach(), expected)
+
+
+def test_features_that_do_not_split_are_refused():
+    with pytest.raises(ValueError, match="5 output features do not split over 2 ranks"):
+        ColumnParallelLinear(6, 5, 0, 2)
+    with pytest.raises(ValueError, match="5 input features do not split over 2 ranks"):
+        RowParallelLinear(5, 6, 0, 2)

@@ -151,10 +151,6 @@ class LLM:
 
     def shutdown(self) -> None:
         """Releases the model and the KV pool (e.g. before loading another model)."""
-        import gc
-
-        import torch
+        from liteinfer.utils import free_device_memory
         del self.engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()

@@ -1,6 +1,7 @@
 """Small helpers shared by the engine's modules."""
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,3 +19,10 @@ def to_device(data: Sequence | np.ndarray, dtype: torch.dtype,
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def free_device_memory() -> None:
+    """Returns memory of objects just dropped (a model, a KV pool) to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

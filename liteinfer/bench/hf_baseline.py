@@ -2,7 +2,6 @@
 config with random bf16 weights, one static batch of `width` requests at a time."""
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ from liteinfer.bench.runner import make_row, progress, workload
 from liteinfer.bench.store import Row
 from liteinfer.bench.workloads import MIXED, SEED, WARMUP_SEED
 from liteinfer.loader import load_model_source
+from liteinfer.utils import free_device_memory
 
 _WARMUP_TOKENS = 16  # eager transformers captures nothing: a short batch warms CUDA and cuBLAS
 
@@ -32,9 +32,7 @@ class HFBaseline:
 
     def shutdown(self) -> None:
         del self.model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_device_memory()
 
 
 class TokenClock(BaseStreamer):

@@ -3,7 +3,9 @@
 
 Each kernel is first checked against a torch reference at the benchmarked shape, then timed
 with triton.testing.do_bench (median; L2 flushed between runs). Decode is also timed as a
-CUDA-graph replay, which is how the engine runs it. Prints a table; with $OUT set, also writes
+CUDA-graph replay, which is how the engine runs it, at 1, the engine's and 4x the engine's split
+width, and with this step's RoPE + KV write fused in (`decode+newkv`, the engine's path). Prefill
+is compared with the varlen FlashAttention path the engine takes for prompts with nothing cached. Prints a table; with $OUT set, also writes
 $OUT/kernels.json. `--sweep` additionally times alternative tile configurations.
 
     python scripts/bench_kernels.py [--sweep]
@@ -22,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
+from liteinfer.attention.base import AttentionMetadata
+from liteinfer.attention.triton_backend import _flash_varlen_causal
 from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
@@ -93,18 +97,34 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
         out = torch.empty_like(q)
         ref = decode_ref(q, k_cache, v_cache, tables, ctx)
         gbytes = 2 * batch * ctx * HKV * D * k_cache.element_size() / 1e9
-        for max_splits in sorted({1, dec.max_splits_for(batch, HKV, num_sms, waves)}):
+        policy = dec.max_splits_for(batch, HKV, num_sms, waves)
+        # The engine's path also rotates q and writes this step's K/V (already in the pool
+        # here: the last position of each row is rewritten with the same values).
+        last = lens.long() - 1
+        slots = tables[torch.arange(batch, device=DEV), last // BLOCK_SIZE].long() * BLOCK_SIZE \
+            + last % BLOCK_SIZE
+        new_kv = dec.NewKV(k_cache.view(-1, HKV, D)[slots], v_cache.view(-1, HKV, D)[slots],
+                           torch.zeros_like(last), slots, cos_sin_zero_rotation())
+        variants = [(m, None) for m in sorted({1, policy, dec.max_splits_for(
+            batch, HKV, num_sms, 4 * waves)})] + [(policy, new_kv)]
+        for max_splits, fused in variants:
             num_splits = dec.choose_num_splits(lens, max_splits)
 
             def run() -> torch.Tensor:
                 return dec.paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE,
-                                                  out, num_splits, max_splits, ws)
+                                                  out, num_splits, max_splits, ws, fused)
             err = check(run(), ref, 2e-2)
             ms, graph_ms = timed(run), do_bench_cudagraph(run, return_mode="median")
-            rows.append(dict(kernel="decode" + label, batch=batch, ctx=ctx,
-                             max_splits=max_splits, us=ms * 1e3, graph_us=graph_ms * 1e3,
-                             err=err, gbps=gbytes / (ms / 1e3),
+            rows.append(dict(kernel="decode" + ("+newkv" if fused else "") + label,
+                             batch=batch, ctx=ctx, max_splits=max_splits, us=ms * 1e3,
+                             graph_us=graph_ms * 1e3, err=err, gbps=gbytes / (ms / 1e3),
                              pct_peak=100 * gbytes / (ms / 1e3) / PEAK_GBS))
+
+
+def cos_sin_zero_rotation() -> torch.Tensor:
+    """A RoPE table whose position 0 is the identity (cos 1, sin 0), so that the fused decode
+    path's output can be checked against the same reference as the plain one."""
+    return torch.cat([torch.ones(1, D // 2), torch.zeros(1, D // 2)], dim=-1).to(DEV)
 
 
 def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "") -> None:
@@ -117,18 +137,20 @@ def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "") -> N
         def run() -> torch.Tensor:
             return pre.packed_prefill_attention(q, k_cache, v_cache, cu, lens, tables, SCALE,
                                                 out, length)
-        # KV heads repeated up front so that SDPA takes its flash-attention path.
-        q4 = q.view(nseq, length, HQ, D).transpose(1, 2)
-        k4, v4 = (contiguous_kv(c, tables, length).repeat_interleave(HQ // HKV, 1)
-                  for c in (k_cache, v_cache))
+        # The engine's path for prompts with nothing cached: packed K/V straight from the
+        # projection into varlen FlashAttention.
+        k, v = (contiguous_kv(c, tables, length).transpose(1, 2).reshape(-1, HKV, D)
+                for c in (k_cache, v_cache))
+        meta = AttentionMetadata(is_prefill=True, slot_mapping=cu, context_lens=lens,
+                                 block_tables=tables, cu_seqlens_q=cu, max_seqlen_q=length)
 
-        def sdpa() -> torch.Tensor:
-            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=SCALE)
-        err = check(run(), sdpa().transpose(1, 2).reshape_as(q), 2e-2)
-        ms, sdpa_ms = timed(run), timed(sdpa)
+        def flash() -> torch.Tensor:
+            return _flash_varlen_causal(q, k, v, meta, SCALE)
+        err = check(run(), flash(), 2e-2)
+        ms, flash_ms = timed(run), timed(flash)
         tflop = 4 * nseq * length * (length + 1) / 2 * HQ * D / 1e12
         rows.append(dict(kernel="prefill" + label, batch=nseq, ctx=length, us=ms * 1e3,
-                         err=err, tflops=tflop / (ms / 1e3), sdpa_tflops=tflop / (sdpa_ms / 1e3)))
+                         err=err, tflops=tflop / (ms / 1e3), flash_tflops=tflop / (flash_ms / 1e3)))
 
 
 def bench_elementwise(rows: list[dict]) -> None:
@@ -189,7 +211,7 @@ def sweep(rows: list[dict], num_sms: int) -> None:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "gbps", "pct_peak",
-            "tflops", "sdpa_tflops", "err"]
+            "tflops", "flash_tflops", "err"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = {float: "{:.3g}", int: "{}", str: "{}"}
     cells = [[fmt[type(r[c])].format(r[c]) if c in r else "" for c in cols] for r in rows]

@@ -7,6 +7,11 @@ directly. Otherwise each program writes an fp32 partial output and its log-sum-e
 workspace and bumps its (sequence, KV head) arrival counter; the program that arrives last merges
 the partials and resets the counter, so split-K costs one launch. The grid is fixed at
 (B, Hkv, max_splits) so CUDA graphs can replay it; programs past a row's split count exit at once.
+
+Given this step's un-rotated key/value (`NewKV`), the kernel also does the work of a separate
+RoPE + KV-write launch: every program rotates its query rows in registers, and the program whose
+range holds the row's last KV position rotates the new key and writes it and the value into the
+pool before it reads its tiles. That saves one launch per layer in every decode step.
 """
 from __future__ import annotations
 
@@ -59,14 +64,26 @@ def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
 
 
 @triton.jit
+def _rope_rows(ptrs, d, mask, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Loads rows x at `ptrs` (+ d) and returns x * cos + rotate_half(x) * sin in fp32
+    (HF Llama layout; cos/sin repeated over both halves)."""
+    x = tl.load(ptrs + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptrs + ((d + HALF) % HEAD_DIM)[None, :], mask=mask, other=0.0)
+    rotated = tl.where(d < HALF, -partner.to(tl.float32), partner.to(tl.float32))
+    return x * cos[None, :] + rotated * sin[None, :]
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_splits_ptr,
                    out_ptr, part_out, part_lse, counters, qk_scale, max_splits,
+                   k_new, v_new, pos_ptr, slot_ptr, cos_sin,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_slot, stride_ch,
                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_cb,
+                   stride_kb, stride_kh, stride_vb, stride_vh, stride_cs,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -86,8 +103,30 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     h_mask = offs_h < G
     heads = kvh * G + offs_h
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=h_mask[:, None], other=0.0)
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    if NEW_KV:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        cos = tl.load(cos_sin + pos * stride_cs + d % HALF)
+        sin = tl.load(cos_sin + pos * stride_cs + HALF + d % HALF)
+        # Rounded to the cache dtype, as a separate RoPE kernel would store it.
+        q = _rope_rows(q_ptrs, d, h_mask[:, None], cos, sin, HALF, HEAD_DIM)
+        q = q.to(k_cache.dtype.element_ty)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        # The new token is the row's last KV position: the split whose range holds it writes it
+        # (padding rows have slot -1). The barrier makes the write visible to all the
+        # program's threads before they load their tiles.
+        owner = (ctx - 1) // tl.maximum(tiles_per_split * BLOCK_N, 1)
+        if (slot >= 0) & (split == owner):
+            k = _rope_rows(k_new + b * stride_kb + kvh * stride_kh, d, d[None, :] < HEAD_DIM,
+                           cos, sin, HALF, HEAD_DIM)
+            v = tl.load(v_new + b * stride_vb + kvh * stride_vh + d)
+            dst = slot * stride_slot + kvh * stride_ch + d
+            tl.store(k_cache + dst[None, :], k.to(k_cache.dtype.element_ty))
+            tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty))
+            tl.debug_barrier()
+    else:
+        q = tl.load(q_ptrs + d[None, :], mask=h_mask[:, None], other=0.0)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -164,6 +203,19 @@ def _merge_splits(part_out, part_lse, out_ptr, b, kvh, n_splits,
              o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
+@dataclass(frozen=True)
+class NewKV:
+    """This step's key and value rows ([B, Hkv, D], not yet rotated), written into the pool by
+    the decode kernel at `slots` (int [B], -1 = padding row) as each row's last KV position,
+    after RoPE at `positions` (int [B]) with cos_sin_cache (fp32 [max_pos, D], cos | sin)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cos_sin_cache: torch.Tensor
+
+
 @dataclass
 class DecodeWorkspace:
     """Preallocated split-K buffers, reused every step and layer (nothing is allocated per call;
@@ -204,14 +256,15 @@ def choose_num_splits(context_lens: torch.Tensor, max_splits: int,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor, num_splits: torch.Tensor | None = None,
-                           max_splits: int = 1,
-                           workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+                           max_splits: int = 1, workspace: DecodeWorkspace | None = None,
+                           new_kv: NewKV | None = None) -> torch.Tensor:
     """q, out: [B, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D];
     block_tables: int32 [B, max_blocks]; context_lens: int32 [B], 0 for padding rows (their
     output rows are zeros). With max_splits > 1, num_splits (int32 [B], see choose_num_splits;
     computed here when None) and a workspace with at least B rows and max_splits splits are
     used; rows never read splits past their own count. The workspace's counters must be zero,
-    as allocated; every launch leaves them so. Returns out."""
+    as allocated; every launch leaves them so. With new_kv, q is rotated in registers (q itself
+    is left as it is) and the new key/value are written before they are read. Returns out."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
@@ -232,17 +285,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         assert counters.shape[0] >= batch and counters.shape[1] >= num_kv_heads
     else:  # unread placeholders
         num_splits, part_out, part_lse, counters = context_lens, out, out, context_lens
+    if new_kv is not None:
+        key, value, cos_sin = new_kv.key, new_kv.value, new_kv.cos_sin_cache
+        assert key.shape == value.shape == (batch, num_kv_heads, head_dim)
+        assert key.stride(-1) == 1 and value.stride(-1) == 1 and cos_sin.stride(-1) == 1
+        assert new_kv.positions.shape == new_kv.slots.shape == (batch,)
+        assert cos_sin.shape[1] == head_dim
+        pos, slots = new_kv.positions, new_kv.slots
+    else:  # unread placeholders
+        key = value = q
+        pos = slots = cos_sin = context_lens
     block_g = triton.next_power_of_2(group)
     block_s = triton.next_power_of_2(max_splits)
     _decode_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_splits, out, part_out, part_lse,
-        counters, scale * LOG2E, max_splits, q.stride(0), q.stride(1), out.stride(0),
+        counters, scale * LOG2E, max_splits, key, value, pos, slots, cos_sin,
+        q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), counters.stride(0),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos_sin.stride(0),
         G=group, HEAD_DIM=head_dim, BLOCK_H=max(16, block_g), BLOCK_N=tiles.block_n,
         BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1, BLOCK_G=block_g, BLOCK_S=block_s,
         CHUNK_S=min(block_s, max(1, MERGE_TILE // (block_g * head_dim))),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        NEW_KV=new_kv is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from liteinfer.kernels.decode_attention import (DecodeWorkspace, choose_num_splits,
+from liteinfer.kernels.decode_attention import (DecodeWorkspace, NewKV, choose_num_splits,
                                                 max_splits_for, paged_decode_attention)
+from liteinfer.layers.rotary import cos_sin_cache
 
 
 def _contexts(full: bool, block_size: int, batch: int = 16) -> list[int]:
@@ -123,3 +124,54 @@ def test_split_policy():
     lens = torch.tensor([0, 1, 256, 257, 5000, 100000], dtype=torch.int32)
     n = choose_num_splits(lens, max_splits=16, min_tokens_per_split=256)
     assert n.dtype == torch.int32 and n.tolist() == [1, 1, 1, 2, 16, 16]
+
+
+def _rope64(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """float64 HF rotate_half RoPE of x [B, H, D] at one position per row."""
+    cos, sin = cos_sin[positions.long()].double().unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = x.double().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("max_splits", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_writes_new_token(PagedKV, attention_ref, assert_close, needs_dot, device, full,
+                                 group, max_splits, dtype):
+    """With NewKV the kernel rotates q and the new key, writes key and value at the row's last
+    KV position (poisoned with NaN until then, so reading it unwritten fails), and attends over
+    it. Per-row split counts put that position in first, middle and last splits."""
+    needs_dot(dtype)
+    contexts = _contexts(full, 16, batch=24) if full else [1, 16, 129, 300, 0, 257]
+    num_kv_heads, head_dim, batch = (8 if full else 2), 64, len(contexts)
+    num_q_heads = num_kv_heads * group
+    kv = PagedKV(contexts, num_kv_heads, head_dim, 16, dtype, device)
+    last = torch.tensor([kv.slots(b)[-1].item() if c else -1 for b, c in enumerate(contexts)],
+                        device=device)
+    kv.k_cache.view(-1, num_kv_heads, head_dim)[last[last >= 0]] = float("nan")
+    kv.v_cache.view(-1, num_kv_heads, head_dim)[last[last >= 0]] = float("nan")
+    # q, k, v as strided views of one projection output, as the model produces them.
+    qkv = torch.randn(batch, num_q_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    q_before = q.clone()
+    cos_sin = cos_sin_cache(head_dim, 1 << 15, 500000.0, None, device)
+    positions = torch.randint(0, 1 << 15, (batch,), device=device)
+    num_splits = torch.randint(1, max_splits + 1, (batch,), dtype=torch.int32, device=device)
+    ws = _workspace(batch, num_q_heads, head_dim, max_splits, device)
+    out = torch.full_like(q, float("nan"))
+    scale = 1 / math.sqrt(head_dim)
+    paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, scale,
+                           out, num_splits, max_splits, ws,
+                           NewKV(k, v, positions, last, cos_sin))
+    assert torch.equal(q, q_before), "q is rotated in registers, not in place"
+    assert (ws.counters == 0).all()
+    rows = [b for b, c in enumerate(contexts) if c > 0]
+    assert (out[[b for b in range(batch) if b not in rows]] == 0).all()
+    pool_k = kv.k_cache.view(-1, num_kv_heads, head_dim)
+    pool_v = kv.v_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(pool_v[last[rows]], v[rows])
+    assert_close(pool_k[last[rows]], _rope64(k[rows], positions[rows], cos_sin))
+    q_rot = _rope64(q, positions, cos_sin)
+    ref = torch.stack([attention_ref(q_rot[b:b + 1], *kv.kv64(b, num_q_heads), contexts[b] - 1,
+                                     scale)[0] for b in rows])
+    assert_close(out[rows], ref, dtype)

@@ -5,7 +5,8 @@ Each kernel is first checked against a torch reference at the benchmarked shape,
 with triton.testing.do_bench (median; L2 flushed between runs). Decode is also timed as a
 CUDA-graph replay, which is how the engine runs it, at 1, the engine's and 4x the engine's split
 width, and with this step's RoPE + KV write fused in (`decode+newkv`, the engine's path). Prefill
-is compared with the varlen FlashAttention path the engine takes for prompts with nothing cached. Prints a table; with $OUT set, also writes
+is compared with torch's SDPA (the engine's path for a lone prompt with nothing cached) and with
+PyTorch's varlen FlashAttention-2 on the packed projections. Prints a table; with $OUT set, also writes
 $OUT/kernels.json. `--sweep` additionally times alternative tile configurations.
 
     python scripts/bench_kernels.py [--sweep]
@@ -24,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
-from liteinfer.attention.base import AttentionMetadata
-from liteinfer.attention.triton_backend import _flash_varlen_causal
 from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
@@ -137,20 +136,27 @@ def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "") -> N
         def run() -> torch.Tensor:
             return pre.packed_prefill_attention(q, k_cache, v_cache, cu, lens, tables, SCALE,
                                                 out, length)
-        # The engine's path for prompts with nothing cached: packed K/V straight from the
-        # projection into varlen FlashAttention.
+        # SDPA as the engine calls it (KV heads repeated up front), and varlen FlashAttention-2
+        # on the packed projections with grouped heads as they are.
+        q4 = q.view(nseq, length, HQ, D).transpose(1, 2)
+        k4, v4 = (contiguous_kv(c, tables, length).repeat_interleave(HQ // HKV, 1)
+                  for c in (k_cache, v_cache))
         k, v = (contiguous_kv(c, tables, length).transpose(1, 2).reshape(-1, HKV, D)
                 for c in (k_cache, v_cache))
-        meta = AttentionMetadata(is_prefill=True, slot_mapping=cu, context_lens=lens,
-                                 block_tables=tables, cu_seqlens_q=cu, max_seqlen_q=length)
 
-        def flash() -> torch.Tensor:
-            return _flash_varlen_causal(q, k, v, meta, SCALE)
-        err = check(run(), flash(), 2e-2)
-        ms, flash_ms = timed(run), timed(flash)
+        def sdpa() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=SCALE)
+
+        def flash_varlen() -> torch.Tensor:
+            return torch.ops.aten._flash_attention_forward(
+                q, k, v, cu, cu, length, length, 0.0, True, False, scale=SCALE)[0]
+        err = check(run(), sdpa().transpose(1, 2).reshape_as(q), 2e-2)
+        check(flash_varlen(), sdpa().transpose(1, 2).reshape_as(q), 2e-2)
+        ms, sdpa_ms, flash_ms = timed(run), timed(sdpa), timed(flash_varlen)
         tflop = 4 * nseq * length * (length + 1) / 2 * HQ * D / 1e12
         rows.append(dict(kernel="prefill" + label, batch=nseq, ctx=length, us=ms * 1e3,
-                         err=err, tflops=tflop / (ms / 1e3), flash_tflops=tflop / (flash_ms / 1e3)))
+                         err=err, tflops=tflop / (ms / 1e3), sdpa_tflops=tflop / (sdpa_ms / 1e3),
+                         flash_varlen_tflops=tflop / (flash_ms / 1e3)))
 
 
 def bench_elementwise(rows: list[dict]) -> None:
@@ -211,7 +217,7 @@ def sweep(rows: list[dict], num_sms: int) -> None:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "gbps", "pct_peak",
-            "tflops", "flash_tflops", "err"]
+            "tflops", "sdpa_tflops", "flash_varlen_tflops", "err"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = {float: "{:.3g}", int: "{}", str: "{}"}
     cells = [[fmt[type(r[c])].format(r[c]) if c in r else "" for c in cols] for r in rows]

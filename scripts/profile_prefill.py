@@ -59,10 +59,13 @@ def main() -> None:
                 runner.execute(batch)
                 torch.cuda.synchronize()
         by_cat: dict[str, float] = {}
+        attention_kernels: set[str] = set()  # which implementation ran (SDPA picks its own)
         for ev in prof.key_averages():
             if ev.device_type.name == "CUDA":
                 c = category(ev.key)
                 by_cat[c] = by_cat.get(c, 0.0) + ev.device_time_total / 1e3
+                if c == "attention":
+                    attention_kernels.add(ev.key[:80])
         matmul_tflop = per_token * nseq * length / 1e12
         attn_tflop = 4 * nseq * length * (length + 1) / 2 * cfg.num_attention_heads \
             * cfg.head_dim * cfg.num_hidden_layers / 1e12
@@ -70,7 +73,8 @@ def main() -> None:
                "kernel_ms": {c: round(t, 2) for c, t in sorted(by_cat.items(),
                                                                key=lambda kv: -kv[1])},
                "matmul_tflops": round(matmul_tflop / by_cat.get("matmul", float("nan")) * 1e3),
-               "attention_tflops": round(attn_tflop / by_cat.get("attention", float("nan")) * 1e3)}
+               "attention_tflops": round(attn_tflop / by_cat.get("attention", float("nan")) * 1e3),
+               "attention_kernels": sorted(attention_kernels)}
         report[f"{nseq}x{length}"] = row
         print(row, flush=True)
         for i in range(nseq):

@@ -247,3 +247,16 @@ def test_generation_config_supplies_default_sampling(tiny_llama_dir, tmp_path):
     params = llm.default_sampling_params()
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 0)
 
+
+def test_lone_prompts_prefilled_through_sdpa_match_transformers(tiny_llama_dir, prompts,
+                                                                 reference, monkeypatch):
+    import liteinfer.attention.triton_backend as triton_backend
+    calls = []
+    sdpa = triton_backend._causal_sdpa
+    monkeypatch.setattr(triton_backend, "_causal_sdpa", lambda *a: calls.append(1) or sdpa(*a))
+    # One sequence a step, so every prompt is prefilled alone, with nothing cached.
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
+                    attention_backend="triton", max_num_seqs=1)
+    llm.engine.runner.backend.sdpa_min_tokens = 1
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+    assert len(calls) == len(prompts) * llm.engine.model_config.num_hidden_layers

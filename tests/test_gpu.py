@@ -70,12 +70,22 @@ def test_fp32_token_for_token(model_dir, prompts, fp32_reference, name):
     assert alone == fp32_reference[0]
 
 
-# splitk and padded prefill fresh prompts through FlashAttention; chunked continues prompts
-# through the packed Triton kernel.
-@pytest.mark.parametrize("name", ["sdpa", "paged-attn", "splitk", "padded", "chunked"])
+def test_fp32_lone_prompts_through_sdpa(model_dir, prompts, fp32_reference):
+    llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=1)
+    llm.engine.runner.backend.sdpa_min_tokens = 1  # every prompt: prefilled alone, nothing cached
+    outputs = llm.generate(prompts, greedy(20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == fp32_reference
+
+
+# chunked continues prompts over their cached prefix through the packed Triton kernel.
+@pytest.mark.parametrize("name", ["sdpa", "paged-attn", "splitk", "padded", "chunked", "lone-sdpa"])
 def test_bf16_within_tolerance(model_dir, prompts, name):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    llm = build_llm(str(model_dir), dtype="bfloat16", max_model_len=1024, **CONFIGS[name])
+    lone = name == "lone-sdpa"
+    llm = build_llm(str(model_dir), dtype="bfloat16", max_model_len=1024,
+                    **({"max_num_seqs": 1} if lone else CONFIGS[name]))
+    if lone:
+        llm.engine.runner.backend.sdpa_min_tokens = 1
     outputs = llm.generate(prompts[:16], greedy(24, logprobs=5), use_tqdm=False)
     checked = steps = 0
     for prompt, out in zip(prompts[:16], outputs):

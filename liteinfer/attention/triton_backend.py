@@ -1,47 +1,59 @@
 """Attention through liteinfer's Triton kernels: paged decode with RoPE and the KV write fused in,
-packed prefill over the pool, and FlashAttention-2 for prompts with nothing cached."""
+packed prefill over the pool, and torch's fused SDPA for a lone long prompt."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from liteinfer.attention.base import AttentionBackend, AttentionMetadata
 from liteinfer.kernels.decode_attention import NewKV, paged_decode_attention
 from liteinfer.kernels.kv_cache import rope_store_kv
 from liteinfer.kernels.prefill_attention import packed_prefill_attention
 
+# Never the math backend: at 15k tokens it would materialize 30 GB of scores.
+_FUSED_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+               SDPBackend.EFFICIENT_ATTENTION]
+
 
 class TritonBackend(AttentionBackend):
-    """A prefill step in which no prompt has cached tokens (every query attends only to keys of
-    the same step) runs, in fp16/bf16 on CUDA, through PyTorch's varlen FlashAttention-2 kernel
-    on the packed projections: on the H200 it reaches ~470 TFLOP/s on a 15k-token prompt where
-    the paged kernel reaches 361 (scripts/bench_kernels.py). Steps that continue a prompt (chunked
-    prefill) read their prefix from the pool through the packed Triton kernel."""
+    """A step that prefills one prompt of at least `sdpa_min_tokens` with nothing cached goes
+    through torch's fused SDPA on the contiguous projections instead: on the H200 it reaches
+    469 TFLOP/s on a 15k-token prompt where the paged kernel reaches 361, and PyTorch's varlen
+    FlashAttention-2 (which would take several prompts at once) only 300
+    (scripts/bench_kernels.py, NOTES.md)."""
+
+    def __init__(self, sdpa_min_tokens: int = 1024):
+        self.sdpa_min_tokens = sdpa_min_tokens
 
     def forward(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
         if not meta.is_prefill:
             new_kv = NewKV(k, v, positions, meta.slot_mapping, cos_sin_cache)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                          meta.context_lens, scale, torch.empty_like(q),
+                                          meta.context_lens, scale, out,
                                           num_splits=meta.num_splits, max_splits=meta.max_splits,
                                           workspace=meta.workspace, new_kv=new_kv)
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-        if _flash_supported(q) and meta.query_lens_host == meta.context_lens_host:
-            return _flash_varlen_causal(q, k, v, meta, scale)
+        if self._lone_fresh_prompt(meta):
+            return _causal_sdpa(q, k, v, scale)
         return packed_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
-                                        meta.context_lens, meta.block_tables, scale,
-                                        torch.empty_like(q), meta.max_seqlen_q)
+                                        meta.context_lens, meta.block_tables, scale, out,
+                                        meta.max_seqlen_q)
+
+    def _lone_fresh_prompt(self, meta: AttentionMetadata) -> bool:
+        (q_len, *rest), ctx = meta.query_lens_host, meta.context_lens_host[0]
+        return not rest and q_len == ctx >= self.sdpa_min_tokens
 
 
-def _flash_supported(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-
-
-def _flash_varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's rotated q [T, Hq, D] over its own k/v [T, Hkv, D]
-    (grouped-query heads natively). The aten op is the one behind SDPA's flash backend and
-    torch.nn.attention.varlen, whose Python signature differs between torch releases."""
-    cu = meta.cu_seqlens_q
-    return torch.ops.aten._flash_attention_forward(
-        q, k, v, cu, cu, meta.max_seqlen_q, meta.max_seqlen_q, 0.0, True, False, scale=scale)[0]
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's rotated q [T, Hq, D] over its k/v [T, Hkv, D]. KV
+    heads are repeated up front: with enable_gqa SDPA may fall back to its math path."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1).transpose(0, 1)[None] for t in (k, v))
+    with sdpa_kernel(_FUSED_SDPA):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True,
+                                             scale=scale)
+    return out[0].transpose(0, 1)

@@ -59,30 +59,3 @@ def test_prefill_full_shapes(PagedKV, attention_ref, assert_close, device, seqs)
     if device != "cuda":
         pytest.skip("full shapes run on the GPU")
     _check(PagedKV, attention_ref, assert_close, seqs, 32, 8, 64, 16, torch.bfloat16, device)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_flash_varlen_prefill(attention_ref, assert_close, device, group, head_dim, dtype):
-    """The Triton backend's path for prompts with nothing cached: packed q/k/v straight from the
-    projection, grouped-query heads, ragged lengths crossing tile edges."""
-    if device != "cuda":
-        pytest.skip("FlashAttention runs on CUDA only")
-    from liteinfer.attention.base import AttentionMetadata
-    from liteinfer.attention.triton_backend import _flash_varlen_causal
-    lens, num_kv_heads = [1, 127, 2048, 129, 700, 15], 32 // group
-    num_q_heads = num_kv_heads * group
-    cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
-    qkv = torch.randn(sum(lens), num_q_heads + 2 * num_kv_heads, head_dim, dtype=dtype,
-                      device=device)
-    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
-    meta = AttentionMetadata(is_prefill=True, slot_mapping=cu, context_lens=cu, block_tables=cu,
-                             cu_seqlens_q=cu, max_seqlen_q=max(lens))
-    scale = 1 / math.sqrt(head_dim)
-    out = _flash_varlen_causal(q, k, v, meta, scale)
-    ref = torch.cat([attention_ref(q[a:b], k[a:b].repeat_interleave(group, 1).double(),
-                                   v[a:b].repeat_interleave(group, 1).double(), 0, scale)
-                     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
-    assert_close(out, ref)

@@ -115,6 +115,34 @@ def _attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos:
     return torch.cat(outs)
 
 
+def _rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """float64 HF rotate_half RoPE of x [T, H, D], one position per token."""
+    cos, sin = cos_sin[positions.long()].double().unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = x.double().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _qkv_views(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype, device: str):
+    """q, k, v as strided views of one fused projection output, as the model produces them."""
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype,
+                      device=device)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    return (q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+@pytest.fixture(name="qkv_views")
+def qkv_views_fixture():
+    return _qkv_views
+
+
+@pytest.fixture(name="rope_ref")
+def rope_ref_fixture():
+    return _rope_ref
+
+
 @pytest.fixture(name="assert_close")
 def assert_close_fixture():
     return _assert_close

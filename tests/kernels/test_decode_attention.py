@@ -126,18 +126,11 @@ def test_split_policy():
     assert n.dtype == torch.int32 and n.tolist() == [1, 1, 1, 1, 2, 4, 16, 16]
 
 
-def _rope64(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """float64 HF rotate_half RoPE of x [B, H, D] at one position per row."""
-    cos, sin = cos_sin[positions.long()].double().unsqueeze(1).chunk(2, dim=-1)
-    x1, x2 = x.double().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("max_splits", [1, 4, 8])
 @pytest.mark.parametrize("group", [1, 4])
-def test_decode_writes_new_token(PagedKV, attention_ref, assert_close, needs_dot, device, full,
-                                 group, max_splits, dtype):
+def test_decode_writes_new_token(PagedKV, attention_ref, rope_ref, qkv_views, assert_close,
+                                 needs_dot, device, full, group, max_splits, dtype):
     """With NewKV the kernel rotates q and the new key, writes key and value at the row's last
     KV position (poisoned with NaN until then, so reading it unwritten fails), and attends over
     it. Per-row split counts put that position in first, middle and last splits."""
@@ -150,9 +143,7 @@ def test_decode_writes_new_token(PagedKV, attention_ref, assert_close, needs_dot
                         device=device)
     kv.k_cache.view(-1, num_kv_heads, head_dim)[last[last >= 0]] = float("nan")
     kv.v_cache.view(-1, num_kv_heads, head_dim)[last[last >= 0]] = float("nan")
-    # q, k, v as strided views of one projection output, as the model produces them.
-    qkv = torch.randn(batch, num_q_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
-    q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    q, k, v = qkv_views(batch, num_q_heads, num_kv_heads, head_dim, dtype, device)
     q_before = q.clone()
     cos_sin = cos_sin_cache(head_dim, 1 << 15, 500000.0, None, device)
     positions = torch.randint(0, 1 << 15, (batch,), device=device)
@@ -170,8 +161,8 @@ def test_decode_writes_new_token(PagedKV, attention_ref, assert_close, needs_dot
     pool_k = kv.k_cache.view(-1, num_kv_heads, head_dim)
     pool_v = kv.v_cache.view(-1, num_kv_heads, head_dim)
     assert torch.equal(pool_v[last[rows]], v[rows])
-    assert_close(pool_k[last[rows]], _rope64(k[rows], positions[rows], cos_sin))
-    q_rot = _rope64(q, positions, cos_sin)
+    assert_close(pool_k[last[rows]], rope_ref(k[rows], positions[rows], cos_sin))
+    q_rot = rope_ref(q, positions, cos_sin)
     ref = torch.stack([attention_ref(q_rot[b:b + 1], *kv.kv64(b, num_q_heads), contexts[b] - 1,
                                      scale)[0] for b in rows])
     assert_close(out[rows], ref, dtype)

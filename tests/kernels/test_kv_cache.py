@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from liteinfer.kernels.kv_cache import rope_store_kv, store_kv
+from liteinfer.layers.rotary import cos_sin_cache
 
 DTYPES = [torch.float16, torch.float32, torch.bfloat16]
 
@@ -26,30 +27,13 @@ def _expected_pool(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor)
     return expected
 
 
-def _qkv(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-         dtype: torch.dtype, device: str):
-    """q, k, v as strided views of one fused projection output, as the model produces them."""
-    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype,
-                      device=device)
-    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim,
-                         num_kv_heads * head_dim], dim=-1)
-    return (q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-            v.view(num_tokens, num_kv_heads, head_dim))
-
-
-def _rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_sin[positions.long()].double().unsqueeze(1).chunk(2, dim=-1)
-    x1, x2 = x.double().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_store_kv(device, full, block_size, dtype, slot_dtype):
+def test_store_kv(qkv_views, device, full, block_size, dtype, slot_dtype):
     num_tokens, heads, dim = (4096, 8, 128) if full else (37, 2, 64)
     k_cache, v_cache, slots = _pool(num_tokens, heads, dim, block_size, dtype, device, slot_dtype)
-    _, key, value = _qkv(num_tokens, heads, heads, dim, dtype, device)
+    _, key, value = qkv_views(num_tokens, heads, heads, dim, dtype, device)
     expected_k = _expected_pool(k_cache, slots, key)
     expected_v = _expected_pool(v_cache, slots, value)
     store_kv(key, value, k_cache, v_cache, slots)
@@ -59,16 +43,14 @@ def test_store_kv(device, full, block_size, dtype, slot_dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_rope_store_kv(assert_close, device, full, group, head_dim, dtype):
+def test_rope_store_kv(assert_close, rope_ref, qkv_views, device, full, group, head_dim, dtype):
     num_tokens, heads = (4096, 32 // group) if full else (19, 2)
     k_cache, v_cache, slots = _pool(num_tokens, heads, head_dim, 16, dtype, device, torch.int64)
-    q, k, v = _qkv(num_tokens, heads * group, heads, head_dim, dtype, device)
+    q, k, v = qkv_views(num_tokens, heads * group, heads, head_dim, dtype, device)
     max_pos = 1 << 15
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device=device) / head_dim)
-    freqs = torch.outer(torch.arange(max_pos, device=device, dtype=torch.float32), inv_freq)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos_sin = cos_sin_cache(head_dim, max_pos, 500000.0, None, device)
     positions = torch.randint(0, max_pos, (num_tokens,), device=device, dtype=torch.int32)
-    q_ref, k_ref = _rope_ref(q, positions, cos_sin), _rope_ref(k, positions, cos_sin)
+    q_ref, k_ref = rope_ref(q, positions, cos_sin), rope_ref(k, positions, cos_sin)
     expected_v = _expected_pool(v_cache, slots, v)
     k_cache_before = k_cache.clone()
 

@@ -28,19 +28,18 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
         if not meta.is_prefill:
             new_kv = NewKV(k, v, positions, meta.slot_mapping, cos_sin_cache)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                          meta.context_lens, scale, out,
+                                          meta.context_lens, scale, torch.empty_like(q),
                                           num_splits=meta.num_splits, max_splits=meta.max_splits,
                                           workspace=meta.workspace, new_kv=new_kv)
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         if self._lone_fresh_prompt(meta):
             return _causal_sdpa(q, k, v, scale)
         return packed_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
-                                        meta.context_lens, meta.block_tables, scale, out,
-                                        meta.max_seqlen_q)
+                                        meta.context_lens, meta.block_tables, scale,
+                                        torch.empty_like(q), meta.max_seqlen_q)
 
     def _lone_fresh_prompt(self, meta: AttentionMetadata) -> bool:
         (q_len, *rest), ctx = meta.query_lens_host, meta.context_lens_host[0]

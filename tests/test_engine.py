@@ -260,3 +260,17 @@ def test_lone_prompts_prefilled_through_sdpa_match_transformers(tiny_llama_dir, 
     llm.engine.runner.backend.sdpa_min_tokens = 1
     assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
     assert len(calls) == len(prompts) * llm.engine.model_config.num_hidden_layers
+
+
+def test_one_sequence_steps_through_fused_gemv_match_transformers(tiny_llama_dir, prompts,
+                                                                   reference, monkeypatch):
+    import liteinfer.kernels.gemv as gemv_kernels
+    calls = []
+    gemv = gemv_kernels.gemv
+    monkeypatch.setattr(gemv_kernels, "gemv", lambda *a, **kw: calls.append(1) or gemv(*a, **kw))
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
+                    attention_backend="triton", max_num_seqs=1)
+    assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
+    # Every decode step: qkv, o, gate/up and down of each layer, then the LM head.
+    per_step = 4 * llm.engine.model_config.num_hidden_layers + 1
+    assert len(calls) >= len(prompts) * (MAX_NEW - 1) * per_step

@@ -9,7 +9,7 @@ from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
-from liteinfer.models.llama import LlamaForCausalLM
+from liteinfer.models.llama import LayerOps, LlamaForCausalLM
 from liteinfer.utils import cdiv, to_device
 
 
@@ -54,7 +54,9 @@ class ModelRunner:
             # Parameters are created on the device and filled tensor by tensor: the checkpoint
             # is never held twice.
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.model_config, self.backend, self.use_triton)
+                ops = LayerOps(triton=self.use_triton,
+                               gemv=self.use_triton and self.config.gemv_decode)
+                model = LlamaForCausalLM(self.model_config, self.backend, ops)
         finally:
             torch.set_default_dtype(default_dtype)
         if load_format == "dummy":

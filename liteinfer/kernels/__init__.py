@@ -1,3 +1,16 @@
 """Triton kernels: paged KV cache writes (with fused RoPE), paged decode attention (which also
-rotates and writes the step's own K/V), packed prefill attention, RMSNorm and SiLU-and-mul.
+rotates and writes the step's own K/V), packed prefill attention, one-token linear layers with
+RMSNorm and SiLU-and-mul fused in, and the standalone RMSNorm and SiLU-and-mul.
 Import the submodules directly; importing this package pulls in nothing heavy."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel launched while the previous one finishes, waiting
+    in-kernel with griddepcontrol) needs a Hopper-or-later CUDA device."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

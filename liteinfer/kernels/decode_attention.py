@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from liteinfer.kernels import supports_pdl
 from liteinfer.kernels.kv_cache import paged_kv_offsets
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
@@ -83,7 +84,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-                   NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # launched while the previous kernel finishes: wait for it before any read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -302,6 +306,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         pos = slots = cos_sin = context_lens
     block_g = triton.next_power_of_2(group)
     block_s = triton.next_power_of_2(max_splits)
+    pdl = supports_pdl(q.device)
     _decode_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_splits, out, part_out, part_lse,
         counters, scale * LOG2E, max_splits, key, value, pos, slots, cos_sin,
@@ -313,6 +318,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         G=group, HEAD_DIM=head_dim, BLOCK_H=max(16, block_g), BLOCK_N=tiles.block_n,
         BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1, BLOCK_G=block_g, BLOCK_S=block_s,
         CHUNK_S=min(block_s, max(1, MERGE_TILE // (block_g * head_dim))),
-        NEW_KV=new_kv is not None, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        NEW_KV=new_kv is not None, DOT_PRECISION=dot_precision(q.dtype), USE_PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out

@@ -3,12 +3,21 @@
 Fused projections (q/k/v, gate/up) are one matmul each; their `weight_loader` copies each
 checkpoint shard into its rows. The tensor-parallel split (column or row) is a constructor
 argument so sharded serving reuses these classes; with tp_size 1 they are plain linears.
+
+With `use_gemv`, a one-token input (a decode step of one sequence) goes through the fused GEMV
+kernel (kernels/gemv.py), which also absorbs the RMSNorm in front of a projection and the SwiGLU
+behind gate/up; `forward_normed` is the entry point that lets it.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
 
 
 class _ShardedLinear(nn.Module):
@@ -16,7 +25,7 @@ class _ShardedLinear(nn.Module):
     1: input columns); each rank holds and loads its own slice."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int, tp_size: int,
-                 dim: int):
+                 dim: int, use_gemv: bool):
         super().__init__()
         shape = [out_features, in_features]
         if shape[dim] % tp_size:
@@ -24,8 +33,18 @@ class _ShardedLinear(nn.Module):
                              f"over {tp_size} ranks")
         shape[dim] //= tp_size
         self.tp_rank, self.tp_size, self.dim = tp_rank, tp_size, dim
+        self.use_gemv = use_gemv
         self.weight = nn.Parameter(torch.empty(shape))
         self.weight.weight_loader = self.weight_loader
+
+    def _one_token(self, x: torch.Tensor) -> bool:
+        return self.use_gemv and x.shape[0] == 1
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._one_token(x):
+            from liteinfer.kernels.gemv import gemv
+            return gemv(x, self.weight)
+        return nn.functional.linear(x, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         size = param.shape[self.dim]
@@ -35,19 +54,36 @@ class _ShardedLinear(nn.Module):
 class ColumnParallelLinear(_ShardedLinear):
     """y = x W^T with W's output rows split across tensor-parallel ranks."""
 
-    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(in_features, out_features, tp_rank, tp_size, dim=0)
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
+                 use_gemv: bool = False):
+        super().__init__(in_features, out_features, tp_rank, tp_size, dim=0, use_gemv=use_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight)
+        return self._matmul(x)
+
+    def forward_normed(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None,
+                       act: SiluAndMul | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """act(norm(x + residual) W^T) and the new residual x + residual (x itself when
+        residual is None): the pre-norm projection of a Llama block. act, when given, is the
+        SwiGLU over this layer's [gate; up] output."""
+        if self._one_token(x):
+            from liteinfer.kernels.gemv import gemv
+            return gemv(x, self.weight, norm_weight=norm.weight, eps=norm.eps,
+                        residual=residual, gated=act is not None)
+        if residual is None:
+            residual, x = x, norm(x)
+        else:
+            x, residual = norm(x, residual)
+        y = self._matmul(x)
+        return (y if act is None else act(y)), residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stacked into one matmul (gate and up)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], tp_rank: int = 0,
-                 tp_size: int = 1):
-        super().__init__(in_features, sum(shard_sizes.values()), tp_rank, tp_size)
+                 tp_size: int = 1, use_gemv: bool = False):
+        super().__init__(in_features, sum(shard_sizes.values()), tp_rank, tp_size, use_gemv)
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in shard_sizes.items():
@@ -61,21 +97,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, use_gemv: bool = False):
         if num_kv_heads % tp_size:
             raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
         super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
-                                       "v": num_kv_heads * head_dim}, tp_rank, tp_size)
+                                       "v": num_kv_heads * head_dim}, tp_rank, tp_size,
+                         use_gemv)
 
 
 class RowParallelLinear(_ShardedLinear):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(in_features, out_features, tp_rank, tp_size, dim=1)
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
+                 use_gemv: bool = False):
+        super().__init__(in_features, out_features, tp_rank, tp_size, dim=1, use_gemv=use_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight)
+        y = self._matmul(x)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -2,76 +2,102 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from liteinfer.attention import AttentionBackend, AttentionMetadata
 from liteinfer.config import ModelConfig
-from liteinfer.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                     RowParallelLinear)
+from liteinfer.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                     QKVParallelLinear, RowParallelLinear)
 from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
 
 
+@dataclass(frozen=True)
+class LayerOps:
+    """Which kernels the layers run: `triton` for RMSNorm and SiLU-and-mul (else plain torch),
+    `gemv` for one-token projections with the norms and SwiGLU fused in (kernels/gemv.py)."""
+
+    triton: bool = False
+    gemv: bool = False
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """The last layer's output and the residual stream it is still to be added to; the final
+    norm (and that add) runs with the LM head. Index both with the same rows."""
+
+    x: torch.Tensor
+    residual: torch.Tensor
+
+    def __getitem__(self, rows: torch.Tensor) -> HiddenStates:
+        return HiddenStates(self.x[rows], self.residual[rows])
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp_rank: int,
+                 tp_size: int):
         super().__init__()
         self.num_heads = cfg.num_attention_heads // tp_size
         self.num_kv_heads = cfg.num_key_value_heads // tp_size
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, tp_rank, tp_size)
+                                          cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        tp_rank, tp_size)
+                                        tp_rank, tp_size, ops.gemv)
         self.backend = backend
         # Views into the engine's KV pool, bound by the model runner.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv, residual = self.qkv_proj.forward_normed(x, norm, residual)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
                                    meta, self.scale)
-        return self.o_proj(out.reshape(-1, q_size))
+        return self.o_proj(out.reshape(-1, q_size)), residual
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, use_triton: bool, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, ops: LayerOps, tp_rank: int, tp_size: int):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": size, "up": size},
-                                                       tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size)
-        self.act = SiluAndMul(use_triton)
+                                                       tp_rank, tp_size, ops.gemv)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv)
+        self.act = SiluAndMul(ops.triton)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        act, residual = self.gate_up_proj.forward_normed(x, norm, residual, self.act)
+        return self.down_proj(act), residual
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, use_triton: bool,
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps,
                  tp_rank: int, tp_size: int):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, tp_rank, tp_size)
-        self.mlp = LlamaMLP(cfg, use_triton, tp_rank, tp_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+        self.self_attn = LlamaAttention(cfg, backend, ops, tp_rank, tp_size)
+        self.mlp = LlamaMLP(cfg, ops, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, meta: AttentionMetadata):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """x is the previous sublayer's output, not yet added to the residual stream (None
+        before the first layer): each norm adds it as it normalizes, inside the projection
+        after it when that is a fused one-token kernel."""
+        x, residual = self.self_attn(x, residual, self.input_layernorm, positions,
+                                     cos_sin_cache, meta)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -80,31 +106,34 @@ class LlamaForCausalLM(nn.Module):
                       "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
                       "up_proj": ("gate_up_proj", "up")}
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, use_triton: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 ops: LayerOps = LayerOps(), tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, use_triton, tp_rank, tp_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, ops, tp_rank, tp_size)
                                     for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
+        # Every rank computes the full logits.
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, use_gemv=ops.gemv)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Set by the runner once the model sits on its device (fp32, see layers/rotary.py).
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata) -> HiddenStates:
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin_cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return HiddenStates(x, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: HiddenStates) -> torch.Tensor:
+        """Logits of every row of hidden (the final norm runs here, fused into the LM head for
+        a single row)."""
+        logits, _ = self.lm_head.forward_normed(hidden.x, self.norm, hidden.residual)
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies (Hugging Face name, tensor) pairs from liteinfer.loader into the parameters."""

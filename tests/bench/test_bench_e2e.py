@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from bench_support import cli
 
+from liteinfer.bench import registry
 from liteinfer.bench.store import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -20,7 +21,7 @@ def test_quick_bench_end_to_end_on_cpu(tiny_llama_dir, tmp_path, capsys):
     cli("bench", "throughput", *CPU_QUICK, "--width", "3", "--model", tiny_llama_dir, "--out", out)
     latency, throughput = read_jsonl(out)
     for row in (latency, throughput):
-        assert row["config"] == "overlap" and row["engine"] == "liteinfer"
+        assert row["config"] == registry.DEFAULT and row["engine"] == "liteinfer"
         assert row["model"] == "tiny-llama" and (row["isl"], row["osl"]) == (16, 8)
         assert row["prompts"] == row["requests"] == 4 and row["out_tokens"] == 32
         assert row["all_forced"] and row["vocab_fold"] == 384
@@ -38,5 +39,5 @@ def test_quick_bench_end_to_end_on_cpu(tiny_llama_dir, tmp_path, capsys):
     text = md.read_text()
     assert "## latency · tiny-llama · ISL=16 OSL=8" in text
     assert "## throughput · tiny-llama · ISL=16 OSL=8" in text
-    assert "liteinfer-overlap · W=3" in text
+    assert f"liteinfer-{registry.DEFAULT} · W=3" in text
     assert html.read_text().count('class="chart"') == 3

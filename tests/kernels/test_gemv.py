@@ -1,0 +1,73 @@
+"""The fused one-token linear kernel vs float64 references: plain, RMSNorm prologue (with and
+without the residual add) and the SwiGLU-gated [gate; up] projection."""
+import pytest
+import torch
+
+from liteinfer.kernels.gemv import gemv
+
+DTYPES = [torch.float32, torch.bfloat16]
+# (in features, out features): the 1B model's projections on the GPU, small ones interpreted;
+# non-power-of-two widths exercise the masks.
+GPU_SHAPES = [(2048, 3072), (2048, 2048), (8192, 2048), (3072, 1000), (2048, 128256)]
+CPU_SHAPES = [(64, 40), (96, 37)]
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 through dtype, where the unfused layers hold a tensor of the model dtype. The
+    Triton interpreter converts fp32 to bf16 by truncation, so on CPU the reference does too."""
+    if dtype == torch.bfloat16 and x.device.type == "cpu":
+        return (x.float().view(torch.int32) & -65536).view(torch.float32).double()
+    return x.to(dtype).double()
+
+
+def _normed_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm in float64, rounding where it does."""
+    h = x.double()
+    normed = _rounded(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
+    return _rounded(weight.double() * normed, x.dtype)
+
+
+def _inputs(k: int, n: int, dtype: torch.dtype, device: str, gated: bool = False):
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    weight = torch.randn(2 * n if gated else n, k, dtype=dtype, device=device) * k ** -0.5
+    poisoned = torch.full((1, n), float("nan"), dtype=dtype, device=device)
+    return x, weight, poisoned
+
+
+def _shapes(full: bool) -> list[tuple[int, int]]:
+    return GPU_SHAPES if full else CPU_SHAPES
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemv_plain(assert_close, device, full, dtype):
+    for k, n in _shapes(full):
+        x, weight, out = _inputs(k, n, dtype, device)
+        assert gemv(x, weight, out=out) is out
+        assert_close(out, x.double() @ weight.double().T)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gemv_normed(assert_close, device, full, dtype, with_residual, gated):
+    for k, n in _shapes(full):
+        x, weight, out = _inputs(k, n, dtype, device, gated)
+        norm_weight = torch.rand(k, dtype=dtype, device=device) + 0.5
+        residual = torch.randn_like(x) if with_residual else None
+        x_before = x.clone()
+        got, new_residual = gemv(x, weight, norm_weight=norm_weight, eps=1e-5,
+                                 residual=residual, gated=gated, out=out)
+        assert got is out and torch.equal(x, x_before)
+        if with_residual:
+            # The sum rounded to the model dtype, which the norm then reads, as in Hugging Face.
+            assert new_residual is not residual
+            assert_close(new_residual, x.double() + residual.double())
+            h = new_residual
+        else:
+            assert new_residual is x
+            h = x
+        y = _normed_ref(h, norm_weight, 1e-5) @ weight.double().T
+        if gated:
+            gate, up = _rounded(y[:, :n], dtype), _rounded(y[:, n:], dtype)
+            y = _rounded(torch.nn.functional.silu(gate), dtype) * up
+        assert_close(out, y)

@@ -98,6 +98,7 @@ class EngineConfig:
     gemv_decode: bool = True              # one-sequence steps: fused GEMV projections (Triton backend)
     packed_prefill: bool = True           # False: prompts padded to the longest in the step
     overlap_scheduling: bool = True       # schedule step N+1 while the device runs step N
+    mixed_steps: bool = True              # decodes share steps with prompt chunks (packed prefill)
     seed: int = 0
 
     @property

@@ -22,8 +22,9 @@ CONFIGS = {
     "paged-attn": {"attention_backend": "triton", "enforce_eager": True, "decode_split_k": False},
     "eager-splitk": {"attention_backend": "triton", "enforce_eager": True},
     "graphs": {"attention_backend": "triton", "decode_split_k": False},
-    "splitk": {"gemv_decode": False},
-    "gemv": {},  # the default: as splitk, with one-sequence steps through the fused GEMV
+    "splitk": {"gemv_decode": False, "mixed_steps": False},
+    "gemv": {"mixed_steps": False},  # one-sequence steps through the fused GEMV
+    "mixed": {},  # the default: as gemv, decodes sharing steps with prompt chunks
     "padded": {"packed_prefill": False},
     "chunked": {"max_num_batched_tokens": 64},
 }
@@ -79,8 +80,8 @@ def test_fp32_lone_prompts_through_sdpa(model_dir, prompts, fp32_reference):
 
 
 # chunked continues prompts over their cached prefix through the packed Triton kernel.
-@pytest.mark.parametrize("name", ["sdpa", "paged-attn", "splitk", "gemv", "padded", "chunked",
-                                  "lone-sdpa"])
+@pytest.mark.parametrize("name", ["sdpa", "paged-attn", "splitk", "gemv", "mixed", "padded",
+                                  "chunked", "lone-sdpa"])
 def test_bf16_within_tolerance(model_dir, prompts, name):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     lone = name == "lone-sdpa"

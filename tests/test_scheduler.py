@@ -64,3 +64,27 @@ def test_preemption_frees_the_newest_and_requeues_it_first():
     assert batch.seqs == [old] and scheduler.num_preemptions == 1
     assert list(scheduler.waiting) == [new] and new.block_table == []
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 5
+
+
+def test_mixed_steps_decode_beside_prompt_chunks():
+    bm = BlockManager(64, 16)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                          mixed_steps=True)
+    a, b = request(10, 30), request(10, 30)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler, scheduler.schedule())  # both prompts, one step
+    long = request(150, 3)
+    scheduler.add(long)
+    steps = []
+    while (batch := scheduler.schedule()) is not None:
+        steps.append((batch.is_prefill, [batch.seqs.index(s) if s in batch.seqs else None
+                                         for s in (a, b, long)], batch.num_tokens))
+        run_step(scheduler, batch)
+    # The decoders take one token each from the 64-token budget and never sit a step out; the
+    # long prompt fills the rest in chunks of 62, 62 and 26, then decodes beside them.
+    assert steps[:3] == [(True, [0, 1, 2], [1, 1, 62])] * 2 + [(True, [0, 1, 2], [1, 1, 26])]
+    assert steps[3] == (False, [0, 1, 2], [1, 1, 1])
+    assert all(not prefill for prefill, _, _ in steps[3:])
+    assert len(steps) == 29 and a.is_finished and b.is_finished and long.is_finished
+    assert bm.num_free_blocks == bm.num_blocks

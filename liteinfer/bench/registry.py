@@ -62,17 +62,19 @@ _FIXED_W32 = tuple((s, 32) for s in THROUGHPUT_SHAPES if s.isl != MIXED)
 _MIXED_W32 = ((HEADLINE, 32),) + tuple((s, 32) for s in THROUGHPUT_SHAPES if s.isl == MIXED)
 # Configs older than `packed` in the lineage pad their prefill.
 # Configs older than `overlap` read each step's tokens before scheduling the next.
-# Configs older than `gemv` run one-sequence steps through cuBLAS.
+# Configs older than `gemv` run one-sequence steps through cuBLAS; older than `mixed`, a step
+# either prefills or decodes.
 _EAGER32 = {"max_num_seqs": 32, "enforce_eager": True, "packed_prefill": False,
-            "overlap_scheduling": False, "gemv_decode": False}
+            "overlap_scheduling": False, "gemv_decode": False, "mixed_steps": False}
 _GRAPHS = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": False,
            "max_num_seqs": 32, "packed_prefill": False, "overlap_scheduling": False,
-           "gemv_decode": False}
+           "gemv_decode": False, "mixed_steps": False}
 _SPLITK = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": True,
            "max_num_seqs": 128, "packed_prefill": True, "overlap_scheduling": False,
-           "gemv_decode": False}
+           "gemv_decode": False, "mixed_steps": False}
 _OVERLAP = {**_SPLITK, "overlap_scheduling": True}
 _GEMV = {**_OVERLAP, "gemv_decode": True}
+_MIXED = {**_GEMV, "mixed_steps": True}
 _ALL_SHAPES = dict(latency=LATENCY_SHAPES, throughput=tuple((s, 32) for s in THROUGHPUT_SHAPES)
                    + ((HEADLINE, 1), (HEADLINE, 4), (HEADLINE, 128)))
 _MIXED_BUDGET = {"max_model_len": 4096}  # holds 2048-token prompts plus 1024 generated
@@ -125,10 +127,13 @@ CONFIGS: tuple[BenchConfig, ...] = (
     # Measured slower than its base at a483c6f (NOTES.md), so not kept.
     BenchConfig("fused", "Few-token steps read weights through skinny GEMMs with RMSNorm, "
                 "SiLU-and-mul and residual adds fused in", "overlap", REMOVED, LITEINFER),
-    # The default (fastest) configuration: it runs every shape a vLLM reference row has.
     BenchConfig("gemv", "One-sequence steps stream weights through GEMV kernels with the norms "
                 "and SwiGLU fused in, each launched while the previous kernel finishes (PDL)",
                 "overlap", RUNNABLE, LITEINFER, _GEMV, **_ALL_SHAPES),
+    # The default (fastest) configuration: it runs every shape a vLLM reference row has.
+    BenchConfig("mixed", "Running sequences decode in the same step as arriving prompts' chunks "
+                "instead of waiting for them", "gemv", RUNNABLE, LITEINFER, _MIXED,
+                **_ALL_SHAPES),
     BenchConfig("graphs-b128", "Captured decode at 128 concurrent sequences", None, RUNNABLE,
                 LITEINFER, {**_GRAPHS, "max_num_seqs": 128}, width=128,
                 throughput=((HEADLINE, 128),)),
@@ -153,7 +158,7 @@ CONFIGS: tuple[BenchConfig, ...] = (
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 ORDER = {c.name: i for i, c in enumerate(CONFIGS)}
-DEFAULT = "gemv"
+DEFAULT = "mixed"
 
 
 def get(name: str) -> BenchConfig:

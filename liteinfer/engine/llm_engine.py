@@ -55,8 +55,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, config, source, source.load_format,
                                   self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        # Decodes would be padded to the longest prompt chunk in a padded prefill step.
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len)
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   mixed_steps=config.mixed_steps and config.packed_prefill)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

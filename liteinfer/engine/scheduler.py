@@ -10,7 +10,8 @@ from liteinfer.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """One model step. Prefill steps compute prompt chunks; decode steps one token per sequence."""
+    """One model step. Prefill steps compute prompt chunks (and, in a mixed step, one token of
+    each decoding sequence beside them); decode steps one token per sequence."""
 
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens each sequence computes in this step
@@ -23,21 +24,25 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """First come, first served, prefill first.
+    """First come, first served.
 
-    Running sequences hold KV blocks; waiting ones hold none. A step either prefills (new prompts,
-    chunked to `max_num_batched_tokens`, and prompts of preempted sequences being recomputed) or
-    decodes every running sequence by one token. When a decode step finds the pool empty, the
-    newest running sequences are preempted: their blocks are freed and they return to the front of
-    the queue, so the oldest requests always make progress and nothing starves.
+    Running sequences hold KV blocks; waiting ones hold none. Prompt work (new prompts, chunked
+    to `max_num_batched_tokens`, and prompts of preempted sequences being recomputed) goes
+    first. With `mixed_steps` every running sequence also decodes one token in the same step, so
+    prompts arriving never stall the others' decoding and a step's weights are read once for
+    both; otherwise a step either prefills or decodes. A step with no prompt work decodes
+    (captured in CUDA graphs). When a decode finds the pool empty, the newest running sequences
+    are preempted: their blocks are freed and they return to the front of the queue, so the
+    oldest requests always make progress and nothing starves.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, mixed_steps: bool = False):
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_steps = mixed_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,12 +63,21 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        if not self.mixed_steps:
+            return (self._schedule_prompts([], admit=True)
+                    or self._decode_batch(self._reserve_decodes()))
+        preemptions = self.num_preemptions
+        decodes = self._reserve_decodes()
+        # A step that had to preempt admits nobody: the pool is full.
+        return (self._schedule_prompts(decodes, admit=self.num_preemptions == preemptions)
+                or self._decode_batch(decodes))
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        num_tokens: list[int] = []
+    def _schedule_prompts(self, decodes: list[Sequence], admit: bool) -> ScheduledBatch | None:
+        """Prompt chunks in the token budget left after `decodes` (one token each), or None if
+        there is no prompt work."""
+        budget = self.max_num_batched_tokens - len(decodes)
+        seqs = list(decodes)
+        num_tokens = [1] * len(decodes)
         # Prompts already partly computed continue first (chunked prefill); their blocks were
         # all reserved when they were admitted.
         for seq in self.running:
@@ -72,7 +86,7 @@ class Scheduler:
                 seqs.append(seq)
                 num_tokens.append(n)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # Admitted only with room for the whole prompt, so that a prompt being prefilled in
             # chunks never has to preempt (itself included) to continue.
@@ -86,21 +100,22 @@ class Scheduler:
             seqs.append(seq)
             num_tokens.append(n)
             budget -= n
-        if not seqs:
+        if len(seqs) == len(decodes):
             if self.waiting and not self.running:
                 raise RuntimeError("KV pool too small for a single request")
             return None
         return ScheduledBatch(seqs, num_tokens, is_prefill=True)
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        # Partly prefilled prompts (waiting for blocks) sit decode steps out, and so do
-        # sequences whose pending token already ends them.
-        scheduled = [seq for seq in list(self.running)
-                     if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
-                     and not self._at_length_limit(seq) and self._reserve(seq, len(seq))]
-        if not scheduled:
-            return None
-        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False)
+    def _reserve_decodes(self) -> list[Sequence]:
+        """Running sequences that decode a token next, each given room for it. Partly
+        prefilled prompts sit decodes out, and so do sequences whose pending token ends them."""
+        return [seq for seq in list(self.running)
+                if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
+                and not self._at_length_limit(seq) and self._reserve(seq, len(seq))]
+
+    @staticmethod
+    def _decode_batch(seqs: list[Sequence]) -> ScheduledBatch | None:
+        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         max_tokens = seq.sampling_params.max_tokens

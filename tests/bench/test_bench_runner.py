@@ -89,7 +89,8 @@ def test_cli_bench_and_report(fake_llms, tiny_llama_dir, tmp_path, capsys):
     assert row["engine_args"] == {"dtype": "bfloat16", "attention_backend": "triton",
                                   "enforce_eager": False, "decode_split_k": False,
                                   "max_num_seqs": 8, "packed_prefill": False,
-                                  "overlap_scheduling": False, "gemv_decode": False}
+                                  "overlap_scheduling": False, "gemv_decode": False,
+                                  "mixed_steps": False}
     assert (row["config"], row["model"], row["isl"], row["osl"], row["width"]) == (
         "graphs", "tiny-llama", 16, 4, 2)
     assert fake_llms[0].shut

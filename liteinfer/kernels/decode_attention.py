@@ -74,12 +74,7 @@ def _rope_rows(ptrs, d, mask, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constex
     return x * cos[None, :] + rotated * sin[None, :]
 
 
-# Eager mixed steps pass slices of the step's tensors (decoding rows after the prompts') and a
-# grid width that follows their count: specializing on those pointers' alignment or on these
-# integers would compile a new variant for many steps.
-@triton.jit(do_not_specialize=["max_splits", "stride_bt"],
-            do_not_specialize_on_alignment=["context_lens", "block_tables", "num_splits_ptr",
-                                            "pos_ptr", "slot_ptr", "max_splits", "stride_bt"])
+@triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_splits_ptr,
                    out_ptr, part_out, part_lse, counters, qk_scale, max_splits,
                    k_new, v_new, pos_ptr, slot_ptr, cos_sin,
@@ -310,7 +305,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         key = value = q
         pos = slots = cos_sin = context_lens
     block_g = triton.next_power_of_2(group)
-    block_s = triton.next_power_of_2(MAX_SPLITS_CAP)  # any grid width: one compiled variant
+    block_s = triton.next_power_of_2(max_splits)
     pdl = supports_pdl(q.device)
     _decode_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, block_tables, context_lens, num_splits, out, part_out, part_lse,

@@ -274,21 +274,3 @@ def test_one_sequence_steps_through_fused_gemv_match_transformers(tiny_llama_dir
     # Every decode step: qkv, o, gate/up and down of each layer, then the LM head.
     per_step = 4 * llm.engine.model_config.num_hidden_layers + 1
     assert len(calls) >= len(prompts) * (MAX_NEW - 1) * per_step
-
-
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_steps_match_transformers(tiny_llama_dir, prompts, reference, backend):
-    # Three sequences at a time, finishing at different steps: each arriving prompt is
-    # prefilled in the same step as the others' decodes (through the decode kernel, on the
-    # Triton backend).
-    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
-                    attention_backend=backend, max_num_seqs=3)
-    scheduler = llm.engine.scheduler
-    batches = []
-    schedule = scheduler.schedule
-    scheduler.schedule = lambda: batches.append(batch := schedule()) or batch
-    lengths = [MAX_NEW - 7 * (i % 3) for i in range(len(prompts))]
-    outputs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
-    assert token_ids(outputs) == [ref[:n] for ref, n in zip(reference, lengths)]
-    mixed = [b for b in batches if b is not None and b.is_prefill and b.num_decodes]
-    assert len(mixed) >= 3

@@ -82,9 +82,8 @@ def test_mixed_steps_decode_beside_prompt_chunks():
                                          for s in (a, b, long)], batch.num_tokens))
         run_step(scheduler, batch)
     # The decoders take one token each from the 64-token budget and never sit a step out; the
-    # long prompt fills the rest in chunks of 62, 62 and 26 (ahead of the decodes), then
-    # decodes beside them.
-    assert steps[:3] == [(True, [1, 2, 0], [62, 1, 1])] * 2 + [(True, [1, 2, 0], [26, 1, 1])]
+    # long prompt fills the rest in chunks of 62, 62 and 26, then decodes beside them.
+    assert steps[:3] == [(True, [0, 1, 2], [1, 1, 62])] * 2 + [(True, [0, 1, 2], [1, 1, 26])]
     assert steps[3] == (False, [0, 1, 2], [1, 1, 1])
     assert all(not prefill for prefill, _, _ in steps[3:])
     assert len(steps) == 29 and a.is_finished and b.is_finished and long.is_finished

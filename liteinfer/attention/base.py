@@ -23,9 +23,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor            # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor | None     # [B+1] int32 (prefill)
     max_seqlen_q: int = 1
-    # A prefill step's trailing sequences that decode one token beside the prompt chunks
-    # (mixed steps); backends may run them through their decode path.
-    num_decodes: int = 0
     # Host copies for the eager torch paths; captured decode never reads them.
     query_lens_host: list[int] = field(default_factory=list)
     context_lens_host: list[int] = field(default_factory=list)

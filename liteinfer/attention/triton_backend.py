@@ -1,6 +1,5 @@
 """Attention through liteinfer's Triton kernels: paged decode with RoPE and the KV write fused in,
-packed prefill over the pool, and torch's fused SDPA for a lone long prompt. In a mixed step
-the decoding sequences' rows take the decode kernel, the prompt chunks' rows the prefill path."""
+packed prefill over the pool, and torch's fused SDPA for a lone long prompt."""
 from __future__ import annotations
 
 import torch
@@ -30,48 +29,21 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not meta.is_prefill:
-            return self._decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
-                                scale, meta.slot_mapping, meta.context_lens, meta.block_tables,
-                                torch.empty_like(q))
-        if not meta.num_decodes:
-            return self._prefill(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
-                                 scale, len(meta.query_lens_host))
-        # A mixed step: the prompt chunks' rows, then one row per decoding sequence.
-        t, b = q.shape[0] - meta.num_decodes, len(meta.query_lens_host) - meta.num_decodes
-        out = torch.empty_like(q)
-        self._decode(q[t:], k[t:], v[t:], positions[t:], cos_sin_cache, k_cache, v_cache, meta,
-                     scale, meta.slot_mapping[t:], meta.context_lens[b:], meta.block_tables[b:],
-                     out[t:])
-        prompt = self._prefill(q[:t], k[:t], v[:t], positions[:t], cos_sin_cache, k_cache,
-                               v_cache, meta, scale, b, out[:t])
-        if prompt.data_ptr() != out.data_ptr():  # SDPA's own tensor
-            out[:t] = prompt
-        return out
-
-    @staticmethod
-    def _decode(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta: AttentionMetadata,
-                scale: float, slots, context_lens, block_tables, out) -> torch.Tensor:
-        new_kv = NewKV(k, v, positions, slots, cos_sin_cache)
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      out, num_splits=meta.num_splits,
-                                      max_splits=meta.max_splits, workspace=meta.workspace,
-                                      new_kv=new_kv)
-
-    def _prefill(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                 meta: AttentionMetadata, scale: float, num_seqs: int,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of the step's first `num_seqs` sequences (prompt chunks), whose tokens are
-        q's rows; written to `out` unless torch's SDPA runs it."""
-        rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
-                      meta.slot_mapping[:q.shape[0]])
-        q_len, ctx = meta.query_lens_host[0], meta.context_lens_host[0]
-        if num_seqs == 1 and q_len == ctx >= self.sdpa_min_tokens:  # a lone fresh prompt
+            new_kv = NewKV(k, v, positions, meta.slot_mapping, cos_sin_cache)
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                          meta.context_lens, scale, torch.empty_like(q),
+                                          num_splits=meta.num_splits, max_splits=meta.max_splits,
+                                          workspace=meta.workspace, new_kv=new_kv)
+        rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+        if self._lone_fresh_prompt(meta):
             return _causal_sdpa(q, k, v, scale)
-        return packed_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q[:num_seqs + 1],
-                                        meta.context_lens[:num_seqs],
-                                        meta.block_tables[:num_seqs], scale,
-                                        torch.empty_like(q) if out is None else out,
-                                        meta.max_seqlen_q)
+        return packed_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
+                                        meta.context_lens, meta.block_tables, scale,
+                                        torch.empty_like(q), meta.max_seqlen_q)
+
+    def _lone_fresh_prompt(self, meta: AttentionMetadata) -> bool:
+        (q_len, *rest), ctx = meta.query_lens_host, meta.context_lens_host[0]
+        return not rest and q_len == ctx >= self.sdpa_min_tokens
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -151,7 +151,6 @@ class ModelRunner:
             block_tables=as_tensor(tables, torch.int32),
             cu_seqlens_q=as_tensor(cu_seqlens, torch.int32) if batch.is_prefill else None,
             max_seqlen_q=int(query_lens.max()),
-            num_decodes=batch.num_decodes if batch.is_prefill else 0,
             query_lens_host=query_lens.tolist(),
             context_lens_host=context_lens.tolist(),
         )
@@ -173,8 +172,8 @@ class ModelRunner:
         if not batch.is_prefill and self.graphs is not None:
             return self.graphs.run(batch)
         input_ids, positions, meta, rows = self.prepare(batch)
-        if self.use_triton and batch.num_decodes:
-            self.set_split_k(meta, batch.num_decodes)
+        if not batch.is_prefill and self.use_triton:
+            self.set_split_k(meta, len(batch.seqs))
         hidden = self.model(input_ids, positions, meta)
         if not rows:
             return None
@@ -182,16 +181,14 @@ class ModelRunner:
         # host until the whole step has run, instead of letting it prepare the next one.
         return self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
 
-    def set_split_k(self, meta: AttentionMetadata, num_decodes: int) -> None:
-        """Decode split-K for the step's last `num_decodes` sequences (all of a decode step):
-        the grid width is fixed per batch size, the split count per sequence is chosen on the
-        device from its context length."""
+    def set_split_k(self, meta: AttentionMetadata, batch_size: int) -> None:
+        """Decode split-K: the grid width is fixed per batch size, the split count per sequence
+        is chosen on the device from its context length."""
         from liteinfer.kernels.decode_attention import choose_num_splits, max_splits_for
         if self.decode_workspace is None:
             return
-        meta.max_splits = max_splits_for(num_decodes, self.model_config.num_key_value_heads,
+        meta.max_splits = max_splits_for(batch_size, self.model_config.num_key_value_heads,
                                          self.num_sms)
         if meta.max_splits > 1:
-            context_lens = meta.context_lens[meta.context_lens.shape[0] - num_decodes:]
-            meta.num_splits = choose_num_splits(context_lens, meta.max_splits)
+            meta.num_splits = choose_num_splits(meta.context_lens, meta.max_splits)
             meta.workspace = self.decode_workspace

@@ -16,7 +16,6 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens each sequence computes in this step
     is_prefill: bool
-    num_decodes: int = 0  # in a mixed step: the trailing sequences that decode one token
 
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step, so a token is sampled for it."""
@@ -74,11 +73,11 @@ class Scheduler:
                 or self._decode_batch(decodes))
 
     def _schedule_prompts(self, decodes: list[Sequence], admit: bool) -> ScheduledBatch | None:
-        """Prompt chunks in the token budget left after `decodes` (one token each), which run
-        after them in the same step; None if there is no prompt work."""
+        """Prompt chunks in the token budget left after `decodes` (one token each), or None if
+        there is no prompt work."""
         budget = self.max_num_batched_tokens - len(decodes)
-        seqs: list[Sequence] = []
-        num_tokens: list[int] = []
+        seqs = list(decodes)
+        num_tokens = [1] * len(decodes)
         # Prompts already partly computed continue first (chunked prefill); their blocks were
         # all reserved when they were admitted.
         for seq in self.running:
@@ -101,12 +100,11 @@ class Scheduler:
             seqs.append(seq)
             num_tokens.append(n)
             budget -= n
-        if not seqs:
+        if len(seqs) == len(decodes):
             if self.waiting and not self.running:
                 raise RuntimeError("KV pool too small for a single request")
             return None
-        return ScheduledBatch(seqs + decodes, num_tokens + [1] * len(decodes), is_prefill=True,
-                              num_decodes=len(decodes))
+        return ScheduledBatch(seqs, num_tokens, is_prefill=True)
 
     def _reserve_decodes(self) -> list[Sequence]:
         """Running sequences that decode a token next, each given room for it. Partly
@@ -117,9 +115,7 @@ class Scheduler:
 
     @staticmethod
     def _decode_batch(seqs: list[Sequence]) -> ScheduledBatch | None:
-        if not seqs:
-            return None
-        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False, num_decodes=len(seqs))
+        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         max_tokens = seq.sampling_params.max_tokens

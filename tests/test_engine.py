@@ -274,3 +274,27 @@ def test_one_sequence_steps_through_fused_gemv_match_transformers(tiny_llama_dir
     # Every decode step: qkv, o, gate/up and down of each layer, then the LM head.
     per_step = 4 * llm.engine.model_config.num_hidden_layers + 1
     assert len(calls) >= len(prompts) * (MAX_NEW - 1) * per_step
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_steps_match_transformers(tiny_llama_dir, prompts, reference, backend):
+    # Three sequences at a time, finishing at different steps: each arriving prompt is
+    # prefilled in the same step as the others' decodes.
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
+                    attention_backend=backend, max_num_seqs=3)
+    scheduler = llm.engine.scheduler
+    mixed = []
+    schedule = scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        if batch is not None and batch.is_prefill:
+            decoding = [s.num_computed_tokens >= s.num_prompt_tokens for s in batch.seqs]
+            mixed.append(any(decoding) and not all(decoding))
+        return batch
+
+    scheduler.schedule = spy
+    lengths = [MAX_NEW - 7 * (i % 3) for i in range(len(prompts))]
+    outputs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    assert token_ids(outputs) == [ref[:n] for ref, n in zip(reference, lengths)]
+    assert sum(mixed) >= 3

@@ -95,10 +95,10 @@ class EngineConfig:
     attention_backend: str = "auto"       # torch | sdpa | triton; auto: triton on CUDA, torch on CPU
     enforce_eager: bool = False           # True: no CUDA graphs
     decode_split_k: bool = True           # split-K decode attention for narrow batches / long context
-    gemv_decode: bool = True              # one-sequence steps: fused GEMV projections (Triton backend)
+    gemv_decode: bool = True              # one-sequence steps: fused GEMV projections (Triton)
     packed_prefill: bool = True           # False: prompts padded to the longest in the step
     overlap_scheduling: bool = True       # schedule step N+1 while the device runs step N
-    mixed_steps: bool = True              # decodes share steps with prompt chunks (packed prefill)
+    mixed_steps: bool = True              # decodes share steps with prompt chunks (if packed)
     seed: int = 0
 
     @property

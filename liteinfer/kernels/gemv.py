@@ -16,8 +16,8 @@ flight, then reads the input row and reduces. Fused in:
 Rounding follows the unfused layers (norm.py, activation.py): each intermediate that is a tensor
 there is rounded to the activation dtype here.
 
-With `pdl` the kernel is a programmatic dependent launch (Hopper and later): it is launched while
-the previous kernel in the stream finishes, loads its weight tile (never written by a step), then
+On Hopper and later the kernel is a programmatic dependent launch: it is launched while the
+previous kernel in the stream finishes, loads its weight tile (never written by a step), then
 waits for that kernel before reading any activation, and lets the next kernel launch early in turn.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ from liteinfer.kernels import supports_pdl
 # Weight elements a program loads (16 KiB in bf16). The H200 sweep (scripts/bench_gemv.py)
 # found 4k-32k within a few percent on every projection of the 1B model.
 TILE_ELEMENTS = 8192
+ELEMENTS_PER_THREAD = 64  # wider rows (K past 8k, e.g. an 8B model's down) get more warps
 
 
 @triton.jit
@@ -89,10 +90,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
         new_residual = torch.empty_like(x)
     block_k = triton.next_power_of_2(in_features)
     block_n = max(1, TILE_ELEMENTS // ((1 + gated) * block_k))
+    tile = (1 + gated) * block_n * block_k
+    num_warps = min(16, max(4, tile // (32 * ELEMENTS_PER_THREAD)))
     pdl = supports_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, residual if residual is not None else x, new_residual,
         norm_weight if norm_weight is not None else weight, eps, n, in_features,
         weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-        ADD=residual is not None, GATED=gated, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+        ADD=residual is not None, GATED=gated, USE_PDL=pdl, num_warps=num_warps,
+        launch_pdl=pdl)
     return out if norm_weight is None else (out, new_residual)

@@ -92,9 +92,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, meta: AttentionMetadata):
-        """x is the previous sublayer's output, not yet added to the residual stream (None
-        before the first layer): each norm adds it as it normalizes, inside the projection
-        after it when that is a fused one-token kernel."""
+        """x is the previous sublayer's output, not yet added to the residual stream (before
+        the first layer: the embedding, with residual None). Each norm adds it as it
+        normalizes, inside the projection after it when that is a fused one-token kernel."""
         x, residual = self.self_attn(x, residual, self.input_layernorm, positions,
                                      cos_sin_cache, meta)
         return self.mlp(x, residual, self.post_attention_layernorm)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from liteinfer.kernels import decode_attention as dec
+from liteinfer.kernels import decode_splits as splits
 from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
 from liteinfer.kernels.kv_cache import rope_store_kv
@@ -89,14 +90,14 @@ def decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: str = "",
                  waves: int = 2) -> None:
-    ws = dec.DecodeWorkspace.allocate(128, HQ, D, dec.MAX_SPLITS_CAP, DEV)
+    ws = splits.DecodeWorkspace.allocate(128, HQ, D, splits.MAX_SPLITS_CAP, DEV)
     for batch, ctx in shapes:
         k_cache, v_cache, tables, lens = paged_pool([ctx] * batch)
         q = torch.randn(batch, HQ, D, dtype=DTYPE, device=DEV)
         out = torch.empty_like(q)
         ref = decode_ref(q, k_cache, v_cache, tables, ctx)
         gbytes = 2 * batch * ctx * HKV * D * k_cache.element_size() / 1e9
-        policy = dec.max_splits_for(batch, HKV, num_sms, waves)
+        policy = splits.max_splits_for(batch, HKV, num_sms, waves)
         # The engine's path also rotates q and writes this step's K/V (already in the pool
         # here: the last position of each row is rewritten with the same values).
         last = lens.long() - 1
@@ -104,10 +105,10 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
             + last % BLOCK_SIZE
         new_kv = dec.NewKV(k_cache.view(-1, HKV, D)[slots], v_cache.view(-1, HKV, D)[slots],
                            torch.zeros_like(last), slots, cos_sin_zero_rotation())
-        variants = [(m, None) for m in sorted({1, policy, dec.max_splits_for(
+        variants = [(m, None) for m in sorted({1, policy, splits.max_splits_for(
             batch, HKV, num_sms, 4 * waves)})] + [(policy, new_kv)]
         for max_splits, fused in variants:
-            num_splits = dec.choose_num_splits(lens, max_splits)
+            num_splits = splits.choose_num_splits(lens, max_splits)
 
             def run() -> torch.Tensor:
                 return dec.paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE,

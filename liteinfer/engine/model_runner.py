@@ -7,6 +7,7 @@ import torch
 from liteinfer.attention import AttentionMetadata, get_backend
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.kernels.decode_splits import DecodeWorkspace, choose_num_splits, max_splits_for
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
@@ -33,7 +34,6 @@ class ModelRunner:
                         if self.device.type == "cuda" else 8)
         self.decode_workspace = None
         if self.use_triton and config.decode_split_k:
-            from liteinfer.kernels.decode_attention import DecodeWorkspace, max_splits_for
             cfg = model_config
             self.decode_workspace = DecodeWorkspace.allocate(
                 config.max_num_seqs, cfg.num_attention_heads, cfg.head_dim,
@@ -184,7 +184,6 @@ class ModelRunner:
     def set_split_k(self, meta: AttentionMetadata, batch_size: int) -> None:
         """Decode split-K: the grid width is fixed per batch size, the split count per sequence
         is chosen on the device from its context length."""
-        from liteinfer.kernels.decode_attention import choose_num_splits, max_splits_for
         if self.decode_workspace is None:
             return
         meta.max_splits = max_splits_for(batch_size, self.model_config.num_key_value_heads,

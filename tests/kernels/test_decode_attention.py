@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from liteinfer.kernels.decode_attention import (DecodeWorkspace, NewKV, choose_num_splits,
-                                                max_splits_for, paged_decode_attention)
+from liteinfer.kernels.decode_attention import NewKV, paged_decode_attention
+from liteinfer.kernels.decode_splits import DecodeWorkspace, choose_num_splits, max_splits_for
 from liteinfer.layers.rotary import cos_sin_cache
 
 

@@ -88,3 +88,19 @@ def test_mixed_steps_decode_beside_prompt_chunks():
     assert all(not prefill for prefill, _, _ in steps[3:])
     assert len(steps) == 29 and a.is_finished and b.is_finished and long.is_finished
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_mixed_step_that_preempts_decodes_the_rest():
+    bm = BlockManager(6, 4)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                          mixed_steps=True)
+    old, new = request(8, 20), request(8, 20)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler, scheduler.schedule())   # both prefilled: 2 + 2 blocks of 6
+    for _ in range(4):                           # both grow into a third block: 6 of 6
+        run_step(scheduler, scheduler.schedule())
+    batch = scheduler.schedule()                 # old needs a 4th block: new is preempted
+    # new's recomputation needs 4 blocks, 2 are free: a plain decode step, new first in line.
+    assert not batch.is_prefill and batch.seqs == [old]
+    assert list(scheduler.waiting) == [new] and scheduler.num_preemptions == 1

@@ -64,15 +64,13 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         if not self.mixed_steps:
-            return (self._schedule_prompts([], admit=True)
-                    or self._decode_batch(self._reserve_decodes()))
-        preemptions = self.num_preemptions
+            return self._schedule_prompts([]) or self._decode_batch(self._reserve_decodes())
+        # Decodes reserve first. A sequence they preempt goes back to the head of the queue and
+        # never fits in the blocks its preemption freed, so nobody is admitted past it.
         decodes = self._reserve_decodes()
-        # A step that had to preempt admits nobody: the pool is full.
-        return (self._schedule_prompts(decodes, admit=self.num_preemptions == preemptions)
-                or self._decode_batch(decodes))
+        return self._schedule_prompts(decodes) or self._decode_batch(decodes)
 
-    def _schedule_prompts(self, decodes: list[Sequence], admit: bool) -> ScheduledBatch | None:
+    def _schedule_prompts(self, decodes: list[Sequence]) -> ScheduledBatch | None:
         """Prompt chunks in the token budget left after `decodes` (one token each), or None if
         there is no prompt work."""
         budget = self.max_num_batched_tokens - len(decodes)
@@ -86,7 +84,7 @@ class Scheduler:
                 seqs.append(seq)
                 num_tokens.append(n)
                 budget -= n
-        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # Admitted only with room for the whole prompt, so that a prompt being prefilled in
             # chunks never has to preempt (itself included) to continue.

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.scheduler import ScheduledBatch, Scheduler
 from liteinfer.engine.sequence import Sequence
@@ -51,9 +53,11 @@ def test_a_chunked_prompt_waits_for_room_instead_of_preempting_itself():
     assert kinds.count("prefill") == 2 + 4
 
 
-def test_preemption_frees_the_newest_and_requeues_it_first():
+@pytest.mark.parametrize("mixed_steps", [False, True])
+def test_preemption_frees_the_newest_and_requeues_it_first(mixed_steps):
     bm = BlockManager(6, 4)
-    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                          mixed_steps=mixed_steps)
     old, new = request(8, 20), request(8, 20)
     scheduler.add(old)
     scheduler.add(new)
@@ -61,7 +65,8 @@ def test_preemption_frees_the_newest_and_requeues_it_first():
     for _ in range(4):                           # both grow into a third block: 6 of 6
         run_step(scheduler, scheduler.schedule())
     batch = scheduler.schedule()                 # old needs a 4th block: new is preempted
-    assert batch.seqs == [old] and scheduler.num_preemptions == 1
+    # new's recomputation needs 4 blocks and 2 are free: a plain decode step, new first in line.
+    assert not batch.is_prefill and batch.seqs == [old] and scheduler.num_preemptions == 1
     assert list(scheduler.waiting) == [new] and new.block_table == []
     assert new.num_computed_tokens == 0 and new.num_output_tokens == 5
 
@@ -89,18 +94,3 @@ def test_mixed_steps_decode_beside_prompt_chunks():
     assert len(steps) == 29 and a.is_finished and b.is_finished and long.is_finished
     assert bm.num_free_blocks == bm.num_blocks
 
-
-def test_mixed_step_that_preempts_decodes_the_rest():
-    bm = BlockManager(6, 4)
-    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-                          mixed_steps=True)
-    old, new = request(8, 20), request(8, 20)
-    scheduler.add(old)
-    scheduler.add(new)
-    run_step(scheduler, scheduler.schedule())   # both prefilled: 2 + 2 blocks of 6
-    for _ in range(4):                           # both grow into a third block: 6 of 6
-        run_step(scheduler, scheduler.schedule())
-    batch = scheduler.schedule()                 # old needs a 4th block: new is preempted
-    # new's recomputation needs 4 blocks, 2 are free: a plain decode step, new first in line.
-    assert not batch.is_prefill and batch.seqs == [old]
-    assert list(scheduler.waiting) == [new] and scheduler.num_preemptions == 1

@@ -1,14 +1,21 @@
-"""Where a prefill step's time goes: wall time of one packed prefill step and its per-kernel
-GPU time by category (matmuls, attention, norms, RoPE + KV write, SiLU, other), with the
-matmuls' achieved TFLOP/s. Llama-3.2-1B, dummy weights, the default engine configuration.
+"""Where a prefill step's time goes: wall time of one packed prefill step, its host time when
+steps are launched back to back (no synchronization between them, so a step whose host time
+exceeds its GPU time is host-bound), and its per-kernel GPU time by category (matmuls,
+attention, norms, RoPE + KV write, SiLU, other), with the matmuls' achieved TFLOP/s.
+`--cprofile N` also prints the N Python functions that spend the host time (cProfile, own
+time). Llama-3.2-1B, dummy weights, the default engine configuration.
 
-    python scripts/profile_prefill.py [--shape 1x15360 8x2048] [--set KEY=VALUE ...]
+    python scripts/profile_prefill.py [--shape 1x15360 8x2048] [--cprofile N] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
+import time
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -29,10 +36,23 @@ def category(kernel: str) -> str:
     return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
 
 
+def host_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    """Host milliseconds per call, calls launched back to back."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    ms = (time.perf_counter() - start) / iters * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", default=["1x15360", "8x2048"],
                     help="SEQSxTOKENS prefilled in one step")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="print the N functions with the most host time per shape")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine arguments, as in `liteinfer bench --set`")
     args = ap.parse_args()
@@ -55,6 +75,11 @@ def main() -> None:
         assert batch is not None and batch.is_prefill and sum(batch.num_tokens) == nseq * length
         with torch.inference_mode():
             step_ms = cuda_ms(lambda b=batch: runner.execute(b), 5)
+            launch_ms = host_ms(lambda b=batch: runner.execute(b))
+            if args.cprofile:
+                prof_host = cProfile.Profile()
+                prof_host.runcall(host_ms, lambda b=batch: runner.execute(b))
+                pstats.Stats(prof_host).sort_stats("tottime").print_stats(args.cprofile)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 runner.execute(batch)
                 torch.cuda.synchronize()
@@ -70,6 +95,7 @@ def main() -> None:
         attn_tflop = 4 * nseq * length * (length + 1) / 2 * cfg.num_attention_heads \
             * cfg.head_dim * cfg.num_hidden_layers / 1e12
         row = {"seqs": nseq, "tokens": length, "step_ms": round(step_ms, 2),
+               "host_ms": round(launch_ms, 2),
                "kernel_ms": {c: round(t, 2) for c, t in sorted(by_cat.items(),
                                                                key=lambda kv: -kv[1])},
                "matmul_tflops": round(matmul_tflop / by_cat.get("matmul", float("nan")) * 1e3),

@@ -99,6 +99,9 @@ class EngineConfig:
     packed_prefill: bool = True           # False: prompts padded to the longest in the step
     overlap_scheduling: bool = True       # schedule step N+1 while the device runs step N
     mixed_steps: bool = True              # decodes share steps with prompt chunks (if packed)
+    # A step that decodes carries at most this many prompt tokens, a power of two of them; steps
+    # of up to this many prompt tokens replay CUDA graphs. 0: no cap, prompt steps run eagerly.
+    mixed_prompt_tokens: int = 2048
     seed: int = 0
 
     @property
@@ -116,3 +119,6 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        m = self.mixed_prompt_tokens
+        if m and (m < 16 or m & (m - 1)):
+            raise ValueError(f"mixed_prompt_tokens must be 0 or a power of two >= 16, got {m}")

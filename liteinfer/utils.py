@@ -21,6 +21,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def free_device_memory() -> None:
     """Returns memory of objects just dropped (a model, a KV pool) to the device."""
     gc.collect()

@@ -31,6 +31,7 @@ from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
 from liteinfer.kernels.kv_cache import rope_store_kv
 from liteinfer.kernels.norm import rms_norm
+from liteinfer.kernels.prefill_tiles import PrefillTiles, prefill_block_m, prefill_tile_map
 
 HQ, HKV, D, BLOCK_SIZE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192
 DTYPE = torch.bfloat16
@@ -127,16 +128,19 @@ def cos_sin_zero_rotation() -> torch.Tensor:
     return torch.cat([torch.ones(1, D // 2), torch.zeros(1, D // 2)], dim=-1).to(DEV)
 
 
-def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "") -> None:
+def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "",
+                  block_m: int | None = None) -> None:
     for nseq, length in shapes:
         k_cache, v_cache, tables, lens = paged_pool([length] * nseq)
         q = torch.randn(nseq * length, HQ, D, dtype=DTYPE, device=DEV)
         out = torch.empty_like(q)
         cu = torch.arange(nseq + 1, device=DEV, dtype=torch.int32) * length
+        m = block_m or prefill_block_m(length)
+        tile_map = torch.from_numpy(prefill_tile_map([length] * nseq, [length] * nseq, m)).to(DEV)
 
         def run() -> torch.Tensor:
-            return pre.packed_prefill_attention(q, k_cache, v_cache, cu, lens, tables, SCALE,
-                                                out, length)
+            return pre.packed_prefill_attention(q, k_cache, v_cache, cu, lens, tables, tile_map,
+                                                m, SCALE, out)
         # SDPA as the engine calls it (KV heads repeated up front), and varlen FlashAttention-2
         # on the packed projections with grouped heads as they are.
         q4 = q.view(nseq, length, HQ, D).transpose(1, 2)
@@ -210,8 +214,8 @@ def sweep(rows: list[dict], num_sms: int) -> None:
         dec.decode_tiles = decode_tiles
         bench_decode(rows, num_sms, [(1, 384), (1, 15488)], " 4 waves", waves=4)
         for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
-            pre.prefill_tiles = lambda *_, m=m, n=n, w=w, s=s: pre.PrefillTiles(m, n, w, s)
-            bench_prefill(rows, [(1, 15360)], f" m{m} n{n} w{w} s{s}")
+            pre.prefill_tiles = lambda *_, m=m, n=n, w=w, s=s: PrefillTiles(m, n, w, s)
+            bench_prefill(rows, [(1, 15360)], f" m{m} n{n} w{w} s{s}", block_m=m)
     finally:
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
 

@@ -60,7 +60,8 @@ def main() -> None:
         step_ms = (time.perf_counter() - t0) * 1e3 / steps
         row = {"batch": bs, "ctx": args.ctx, "kv_blocks": engine.block_manager.num_blocks,
                "engine_step_ms": step_ms}
-        batch = ScheduledBatch(list(engine.scheduler.running), [1] * bs, is_prefill=False)
+        batch = ScheduledBatch(list(engine.scheduler.running), [1] * bs, is_prefill=False,
+                               num_decodes=bs)
         if runner.graphs is not None:
             size = next(s for s in runner.graphs.sizes if s >= bs)
             graph = runner.graphs.graphs[size][0]
@@ -70,7 +71,6 @@ def main() -> None:
                 runner.graphs.run(batch)
             row["graph_run_host_ms"] = (time.perf_counter() - t0) * 1e3 / steps
         ids, pos, meta, _ = runner.prepare(batch)
-        runner.set_split_k(meta, bs)
         with torch.inference_mode():
             forward = lambda: runner.model.compute_logits(runner.model(ids, pos, meta))
             row["eager_forward_ms"] = cuda_ms(forward, 20)

@@ -21,12 +21,21 @@ CONFIGS = {
     "sdpa": {"attention_backend": "sdpa", "enforce_eager": True},
     "paged-attn": {"attention_backend": "triton", "enforce_eager": True, "decode_split_k": False},
     "eager-splitk": {"attention_backend": "triton", "enforce_eager": True},
-    "graphs": {"attention_backend": "triton", "decode_split_k": False},
-    "splitk": {"gemv_decode": False, "mixed_steps": False},
-    "gemv": {"mixed_steps": False},  # one-sequence steps through the fused GEMV
-    "mixed": {},  # the default: as gemv, decodes sharing steps with prompt chunks
+    "graphs": {"attention_backend": "triton", "decode_split_k": False, "mixed_prompt_tokens": 0},
+    "splitk": {"gemv_decode": False, "mixed_steps": False, "mixed_prompt_tokens": 0},
+    # One-sequence steps through the fused GEMV.
+    "gemv": {"mixed_steps": False, "mixed_prompt_tokens": 0},
+    # As gemv, decodes sharing (eager) steps with prompt chunks.
+    "mixed": {"mixed_prompt_tokens": 0},
+    # The default: steps of up to 2,048 prompt tokens (here, after the first) replay graphs.
+    "prompt-graphs": {},
+    # Graphs for every step: a first step of prompts alone, then power-of-two prompt pieces
+    # beside decodes; and a decode bucket that is not a power of two (12).
+    "prompt-graphs-chunked": {"max_num_batched_tokens": 200, "mixed_prompt_tokens": 256},
+    "prompt-graphs-narrow": {"max_num_seqs": 12, "max_num_batched_tokens": 100,
+                             "mixed_prompt_tokens": 64},
     "padded": {"packed_prefill": False},
-    "chunked": {"max_num_batched_tokens": 64},
+    "chunked": {"max_num_batched_tokens": 64},  # prompt chunks over cached prefixes, captured
 }
 # bf16 rule: our top logprobs within BF16_TOL of transformers' (same weights, same dtype), and the
 # same greedy token wherever transformers' top-2 margin exceeds BF16_TOL.
@@ -64,8 +73,8 @@ def fp32_reference(model_dir, prompts):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fp32_token_for_token(model_dir, prompts, fp32_reference, name):
-    llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=48,
-                    **CONFIGS[name])
+    llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024,
+                    **{"max_num_seqs": 48, **CONFIGS[name]})
     outputs = llm.generate(prompts, greedy(20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == fp32_reference
     alone = llm.generate(prompts[:1], greedy(20), use_tqdm=False)[0].outputs[0].token_ids
@@ -81,7 +90,7 @@ def test_fp32_lone_prompts_through_sdpa(model_dir, prompts, fp32_reference):
 
 # chunked continues prompts over their cached prefix through the packed Triton kernel.
 @pytest.mark.parametrize("name", ["sdpa", "paged-attn", "splitk", "gemv", "mixed", "padded",
-                                  "chunked", "lone-sdpa"])
+                                  "chunked", "prompt-graphs-chunked", "lone-sdpa"])
 def test_bf16_within_tolerance(model_dir, prompts, name):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     lone = name == "lone-sdpa"

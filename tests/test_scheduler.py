@@ -94,3 +94,40 @@ def test_mixed_steps_decode_beside_prompt_chunks():
     assert len(steps) == 29 and a.is_finished and b.is_finished and long.is_finished
     assert bm.num_free_blocks == bm.num_blocks
 
+
+
+def test_mixed_steps_carry_power_of_two_prompt_pieces():
+    bm = BlockManager(64, 16)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
+                          mixed_steps=True, mixed_prompt_tokens=64)
+    lone = request(150, 40)
+    scheduler.add(lone)
+    first = scheduler.schedule()
+    assert first.num_tokens == [150] and first.num_decodes == 0  # nothing decodes: no cap
+    run_step(scheduler, first)
+    steps = []
+
+    def step() -> ScheduledBatch:
+        batch = scheduler.schedule()
+        steps.append((batch.num_decodes, batch.num_tokens))
+        run_step(scheduler, batch)
+        return batch
+
+    long = request(150, 3)
+    scheduler.add(long)
+    while long.num_computed_tokens < 150:
+        step()
+    # Capped at 64 prompt tokens beside the decode, then trimmed to powers of two down to 16.
+    assert steps == [(1, [1, 64]), (1, [1, 64]), (1, [1, 16]), (1, [1, 6])]
+    steps.clear()
+    a, b = request(40, 3), request(5, 3)
+    scheduler.add(a)
+    scheduler.add(b)
+    step()
+    # 45 prompt tokens trim to 32: b's chunk is cut to nothing and leaves the step, admitted.
+    assert steps == [(2, [1, 1, 32])] and b in scheduler.running and b.num_computed_tokens == 0
+    step()
+    assert steps[1] == (2, [1, 1, 8, 5])
+    while scheduler.has_unfinished():
+        step()
+    assert bm.num_free_blocks == bm.num_blocks

@@ -22,11 +22,17 @@ class AttentionMetadata:
     context_lens: torch.Tensor            # [B] int32
     block_tables: torch.Tensor            # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor | None     # [B+1] int32 (prefill)
-    max_seqlen_q: int = 1
-    # Host copies for the eager torch paths; captured decode never reads them.
+    # A mixed step (prefill): its first `num_decodes` sequences decode one token each, and their
+    # rows come first.
+    num_decodes: int = 0
+    # Host copies for the eager paths; captured steps have none.
     query_lens_host: list[int] = field(default_factory=list)
     context_lens_host: list[int] = field(default_factory=list)
-    # Split-K decode: per-sequence split counts chosen on the device, and the fixed grid width.
+    # Packed prefill (Triton): the prompt sequences' query tiles (kernels/prefill_tiles.py).
+    tile_map: torch.Tensor | None = None  # [N, 2] int32
+    block_m: int = 0
+    # Split-K decode (decode steps, and a mixed step's decoding rows): per-sequence split counts
+    # chosen on the device, and the fixed grid width.
     num_splits: torch.Tensor | None = None
     max_splits: int = 1
     workspace: Any = None

@@ -1,5 +1,6 @@
 """Attention through liteinfer's Triton kernels: paged decode with RoPE and the KV write fused in,
-packed prefill over the pool, and torch's fused SDPA for a lone long prompt."""
+packed prefill over the pool, and torch's fused SDPA for a lone long prompt. In a mixed step the
+decoding sequences' rows go through the decode kernel, the prompt chunks' through prefill."""
 from __future__ import annotations
 
 import torch
@@ -37,13 +38,21 @@ class TritonBackend(AttentionBackend):
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         if self._lone_fresh_prompt(meta):
             return _causal_sdpa(q, k, v, scale)
+        out = torch.empty_like(q)
+        d = meta.num_decodes
+        if d:  # q is rotated and the new K/V are in the pool already
+            paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
+                                   meta.context_lens[:d], scale, out[:d],
+                                   num_splits=meta.num_splits, max_splits=meta.max_splits,
+                                   workspace=meta.workspace)
         return packed_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
-                                        meta.context_lens, meta.block_tables, scale,
-                                        torch.empty_like(q), meta.max_seqlen_q)
+                                        meta.context_lens, meta.block_tables, meta.tile_map,
+                                        meta.block_m, scale, out)
 
     def _lone_fresh_prompt(self, meta: AttentionMetadata) -> bool:
-        (q_len, *rest), ctx = meta.query_lens_host, meta.context_lens_host[0]
-        return not rest and q_len == ctx >= self.sdpa_min_tokens
+        if len(meta.query_lens_host) != 1:  # several sequences, or a captured step
+            return False
+        return meta.query_lens_host[0] == meta.context_lens_host[0] >= self.sdpa_min_tokens
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -63,18 +63,21 @@ _MIXED_W32 = ((HEADLINE, 32),) + tuple((s, 32) for s in THROUGHPUT_SHAPES if s.i
 # Configs older than `packed` in the lineage pad their prefill.
 # Configs older than `overlap` read each step's tokens before scheduling the next.
 # Configs older than `gemv` run one-sequence steps through cuBLAS; older than `mixed`, a step
-# either prefills or decodes.
+# either prefills or decodes; older than `prompt-graphs`, prompt steps run eagerly and take
+# whatever the token budget allows.
+_NEWER_OFF = {"gemv_decode": False, "mixed_steps": False, "mixed_prompt_tokens": 0}
 _EAGER32 = {"max_num_seqs": 32, "enforce_eager": True, "packed_prefill": False,
-            "overlap_scheduling": False, "gemv_decode": False, "mixed_steps": False}
+            "overlap_scheduling": False, **_NEWER_OFF}
 _GRAPHS = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": False,
            "max_num_seqs": 32, "packed_prefill": False, "overlap_scheduling": False,
-           "gemv_decode": False, "mixed_steps": False}
+           **_NEWER_OFF}
 _SPLITK = {"attention_backend": "triton", "enforce_eager": False, "decode_split_k": True,
            "max_num_seqs": 128, "packed_prefill": True, "overlap_scheduling": False,
-           "gemv_decode": False, "mixed_steps": False}
+           **_NEWER_OFF}
 _OVERLAP = {**_SPLITK, "overlap_scheduling": True}
 _GEMV = {**_OVERLAP, "gemv_decode": True}
 _MIXED = {**_GEMV, "mixed_steps": True}
+_PROMPT_GRAPHS = {**_MIXED, "mixed_prompt_tokens": 2048}
 _ALL_SHAPES = dict(latency=LATENCY_SHAPES, throughput=tuple((s, 32) for s in THROUGHPUT_SHAPES)
                    + ((HEADLINE, 1), (HEADLINE, 4), (HEADLINE, 128)))
 _MIXED_BUDGET = {"max_model_len": 4096}  # holds 2048-token prompts plus 1024 generated
@@ -130,9 +133,13 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("gemv", "One-sequence steps stream weights through GEMV kernels with the norms "
                 "and SwiGLU fused in, each launched while the previous kernel finishes (PDL)",
                 "overlap", RUNNABLE, LITEINFER, _GEMV, **_ALL_SHAPES),
-    # The default (fastest) configuration: it runs every shape a vLLM reference row has.
     BenchConfig("mixed", "Running sequences decode in the same step as arriving prompts' chunks "
                 "instead of waiting for them", "gemv", RUNNABLE, LITEINFER, _MIXED,
+                **_ALL_SHAPES),
+    # The default (fastest) configuration: it runs every shape a vLLM reference row has.
+    BenchConfig("prompt-graphs", "Prompt and mixed steps of up to 2,048 prompt tokens replayed "
+                "from CUDA graphs; while sequences decode, prompts join their steps in "
+                "power-of-two pieces", "mixed", RUNNABLE, LITEINFER, _PROMPT_GRAPHS,
                 **_ALL_SHAPES),
     BenchConfig("graphs-b128", "Captured decode at 128 concurrent sequences", None, RUNNABLE,
                 LITEINFER, {**_GRAPHS, "max_num_seqs": 128}, width=128,
@@ -158,7 +165,7 @@ CONFIGS: tuple[BenchConfig, ...] = (
 )
 BY_NAME = {c.name: c for c in CONFIGS}
 ORDER = {c.name: i for i, c in enumerate(CONFIGS)}
-DEFAULT = "mixed"
+DEFAULT = "prompt-graphs"
 
 
 def get(name: str) -> BenchConfig:

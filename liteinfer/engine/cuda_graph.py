@@ -28,7 +28,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, pool):
         self.runner = runner
         self.sizes = capture_sizes(runner.config.max_num_seqs)
         self.max_bs = self.sizes[-1]
@@ -47,7 +47,7 @@ class CUDAGraphRunner:
         self.pending_rows.fill_(-1)
         self.slots.fill_(-1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.pool = pool
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             self._capture(bs)
 
@@ -66,8 +66,6 @@ class CUDAGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._forward(bs)
-        if self.pool is None:
-            self.pool = graph.pool()
         self.graphs[bs] = (graph, logits)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:

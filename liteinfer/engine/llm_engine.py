@@ -58,7 +58,8 @@ class LLMEngine:
         # Decodes would be padded to the longest prompt chunk in a padded prefill step.
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
-                                   mixed_steps=config.mixed_steps and config.packed_prefill)
+                                   mixed_steps=config.mixed_steps and config.packed_prefill,
+                                   mixed_prompt_tokens=config.mixed_prompt_tokens or None)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

@@ -1,21 +1,22 @@
 """Turns a scheduled batch into tensors, runs the model and returns the logits to sample from."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata, get_backend
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels.decode_splits import DecodeWorkspace, choose_num_splits, max_splits_for
+from liteinfer.kernels.prefill_tiles import prefill_block_m, prefill_tile_map
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
-from liteinfer.utils import cdiv, to_device
+from liteinfer.utils import cdiv, next_power_of_2, to_device
 
 
 class ModelRunner:
-    """Owns the model, the KV pool and (on CUDA) the captured decode graphs."""
+    """Owns the model, the KV pool and (on CUDA) the captured decode and prompt graphs."""
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, source: ModelSource,
                  load_format: str, max_model_len: int):
@@ -41,10 +42,14 @@ class ModelRunner:
         # The newest step's sampled tokens, which feed the next step on the device.
         self.sampled_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32,
                                           device=self.device)
-        self.graphs = None
+        self.graphs = self.prompt_graphs = None
         if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             from liteinfer.engine.cuda_graph import CUDAGraphRunner
-            self.graphs = CUDAGraphRunner(self)
+            from liteinfer.engine.prompt_graph import PromptGraphRunner
+            pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
+            if config.mixed_prompt_tokens and config.packed_prefill:
+                self.prompt_graphs = PromptGraphRunner(self, pool)
+            self.graphs = CUDAGraphRunner(self, pool)
 
     @torch.inference_mode()
     def _load_model(self, source: ModelSource, load_format: str) -> LlamaForCausalLM:
@@ -102,62 +107,35 @@ class ModelRunner:
         width = cfg.hidden_size * 4 + cfg.intermediate_size * 3
         return (tokens * width + self.config.max_num_seqs * cfg.vocab_size * 2) * 4
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Token ids, positions, attention metadata and the rows whose logits are sampled.
-
-        Positions and KV slots are computed for all tokens at once with numpy: a 16k-token
-        prefill would otherwise spend milliseconds of host time in per-token Python loops."""
-        block, seqs = self.block_size, batch.seqs
-        num_tokens = np.array(batch.num_tokens)
-        starts = np.array([seq.num_computed_tokens for seq in seqs])
-        # Padded prefill right-pads each chunk to the longest; packed prefill and decode do not.
-        pad_to = num_tokens.max() if batch.is_prefill and not self.config.packed_prefill else 0
-        query_lens = np.maximum(num_tokens, pad_to)
-        cu_seqlens = np.concatenate([[0], np.cumsum(query_lens)])
-        context_lens = starts + query_lens
-        input_ids: list[int] = []
-        pending_rows: list[int] = []  # per token: row in sampled_tokens, or -1
-        for seq, n, q_len in zip(seqs, batch.num_tokens, query_lens.tolist()):
-            if seq.num_pending:  # decoding a token the host has not seen yet
-                assert n == 1 and seq.num_computed_tokens == len(seq.token_ids), \
-                    "pending tokens are decoded alone"
-                input_ids.append(0)
-                pending_rows.append(seq.pending_row)
-            else:
-                start = seq.num_computed_tokens
-                input_ids += seq.token_ids[start:start + n]
-                pending_rows += [-1] * n
-            input_ids += [0] * (q_len - n)
-            pending_rows += [-1] * (q_len - n)
-        width = cdiv(int(context_lens.max()), block)
-        tables = np.zeros((len(seqs), width), dtype=np.int64)
-        for row, seq in zip(tables, seqs):
-            table = seq.block_table[:width]
-            row[:len(table)] = table
-        seq_of = np.repeat(np.arange(len(seqs)), query_lens)
-        offset = np.arange(cu_seqlens[-1]) - cu_seqlens[seq_of]
-        real = offset < num_tokens[seq_of]
-        # Padding tokens repeat the last position (past it the RoPE table may end) and are
-        # written nowhere (slot -1).
-        positions = starts[seq_of] + np.minimum(offset, num_tokens[seq_of] - 1)
-        slots = np.where(real, tables[seq_of, positions // block] * block + positions % block, -1)
-        sample_rows = [int(cu_seqlens[i]) + n - 1 for i, n in enumerate(batch.num_tokens)
-                       if batch.samples(i)]
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Token ids, positions, attention metadata and the rows whose logits are sampled."""
+        step = build_step_inputs(batch, self.block_size, not self.config.packed_prefill)
         as_tensor = lambda data, dtype: to_device(data, dtype, self.device)
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
-            slot_mapping=as_tensor(slots, torch.int64),
-            context_lens=as_tensor(context_lens, torch.int32),
-            block_tables=as_tensor(tables, torch.int32),
-            cu_seqlens_q=as_tensor(cu_seqlens, torch.int32) if batch.is_prefill else None,
-            max_seqlen_q=int(query_lens.max()),
-            query_lens_host=query_lens.tolist(),
-            context_lens_host=context_lens.tolist(),
+            slot_mapping=as_tensor(step.slots, torch.int64),
+            context_lens=as_tensor(step.context_lens, torch.int32),
+            block_tables=as_tensor(step.block_tables, torch.int32),
+            cu_seqlens_q=as_tensor(step.cu_seqlens, torch.int32) if batch.is_prefill else None,
+            num_decodes=step.num_decodes if batch.is_prefill else 0,
+            query_lens_host=step.query_lens.tolist(),
+            context_lens_host=step.context_lens.tolist(),
         )
-        ids = as_tensor(input_ids, torch.int32)
-        if any(seq.num_pending for seq in seqs):
-            ids = self.with_pending(ids, as_tensor(pending_rows, torch.int32))
-        return ids, as_tensor(positions, torch.int64), meta, sample_rows
+        if self.use_triton:
+            if batch.is_prefill:
+                d = step.num_decodes
+                meta.block_m = prefill_block_m(int(step.query_lens[d:].max()))
+                meta.tile_map = as_tensor(prefill_tile_map(step.query_lens[d:],
+                                                           step.context_lens[d:], meta.block_m,
+                                                           first_seq=d), torch.int32)
+            self.set_split_k(meta, step.num_decodes)
+        ids = as_tensor(step.input_ids, torch.int32)
+        if step.has_pending:
+            ids = self.with_pending(ids, as_tensor(step.pending_rows, torch.int32))
+        # A device index: indexing with a host list would copy it synchronously and stall the
+        # host until the whole step has run, instead of letting it prepare the next one.
+        return ids, as_tensor(step.positions, torch.int64), meta, as_tensor(step.sample_rows,
+                                                                            torch.int64)
 
     def with_pending(self, ids: torch.Tensor, pending_rows: torch.Tensor) -> torch.Tensor:
         """Token ids with pending ones (row >= 0) read from the last sampled tokens."""
@@ -171,23 +149,22 @@ class ModelRunner:
         """Runs one step; returns logits [rows that sample, vocab], or None if none do."""
         if not batch.is_prefill and self.graphs is not None:
             return self.graphs.run(batch)
-        input_ids, positions, meta, rows = self.prepare(batch)
-        if not batch.is_prefill and self.use_triton:
-            self.set_split_k(meta, len(batch.seqs))
-        hidden = self.model(input_ids, positions, meta)
-        if not rows:
-            return None
-        # A device index: indexing with a host list would copy it synchronously and stall the
-        # host until the whole step has run, instead of letting it prepare the next one.
-        return self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+        if self.prompt_graphs is not None and self.prompt_graphs.fits(batch):
+            hidden, rows = self.prompt_graphs.run(batch)
+        else:
+            input_ids, positions, meta, rows = self.prepare(batch)
+            hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[rows]) if rows.numel() else None
 
-    def set_split_k(self, meta: AttentionMetadata, batch_size: int) -> None:
-        """Decode split-K: the grid width is fixed per batch size, the split count per sequence
-        is chosen on the device from its context length."""
-        if self.decode_workspace is None:
+    def set_split_k(self, meta: AttentionMetadata, num_decodes: int) -> None:
+        """Decode split-K for the step's first `num_decodes` sequences: the grid width is fixed
+        per decode count, rounded up to a power of two (one kernel variant per width, however
+        many sequences a mixed step decodes), the split count per sequence is chosen on the
+        device from its context length."""
+        if self.decode_workspace is None or num_decodes == 0:
             return
-        meta.max_splits = max_splits_for(batch_size, self.model_config.num_key_value_heads,
-                                         self.num_sms)
+        meta.max_splits = max_splits_for(next_power_of_2(num_decodes),
+                                         self.model_config.num_key_value_heads, self.num_sms)
         if meta.max_splits > 1:
-            meta.num_splits = choose_num_splits(meta.context_lens, meta.max_splits)
+            meta.num_splits = choose_num_splits(meta.context_lens[:num_decodes], meta.max_splits)
             meta.workspace = self.decode_workspace

@@ -16,6 +16,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens each sequence computes in this step
     is_prefill: bool
+    num_decodes: int = 0  # the leading sequences that decode one token (all, in a decode step)
 
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last token this step, so a token is sampled for it."""
@@ -31,18 +32,23 @@ class Scheduler:
     first. With `mixed_steps` every running sequence also decodes one token in the same step, so
     prompts arriving never stall the others' decoding and a step's weights are read once for
     both; otherwise a step either prefills or decodes. A step with no prompt work decodes
-    (captured in CUDA graphs). When a decode finds the pool empty, the newest running sequences
+    (captured in CUDA graphs). With `mixed_prompt_tokens`, a step that decodes carries at most
+    that many prompt tokens, a power of two of them (the sizes captured prompt steps come in;
+    what a trimmed chunk leaves rides in the next step), so prompts fill the decode steps'
+    idle compute in pieces instead of stalling them with one long step. When a decode finds the pool empty, the newest running sequences
     are preempted: their blocks are freed and they return to the front of the queue, so the
     oldest requests always make progress and nothing starves.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, mixed_steps: bool = False):
+                 max_model_len: int, mixed_steps: bool = False,
+                 mixed_prompt_tokens: int | None = None):
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.mixed_steps = mixed_steps
+        self.mixed_prompt_tokens = mixed_prompt_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -74,6 +80,8 @@ class Scheduler:
         """Prompt chunks in the token budget left after `decodes` (one token each), or None if
         there is no prompt work."""
         budget = self.max_num_batched_tokens - len(decodes)
+        if decodes and self.mixed_prompt_tokens:
+            budget = min(budget, self.mixed_prompt_tokens)
         seqs = list(decodes)
         num_tokens = [1] * len(decodes)
         # Prompts already partly computed continue first (chunked prefill); their blocks were
@@ -102,7 +110,25 @@ class Scheduler:
             if self.waiting and not self.running:
                 raise RuntimeError("KV pool too small for a single request")
             return None
-        return ScheduledBatch(seqs, num_tokens, is_prefill=True)
+        if decodes and self.mixed_prompt_tokens:
+            self._trim_to_power_of_two(seqs, num_tokens, len(decodes))
+        return ScheduledBatch(seqs, num_tokens, is_prefill=True, num_decodes=len(decodes))
+
+    @staticmethod
+    def _trim_to_power_of_two(seqs: list[Sequence], num_tokens: list[int],
+                              num_decodes: int) -> None:
+        """Cuts the last prompt chunks so the step's prompt tokens are a power of two (or at most
+        16, the smallest captured size); a chunk cut to nothing leaves the step (its sequence
+        stays admitted and continues next step)."""
+        prompt_tokens = sum(num_tokens) - num_decodes
+        excess = max(0, prompt_tokens - max(16, 1 << (prompt_tokens.bit_length() - 1)))
+        while excess:
+            cut = min(excess, num_tokens[-1])
+            num_tokens[-1] -= cut
+            excess -= cut
+            if num_tokens[-1] == 0:
+                seqs.pop()
+                num_tokens.pop()
 
     def _reserve_decodes(self) -> list[Sequence]:
         """Running sequences that decode a token next, each given room for it. Partly
@@ -113,7 +139,9 @@ class Scheduler:
 
     @staticmethod
     def _decode_batch(seqs: list[Sequence]) -> ScheduledBatch | None:
-        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False, num_decodes=len(seqs))
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         max_tokens = seq.sampling_params.max_tokens

@@ -5,12 +5,14 @@ import pytest
 import torch
 
 from liteinfer.kernels.prefill_attention import packed_prefill_attention
+from liteinfer.kernels.prefill_tiles import prefill_block_m, prefill_tile_map
 
 
 def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads, head_dim,
-           block_size, dtype, device):
+           block_size, dtype, device, first_seq=0, spare_tiles=0):
     """seqs: (q_len, context_len) per sequence; context_len - q_len tokens are a cached
-    prefix."""
+    prefix. Only sequences from `first_seq` on are mapped (the rows of those before must stay
+    untouched), into a tile map with `spare_tiles` unused rows."""
     q_lens = [q for q, _ in seqs]
     contexts = [c for _, c in seqs]
     kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device)
@@ -18,11 +20,18 @@ def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))
     scale = 1 / math.sqrt(head_dim)
+    block_m = prefill_block_m(max(q_lens[first_seq:]))
+    tiles = prefill_tile_map(q_lens[first_seq:], contexts[first_seq:], block_m, first_seq)
+    if spare_tiles:
+        tiles = prefill_tile_map(q_lens[first_seq:], contexts[first_seq:], block_m, first_seq,
+                                 num_tiles=len(tiles) + spare_tiles)
     packed_prefill_attention(q, kv.k_cache, kv.v_cache, cu, kv.context_lens_t, kv.block_tables,
-                             scale, out, max(q_lens))
+                             torch.from_numpy(tiles).to(device), block_m, scale, out)
+    start = int(cu[first_seq])
+    assert out[:start].isnan().all(), "rows of unmapped sequences were written"
     ref = torch.cat([attention_ref(q[cu[b]:cu[b + 1]], *kv.kv64(b, num_q_heads), c - n, scale)
-                     for b, (n, c) in enumerate(seqs)])
-    assert_close(out, ref)
+                     for b, (n, c) in enumerate(seqs) if b >= first_seq])
+    assert_close(out[start:], ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
@@ -49,6 +58,21 @@ def test_prefill_matches_reference(PagedKV, attention_ref, assert_close, needs_d
 def test_prefill_ragged_batches(PagedKV, attention_ref, assert_close, device, full, seqs):
     dtype = torch.bfloat16 if full else torch.float16
     _check(PagedKV, attention_ref, assert_close, seqs, 8, 2, 64, 16, dtype, device)
+
+
+def test_prefill_tile_map_of_a_mixed_step(PagedKV, attention_ref, assert_close, device, full):
+    """As in a mixed step: decoding rows first (left to the decode kernel, unmapped), then
+    prompt chunks, with the map padded to a fixed length as a captured step has it."""
+    dtype = torch.bfloat16 if full else torch.float16
+    seqs = [(1, 90), (1, 17), (1, 0), (40, 40), (7, 51), (130, 300)]
+    _check(PagedKV, attention_ref, assert_close, seqs, 8, 2, 64, 16, dtype, device,
+           first_seq=3, spare_tiles=5)
+
+
+def test_prefill_tile_map_orders_heaviest_first():
+    tiles = prefill_tile_map([130, 5], [130, 900], 64, first_seq=2, num_tiles=6)
+    # (seq 3: 895 KV positions) > (seq 2, rows 128..: 129) > (rows 64..: 65) > (rows 0..: 1)
+    assert tiles.tolist() == [[3, 0], [2, 128], [2, 64], [2, 0], [-1, 0], [-1, 0]]
 
 
 @pytest.mark.gpu

@@ -1,0 +1,168 @@
+"""Prompt and mixed steps replayed from CUDA graphs.
+
+An eager step of a few hundred prompt tokens spends several times its GPU time launching ~200
+kernels, so steps of up to `mixed_prompt_tokens` prompt tokens are captured too: one graph per
+(decoding rows, prompt tokens) bucket, both powers of two. A step is padded to its bucket:
+decoding rows first, padded with rows of context 0 (the decode kernel writes zeros for them),
+then the prompt tokens, padded with tokens that write no KV and that no query tile covers.
+Prefill attention reads its query tiles from a tile map, so one grid serves any mix of prompt
+lengths. The LM head runs after the replay on the rows that sample only.
+
+All inputs live in one flat int32 device buffer at fixed offsets, filled from a pinned host
+mirror with one copy per step, as in captured decode (cuda_graph.py).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from liteinfer.attention import AttentionMetadata
+from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
+from liteinfer.kernels.prefill_tiles import prefill_block_m, prefill_tile_map
+from liteinfer.models.llama import HiddenStates
+from liteinfer.utils import next_power_of_2
+
+if TYPE_CHECKING:
+    from liteinfer.engine.model_runner import ModelRunner
+
+MIN_PROMPT_TOKENS = 16  # the smallest prompt bucket (the scheduler trims no further)
+
+
+class PromptGraphRunner:
+    def __init__(self, runner: ModelRunner, pool):
+        self.runner = runner
+        config = runner.config
+        max_seqs = config.max_num_seqs
+        self.prompt_sizes = [1 << i for i in range(MIN_PROMPT_TOKENS.bit_length() - 1,
+                                                   config.mixed_prompt_tokens.bit_length())]
+        # A mixed step holds at least one prompt, so at most max_num_seqs - 1 decoding rows.
+        self.decode_sizes = [0] + sorted({min(next_power_of_2(d), max_seqs)
+                                          for d in range(1, max(2, max_seqs))})
+        max_tokens = self.decode_sizes[-1] + self.prompt_sizes[-1]
+        max_rows = self.decode_sizes[-1] + self._prompt_seqs(self.prompt_sizes[-1])
+        max_tiles = max(self._tiles(p) for p in self.prompt_sizes)
+        self.width = runner.max_blocks_per_seq
+        sizes = {"ids": max_tokens, "pending": max_tokens, "positions": max_tokens,
+                 "slots": max_tokens, "context_lens": max_rows, "cu_seqlens": max_rows + 1,
+                 "sample_rows": max_rows, "tiles": 2 * max_tiles,
+                 "block_tables": max_rows * self.width}  # last: only its used rows are copied
+        self.sizes = sizes
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, n in sizes.items():
+            self.offsets[name] = total
+            total += n
+        self.hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.copied = [torch.cuda.Event() for _ in range(2)]
+        self.step_index = 0
+        self.dev = torch.zeros(total, dtype=torch.int32, device=runner.device)
+        hidden = runner.model_config.hidden_size
+        self.out_x = torch.empty(max_tokens, hidden, dtype=runner.dtype, device=runner.device)
+        self.out_residual = torch.empty_like(self.out_x)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        for d in reversed(self.decode_sizes):  # largest first, so smaller graphs reuse memory
+            for p in reversed(self.prompt_sizes):
+                self._reset_inputs()
+                self._capture(d, p, pool)
+
+    def _prompt_seqs(self, prompt_size: int) -> int:
+        return min(prompt_size, self.runner.config.max_num_seqs)
+
+    def _tiles(self, prompt_size: int) -> int:
+        """Query tiles of any `prompt_size` tokens: each sequence adds at most one partial."""
+        return prompt_size // prefill_block_m(prompt_size) + self._prompt_seqs(prompt_size)
+
+    def _view(self, name: str, n: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        start = self.offsets[name]
+        return (self.dev if buffer is None else buffer)[start:start + n]
+
+    def _reset_inputs(self) -> None:
+        """Inputs of an empty step: no KV written or read, no query tile mapped."""
+        self.dev.zero_()
+        for name in ("pending", "slots", "tiles"):
+            self._view(name, self.sizes[name]).fill_(-1)
+
+    def fits(self, batch: ScheduledBatch) -> bool:
+        prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
+        return (batch.is_prefill and prompt_tokens <= self.prompt_sizes[-1]
+                and batch.num_decodes <= self.decode_sizes[-1])
+
+    def _forward(self, d: int, p: int) -> None:
+        runner = self.runner
+        t, rows = d + p, d + self._prompt_seqs(p)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=self._view("slots", t),
+            context_lens=self._view("context_lens", rows),
+            block_tables=self._view("block_tables", rows * self.width).view(rows, self.width),
+            cu_seqlens_q=self._view("cu_seqlens", rows + 1), num_decodes=d,
+            tile_map=self._view("tiles", 2 * self._tiles(p)).view(-1, 2),
+            block_m=prefill_block_m(p))
+        runner.set_split_k(meta, d)  # split counts are computed inside the graph
+        ids = runner.with_pending(self._view("ids", t), self._view("pending", t))
+        hidden = runner.model(ids, self._view("positions", t), meta)
+        self.out_x[:t].copy_(hidden.x)
+        self.out_residual[:t].copy_(hidden.residual)
+
+    def _capture(self, d: int, p: int, pool) -> None:
+        self._forward(d, p)  # compiles the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._forward(d, p)
+        self.graphs[(d, p)] = graph
+
+    def run(self, batch: ScheduledBatch) -> tuple[HiddenStates, torch.Tensor]:
+        """Replays the step's graph; returns its hidden states and the rows that sample."""
+        step = build_step_inputs(batch, self.runner.block_size, pad_prompts=False)
+        d = step.num_decodes
+        d_size = next(s for s in self.decode_sizes if s >= d)
+        p_size = next(s for s in self.prompt_sizes if s >= len(step.input_ids) - d)
+        which = self.step_index % 2
+        self.step_index += 1
+        self.copied[which].synchronize()
+        host = self.hosts[which]
+        used = self._fill(host.numpy(), step, d_size, p_size)
+        self.dev[:used].copy_(host[:used], non_blocking=True)
+        self.copied[which].record()
+        self.graphs[(d_size, p_size)].replay()
+        t = d_size + p_size
+        rows = self._view("sample_rows", len(step.sample_rows))
+        return HiddenStates(self.out_x[:t], self.out_residual[:t]), rows
+
+    def _fill(self, h: np.ndarray, step: StepInputs, d_size: int, p_size: int) -> int:
+        """Writes the step into a host mirror in the bucket's layout; returns the used length."""
+        view = lambda name, n: h[self.offsets[name]:self.offsets[name] + n]
+        d, n_seqs = step.num_decodes, len(step.query_lens)
+        p = len(step.input_ids) - d
+        t, rows = d_size + p_size, d_size + self._prompt_seqs(p_size)
+        # Token arrays: decoding rows, their padding, prompt tokens, their padding.
+        for name, data, pad in (("ids", step.input_ids, 0), ("pending", step.pending_rows, -1),
+                                ("positions", step.positions, 0), ("slots", step.slots, -1)):
+            out = view(name, t)
+            out[:] = pad
+            out[:d] = data[:d]
+            out[d_size:d_size + p] = data[d:]
+        # Sequence arrays: decoding sequences, padding rows (context 0), prompt sequences.
+        ctx = view("context_lens", rows)
+        ctx[:] = 0
+        ctx[:d] = step.context_lens[:d]
+        ctx[d_size:d_size + n_seqs - d] = step.context_lens[d:]
+        query_lens = np.zeros(rows, dtype=np.int64)
+        query_lens[:d_size] = 1
+        query_lens[d_size:d_size + n_seqs - d] = step.query_lens[d:]
+        view("cu_seqlens", rows + 1)[:] = np.concatenate([[0], np.cumsum(query_lens)])
+        tables = view("block_tables", rows * self.width).reshape(rows, self.width)
+        width = step.block_tables.shape[1]
+        tables[:d, :width] = step.block_tables[:d]
+        tables[d_size:d_size + n_seqs - d, :width] = step.block_tables[d:]
+        samples = step.sample_rows
+        view("sample_rows", len(samples))[:] = np.where(samples < d, samples,
+                                                        samples - d + d_size)
+        view("tiles", 2 * self._tiles(p_size))[:] = prefill_tile_map(
+            step.query_lens[d:], step.context_lens[d:], prefill_block_m(p_size),
+            first_seq=d_size, num_tiles=self._tiles(p_size)).reshape(-1)
+        return self.offsets["block_tables"] + (d_size + n_seqs - d) * self.width
+

@@ -1,0 +1,79 @@
+"""A scheduled step's model inputs as host arrays, before they go to the device.
+
+The eager path turns them into tensors; captured prompt steps copy them into their graphs'
+fixed buffers at fixed offsets. Everything is computed for all tokens at once with numpy: a
+16k-token prefill would otherwise spend milliseconds of host time in per-token Python loops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.utils import cdiv
+
+
+@dataclass
+class StepInputs:
+    """T tokens of B sequences laid end to end; the first `num_decodes` sequences decode one
+    token each (decode and mixed steps)."""
+
+    input_ids: np.ndarray     # int64 [T]; 0 where the id is pending
+    pending_rows: np.ndarray  # int64 [T]: row in the runner's sampled tokens, -1 = id known
+    positions: np.ndarray     # int64 [T]
+    slots: np.ndarray         # int64 [T]: KV pool slot, -1 = padding (not written)
+    query_lens: np.ndarray    # int64 [B]
+    context_lens: np.ndarray  # int64 [B]: KV tokens including this step's
+    block_tables: np.ndarray  # int64 [B, blocks of the longest context]
+    sample_rows: np.ndarray   # int64: token rows whose logits are sampled, in sequence order
+    num_decodes: int
+
+    @property
+    def cu_seqlens(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.query_lens)])
+
+    @property
+    def has_pending(self) -> bool:
+        return bool((self.pending_rows >= 0).any())
+
+
+def build_step_inputs(batch: ScheduledBatch, block_size: int, pad_prompts: bool) -> StepInputs:
+    """pad_prompts: right-pad every prompt chunk to the longest (padded prefill); padding
+    tokens repeat the chunk's last position (past it the RoPE table may end) and write no KV."""
+    seqs = batch.seqs
+    num_tokens = np.array(batch.num_tokens)
+    starts = np.array([seq.num_computed_tokens for seq in seqs])
+    pad_to = num_tokens.max() if batch.is_prefill and pad_prompts else 0
+    query_lens = np.maximum(num_tokens, pad_to)
+    cu_seqlens = np.concatenate([[0], np.cumsum(query_lens)])
+    context_lens = starts + query_lens
+    input_ids: list[int] = []
+    pending_rows: list[int] = []
+    for seq, n, q_len in zip(seqs, batch.num_tokens, query_lens.tolist()):
+        if seq.num_pending:  # decoding a token the host has not seen yet
+            assert n == 1 and seq.num_computed_tokens == len(seq.token_ids), \
+                "pending tokens are decoded alone"
+            input_ids.append(0)
+            pending_rows.append(seq.pending_row)
+        else:
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            pending_rows += [-1] * n
+        input_ids += [0] * (q_len - n)
+        pending_rows += [-1] * (q_len - n)
+    tables = np.zeros((len(seqs), cdiv(int(context_lens.max()), block_size)), dtype=np.int64)
+    for row, seq in zip(tables, seqs):
+        table = seq.block_table[:tables.shape[1]]
+        row[:len(table)] = table
+    seq_of = np.repeat(np.arange(len(seqs)), query_lens)
+    offset = np.arange(cu_seqlens[-1]) - cu_seqlens[seq_of]
+    real = offset < num_tokens[seq_of]
+    positions = starts[seq_of] + np.minimum(offset, num_tokens[seq_of] - 1)
+    slots = np.where(real, tables[seq_of, positions // block_size] * block_size
+                     + positions % block_size, -1)
+    sample_rows = np.array([cu_seqlens[i] + n - 1 for i, n in enumerate(batch.num_tokens)
+                            if batch.samples(i)], dtype=np.int64)
+    return StepInputs(np.array(input_ids, dtype=np.int64), np.array(pending_rows, dtype=np.int64),
+                      positions, slots, query_lens, context_lens, tables, sample_rows,
+                      batch.num_decodes)

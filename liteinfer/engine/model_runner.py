@@ -12,7 +12,7 @@ from liteinfer.kernels.prefill_tiles import prefill_block_m, prefill_tile_map
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
-from liteinfer.utils import cdiv, next_power_of_2, to_device
+from liteinfer.utils import cdiv, to_device
 
 
 class ModelRunner:
@@ -107,7 +107,8 @@ class ModelRunner:
         width = cfg.hidden_size * 4 + cfg.intermediate_size * 3
         return (tokens * width + self.config.max_num_seqs * cfg.vocab_size * 2) * 4
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, batch: ScheduledBatch
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Token ids, positions, attention metadata and the rows whose logits are sampled."""
         step = build_step_inputs(batch, self.block_size, not self.config.packed_prefill)
         as_tensor = lambda data, dtype: to_device(data, dtype, self.device)
@@ -121,13 +122,14 @@ class ModelRunner:
             query_lens_host=step.query_lens.tolist(),
             context_lens_host=step.context_lens.tolist(),
         )
-        if self.use_triton:
-            if batch.is_prefill:
-                d = step.num_decodes
-                meta.block_m = prefill_block_m(int(step.query_lens[d:].max()))
-                meta.tile_map = as_tensor(prefill_tile_map(step.query_lens[d:],
-                                                           step.context_lens[d:], meta.block_m,
-                                                           first_seq=d), torch.int32)
+        if self.use_triton and batch.is_prefill:
+            # An eager mixed step's decoding rows run without split-K: every grid width compiles
+            # a kernel variant of its own, and these steps come with any number of decodes.
+            d = step.num_decodes
+            meta.block_m = prefill_block_m(int(step.query_lens[d:].max()))
+            meta.tile_map = as_tensor(prefill_tile_map(step.query_lens[d:], step.context_lens[d:],
+                                                       meta.block_m, first_seq=d), torch.int32)
+        elif self.use_triton:
             self.set_split_k(meta, step.num_decodes)
         ids = as_tensor(step.input_ids, torch.int32)
         if step.has_pending:
@@ -158,13 +160,12 @@ class ModelRunner:
 
     def set_split_k(self, meta: AttentionMetadata, num_decodes: int) -> None:
         """Decode split-K for the step's first `num_decodes` sequences: the grid width is fixed
-        per decode count, rounded up to a power of two (one kernel variant per width, however
-        many sequences a mixed step decodes), the split count per sequence is chosen on the
-        device from its context length."""
+        per decode count, the split count per sequence is chosen on the device from its context
+        length."""
         if self.decode_workspace is None or num_decodes == 0:
             return
-        meta.max_splits = max_splits_for(next_power_of_2(num_decodes),
-                                         self.model_config.num_key_value_heads, self.num_sms)
+        meta.max_splits = max_splits_for(num_decodes, self.model_config.num_key_value_heads,
+                                         self.num_sms)
         if meta.max_splits > 1:
             meta.num_splits = choose_num_splits(meta.context_lens[:num_decodes], meta.max_splits)
             meta.workspace = self.decode_workspace

@@ -90,7 +90,7 @@ def test_cli_bench_and_report(fake_llms, tiny_llama_dir, tmp_path, capsys):
                                   "enforce_eager": False, "decode_split_k": False,
                                   "max_num_seqs": 8, "packed_prefill": False,
                                   "overlap_scheduling": False, "gemv_decode": False,
-                                  "mixed_steps": False}
+                                  "mixed_steps": False, "mixed_prompt_tokens": 0}
     assert (row["config"], row["model"], row["isl"], row["osl"], row["width"]) == (
         "graphs", "tiny-llama", 16, 4, 2)
     assert fake_llms[0].shut

@@ -32,6 +32,9 @@ MIN_PROMPT_TOKENS = 16  # the smallest prompt bucket (the scheduler trims no fur
 
 
 class PromptGraphRunner:
+    """Captures every bucket at start-up (pool: the graph memory pool it shares with captured
+    decode) and replays the step's bucket."""
+
     def __init__(self, runner: ModelRunner, pool):
         self.runner = runner
         config = runner.config
@@ -45,14 +48,13 @@ class PromptGraphRunner:
         max_rows = self.decode_sizes[-1] + self._prompt_seqs(self.prompt_sizes[-1])
         max_tiles = max(self._tiles(p) for p in self.prompt_sizes)
         self.width = runner.max_blocks_per_seq
-        sizes = {"ids": max_tokens, "pending": max_tokens, "positions": max_tokens,
-                 "slots": max_tokens, "context_lens": max_rows, "cu_seqlens": max_rows + 1,
-                 "sample_rows": max_rows, "tiles": 2 * max_tiles,
-                 "block_tables": max_rows * self.width}  # last: only its used rows are copied
-        self.sizes = sizes
+        self.sizes = {"ids": max_tokens, "pending": max_tokens, "positions": max_tokens,
+                      "slots": max_tokens, "context_lens": max_rows, "cu_seqlens": max_rows + 1,
+                      "sample_rows": max_rows, "tiles": 2 * max_tiles,
+                      "block_tables": max_rows * self.width}  # last: only used rows are copied
         self.offsets: dict[str, int] = {}
         total = 0
-        for name, n in sizes.items():
+        for name, n in self.sizes.items():
             self.offsets[name] = total
             total += n
         self.hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=True) for _ in range(2)]
@@ -75,9 +77,8 @@ class PromptGraphRunner:
         """Query tiles of any `prompt_size` tokens: each sequence adds at most one partial."""
         return prompt_size // prefill_block_m(prompt_size) + self._prompt_seqs(prompt_size)
 
-    def _view(self, name: str, n: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
-        start = self.offsets[name]
-        return (self.dev if buffer is None else buffer)[start:start + n]
+    def _view(self, name: str, n: int) -> torch.Tensor:
+        return self.dev[self.offsets[name]:self.offsets[name] + n]
 
     def _reset_inputs(self) -> None:
         """Inputs of an empty step: no KV written or read, no query tile mapped."""

@@ -110,7 +110,8 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Token ids, positions, attention metadata and the rows whose logits are sampled."""
-        step = build_step_inputs(batch, self.block_size, not self.config.packed_prefill)
+        step = build_step_inputs(batch, self.block_size, self.max_blocks_per_seq,
+                                 pad_prompts=not self.config.packed_prefill)
         as_tensor = lambda data, dtype: to_device(data, dtype, self.device)
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,

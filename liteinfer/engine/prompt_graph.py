@@ -117,7 +117,7 @@ class PromptGraphRunner:
 
     def run(self, batch: ScheduledBatch) -> tuple[HiddenStates, torch.Tensor]:
         """Replays the step's graph; returns its hidden states and the rows that sample."""
-        step = build_step_inputs(batch, self.runner.block_size, pad_prompts=False)
+        step = build_step_inputs(batch, self.runner.block_size, self.width, pad_prompts=False)
         d = step.num_decodes
         d_size = next(s for s in self.decode_sizes if s >= d)
         p_size = next(s for s in self.prompt_sizes if s >= len(step.input_ids) - d)
@@ -156,9 +156,8 @@ class PromptGraphRunner:
         query_lens[d_size:d_size + n_seqs - d] = step.query_lens[d:]
         view("cu_seqlens", rows + 1)[:] = np.concatenate([[0], np.cumsum(query_lens)])
         tables = view("block_tables", rows * self.width).reshape(rows, self.width)
-        width = step.block_tables.shape[1]
-        tables[:d, :width] = step.block_tables[:d]
-        tables[d_size:d_size + n_seqs - d, :width] = step.block_tables[d:]
+        tables[:d] = step.block_tables[:d]
+        tables[d_size:d_size + n_seqs - d] = step.block_tables[d:]
         samples = step.sample_rows
         view("sample_rows", len(samples))[:] = np.where(samples < d, samples,
                                                         samples - d + d_size)

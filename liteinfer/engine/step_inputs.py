@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from liteinfer.engine.scheduler import ScheduledBatch
-from liteinfer.utils import cdiv
 
 
 @dataclass
@@ -25,7 +24,7 @@ class StepInputs:
     slots: np.ndarray         # int64 [T]: KV pool slot, -1 = padding (not written)
     query_lens: np.ndarray    # int64 [B]
     context_lens: np.ndarray  # int64 [B]: KV tokens including this step's
-    block_tables: np.ndarray  # int64 [B, blocks of the longest context]
+    block_tables: np.ndarray  # int64 [B, table_width]
     sample_rows: np.ndarray   # int64: token rows whose logits are sampled, in sequence order
     num_decodes: int
 
@@ -38,9 +37,12 @@ class StepInputs:
         return bool((self.pending_rows >= 0).any())
 
 
-def build_step_inputs(batch: ScheduledBatch, block_size: int, pad_prompts: bool) -> StepInputs:
-    """pad_prompts: right-pad every prompt chunk to the longest (padded prefill); padding
-    tokens repeat the chunk's last position (past it the RoPE table may end) and write no KV."""
+def build_step_inputs(batch: ScheduledBatch, block_size: int, table_width: int,
+                      pad_prompts: bool) -> StepInputs:
+    """table_width: block table columns, the same every step (a model's longest sequence), so
+    the kernels see one row stride and never compile a variant for another. pad_prompts:
+    right-pad every prompt chunk to the longest (padded prefill); padding tokens repeat the
+    chunk's last position (past it the RoPE table may end) and write no KV."""
     seqs = batch.seqs
     num_tokens = np.array(batch.num_tokens)
     starts = np.array([seq.num_computed_tokens for seq in seqs])
@@ -62,10 +64,9 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, pad_prompts: bool)
             pending_rows += [-1] * n
         input_ids += [0] * (q_len - n)
         pending_rows += [-1] * (q_len - n)
-    tables = np.zeros((len(seqs), cdiv(int(context_lens.max()), block_size)), dtype=np.int64)
+    tables = np.zeros((len(seqs), table_width), dtype=np.int64)
     for row, seq in zip(tables, seqs):
-        table = seq.block_table[:tables.shape[1]]
-        row[:len(table)] = table
+        row[:len(seq.block_table)] = seq.block_table
     seq_of = np.repeat(np.arange(len(seqs)), query_lens)
     offset = np.arange(cu_seqlens[-1]) - cu_seqlens[seq_of]
     real = offset < num_tokens[seq_of]

@@ -298,3 +298,41 @@ def test_mixed_steps_match_transformers(tiny_llama_dir, prompts, reference, back
     outputs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
     assert token_ids(outputs) == [ref[:n] for ref, n in zip(reference, lengths)]
     assert sum(mixed) >= 3
+
+
+def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, prompts,
+                                                                reference):
+    """Prompt and mixed steps laid out as captured steps have them (decoding rows first and
+    padded to their bucket, prompt tokens padded to theirs, prefill tiles from the padded tile
+    map), run eagerly with the Triton kernels on the CPU: token for token."""
+    from liteinfer.engine.prompt_graph import PromptStepLayout, forward_bucket
+
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
+                    attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
+                    mixed_prompt_tokens=32)
+    runner = llm.engine.runner
+    layout = PromptStepLayout(4, 32, runner.max_blocks_per_seq, runner.block_size)
+    buffer = torch.zeros(layout.total, dtype=torch.int32)
+    execute, buckets = runner.execute, []
+
+    @torch.inference_mode()
+    def through_layout(batch):
+        if not layout.fits(batch):
+            return execute(batch)
+        step, d, p = layout.build(batch)
+        layout.reset(buffer)  # stale inputs of an earlier bucket must not matter either
+        layout.fill(buffer.numpy(), step, d, p)
+        buckets.append((step.num_decodes, d, len(step.input_ids) - step.num_decodes, p))
+        hidden = forward_bucket(runner, layout, buffer, d, p)
+        rows = layout.sample_rows(buffer, len(step.sample_rows))
+        return runner.model.compute_logits(hidden[rows]) if rows.numel() else None
+
+    runner.execute = through_layout
+    lengths = [MAX_NEW - 7 * (i % 3) for i in range(len(prompts))]
+    outputs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    assert token_ids(outputs) == [ref[:n] for ref, n in zip(reference, lengths)]
+    # Prompt-only and mixed steps, padded decoding rows and padded prompt tokens all occurred.
+    assert any(d == 0 for d, *_ in buckets) and any(d > 0 for d, *_ in buckets)
+    assert any(d < d_size for d, d_size, *_ in buckets)
+    assert any(p < p_size for *_, p, p_size in buckets)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -8,8 +8,8 @@ then the prompt tokens, padded with tokens that write no KV and that no query ti
 Prefill attention reads its query tiles from a tile map, so one grid serves any mix of prompt
 lengths. The LM head runs after the replay on the rows that sample only.
 
-All inputs live in one flat int32 device buffer at fixed offsets, filled from a pinned host
-mirror with one copy per step, as in captured decode (cuda_graph.py).
+All inputs live in one flat int32 device buffer at fixed offsets (`PromptStepLayout`), filled
+from a pinned host mirror with one copy per step, as in captured decode (cuda_graph.py).
 """
 from __future__ import annotations
 
@@ -31,111 +31,82 @@ if TYPE_CHECKING:
 MIN_PROMPT_TOKENS = 16  # the smallest prompt bucket (the scheduler trims no further)
 
 
-class PromptGraphRunner:
-    """Captures every bucket at start-up (pool: the graph memory pool it shares with captured
-    decode) and replays the step's bucket."""
+class PromptStepLayout:
+    """The buckets, and where a bucket's inputs sit in one flat int32 buffer (a name's region
+    starts at the same offset for every bucket). Device-agnostic: the CUDA runner below fills a
+    pinned mirror of its device buffer, and the layout runs as well on a CPU buffer."""
 
-    def __init__(self, runner: ModelRunner, pool):
-        self.runner = runner
-        config = runner.config
-        max_seqs = config.max_num_seqs
+    def __init__(self, max_num_seqs: int, mixed_prompt_tokens: int, table_width: int,
+                 block_size: int):
+        self.max_num_seqs = max_num_seqs
+        self.width = table_width
+        self.block_size = block_size
         self.prompt_sizes = [1 << i for i in range(MIN_PROMPT_TOKENS.bit_length() - 1,
-                                                   config.mixed_prompt_tokens.bit_length())]
+                                                   mixed_prompt_tokens.bit_length())]
         # A mixed step holds at least one prompt, so at most max_num_seqs - 1 decoding rows.
-        self.decode_sizes = [0] + sorted({min(next_power_of_2(d), max_seqs)
-                                          for d in range(1, max(2, max_seqs))})
+        self.decode_sizes = [0] + sorted({min(next_power_of_2(d), max_num_seqs)
+                                          for d in range(1, max(2, max_num_seqs))})
         max_tokens = self.decode_sizes[-1] + self.prompt_sizes[-1]
         max_rows = self.decode_sizes[-1] + self._prompt_seqs(self.prompt_sizes[-1])
         max_tiles = max(self._tiles(p) for p in self.prompt_sizes)
-        self.width = runner.max_blocks_per_seq
         self.sizes = {"ids": max_tokens, "pending": max_tokens, "positions": max_tokens,
                       "slots": max_tokens, "context_lens": max_rows, "cu_seqlens": max_rows + 1,
                       "sample_rows": max_rows, "tiles": 2 * max_tiles,
                       "block_tables": max_rows * self.width}  # last: only used rows are copied
         self.offsets: dict[str, int] = {}
-        total = 0
+        self.total = 0
         for name, n in self.sizes.items():
-            self.offsets[name] = total
-            total += n
-        self.hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self.copied = [torch.cuda.Event() for _ in range(2)]
-        self.step_index = 0
-        self.dev = torch.zeros(total, dtype=torch.int32, device=runner.device)
-        hidden = runner.model_config.hidden_size
-        self.out_x = torch.empty(max_tokens, hidden, dtype=runner.dtype, device=runner.device)
-        self.out_residual = torch.empty_like(self.out_x)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        for d in reversed(self.decode_sizes):  # largest first, so smaller graphs reuse memory
-            for p in reversed(self.prompt_sizes):
-                self._reset_inputs()
-                self._capture(d, p, pool)
+            self.offsets[name] = self.total
+            self.total += n
+        self.max_tokens = max_tokens
 
     def _prompt_seqs(self, prompt_size: int) -> int:
-        return min(prompt_size, self.runner.config.max_num_seqs)
+        return min(prompt_size, self.max_num_seqs)
 
     def _tiles(self, prompt_size: int) -> int:
         """Query tiles of any `prompt_size` tokens: each sequence adds at most one partial."""
         return prompt_size // prefill_block_m(prompt_size) + self._prompt_seqs(prompt_size)
-
-    def _view(self, name: str, n: int) -> torch.Tensor:
-        return self.dev[self.offsets[name]:self.offsets[name] + n]
-
-    def _reset_inputs(self) -> None:
-        """Inputs of an empty step: no KV written or read, no query tile mapped."""
-        self.dev.zero_()
-        for name in ("pending", "slots", "tiles"):
-            self._view(name, self.sizes[name]).fill_(-1)
 
     def fits(self, batch: ScheduledBatch) -> bool:
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
         return (batch.is_prefill and prompt_tokens <= self.prompt_sizes[-1]
                 and batch.num_decodes <= self.decode_sizes[-1])
 
-    def _forward(self, d: int, p: int) -> None:
-        runner = self.runner
-        t, rows = d + p, d + self._prompt_seqs(p)
-        meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=self._view("slots", t),
-            context_lens=self._view("context_lens", rows),
-            block_tables=self._view("block_tables", rows * self.width).view(rows, self.width),
-            cu_seqlens_q=self._view("cu_seqlens", rows + 1), num_decodes=d,
-            tile_map=self._view("tiles", 2 * self._tiles(p)).view(-1, 2),
-            block_m=prefill_block_m(p))
-        runner.set_split_k(meta, d)  # split counts are computed inside the graph
-        ids = runner.with_pending(self._view("ids", t), self._view("pending", t))
-        hidden = runner.model(ids, self._view("positions", t), meta)
-        self.out_x[:t].copy_(hidden.x)
-        self.out_residual[:t].copy_(hidden.residual)
-
-    def _capture(self, d: int, p: int, pool) -> None:
-        self._forward(d, p)  # compiles the kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._forward(d, p)
-        self.graphs[(d, p)] = graph
-
-    def run(self, batch: ScheduledBatch) -> tuple[HiddenStates, torch.Tensor]:
-        """Replays the step's graph; returns its hidden states and the rows that sample."""
-        step = build_step_inputs(batch, self.runner.block_size, self.width, pad_prompts=False)
+    def build(self, batch: ScheduledBatch) -> tuple[StepInputs, int, int]:
+        """The step's inputs and its bucket (decoding rows, prompt tokens)."""
+        step = build_step_inputs(batch, self.block_size, self.width, pad_prompts=False)
         d = step.num_decodes
         d_size = next(s for s in self.decode_sizes if s >= d)
         p_size = next(s for s in self.prompt_sizes if s >= len(step.input_ids) - d)
-        which = self.step_index % 2
-        self.step_index += 1
-        self.copied[which].synchronize()
-        host = self.hosts[which]
-        used = self._fill(host.numpy(), step, d_size, p_size)
-        self.dev[:used].copy_(host[:used], non_blocking=True)
-        self.copied[which].record()
-        self.graphs[(d_size, p_size)].replay()
-        t = d_size + p_size
-        rows = self._view("sample_rows", len(step.sample_rows))
-        return HiddenStates(self.out_x[:t], self.out_residual[:t]), rows
+        return step, d_size, p_size
 
-    def _fill(self, h: np.ndarray, step: StepInputs, d_size: int, p_size: int) -> int:
-        """Writes the step into a host mirror in the bucket's layout; returns the used length."""
-        view = lambda name, n: h[self.offsets[name]:self.offsets[name] + n]
+    def reset(self, buffer: torch.Tensor) -> None:
+        """Inputs of an empty step: no KV written or read, no query tile mapped."""
+        buffer.zero_()
+        for name in ("pending", "slots", "tiles"):
+            self._region(buffer, name, self.sizes[name]).fill_(-1)
+
+    def _region(self, buffer: torch.Tensor | np.ndarray, name: str, n: int):
+        return buffer[self.offsets[name]:self.offsets[name] + n]
+
+    def inputs(self, buffer: torch.Tensor, d: int, p: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Views of bucket (d, p)'s token ids, pending rows, positions and metadata."""
+        t, rows = d + p, d + self._prompt_seqs(p)
+        view = lambda name, n: self._region(buffer, name, n)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=view("slots", t), context_lens=view("context_lens", rows),
+            block_tables=view("block_tables", rows * self.width).view(rows, self.width),
+            cu_seqlens_q=view("cu_seqlens", rows + 1), num_decodes=d,
+            tile_map=view("tiles", 2 * self._tiles(p)).view(-1, 2), block_m=prefill_block_m(p))
+        return view("ids", t), view("pending", t), view("positions", t), meta
+
+    def sample_rows(self, buffer: torch.Tensor, n: int) -> torch.Tensor:
+        return self._region(buffer, "sample_rows", n)
+
+    def fill(self, host: np.ndarray, step: StepInputs, d_size: int, p_size: int) -> int:
+        """Writes the step into a host buffer in its bucket's layout; returns the used length."""
+        view = lambda name, n: self._region(host, name, n)
         d, n_seqs = step.num_decodes, len(step.query_lens)
         p = len(step.input_ids) - d
         t, rows = d_size + p_size, d_size + self._prompt_seqs(p_size)
@@ -166,3 +137,66 @@ class PromptGraphRunner:
             first_seq=d_size, num_tiles=self._tiles(p_size)).reshape(-1)
         return self.offsets["block_tables"] + (d_size + n_seqs - d) * self.width
 
+
+def forward_bucket(runner: ModelRunner, layout: PromptStepLayout, buffer: torch.Tensor, d: int,
+                   p: int) -> HiddenStates:
+    """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
+    ids, pending, positions, meta = layout.inputs(buffer, d, p)
+    runner.set_split_k(meta, d)  # split counts are computed inside the graph
+    return runner.model(runner.with_pending(ids, pending), positions, meta)
+
+
+class PromptGraphRunner:
+    """Captures every bucket at start-up (pool: the graph memory pool it shares with captured
+    decode) and replays the step's bucket."""
+
+    def __init__(self, runner: ModelRunner, pool):
+        self.runner = runner
+        config = runner.config
+        self.layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
+                                       runner.max_blocks_per_seq, runner.block_size)
+        total = self.layout.total
+        self.hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.copied = [torch.cuda.Event() for _ in range(2)]
+        self.step_index = 0
+        self.dev = torch.zeros(total, dtype=torch.int32, device=runner.device)
+        hidden = runner.model_config.hidden_size
+        self.out_x = torch.empty(self.layout.max_tokens, hidden, dtype=runner.dtype,
+                                 device=runner.device)
+        self.out_residual = torch.empty_like(self.out_x)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        for d in reversed(self.layout.decode_sizes):  # largest first: smaller ones reuse memory
+            for p in reversed(self.layout.prompt_sizes):
+                self.layout.reset(self.dev)
+                self._capture(d, p, pool)
+
+    def fits(self, batch: ScheduledBatch) -> bool:
+        return self.layout.fits(batch)
+
+    def _forward(self, d: int, p: int) -> None:
+        hidden = forward_bucket(self.runner, self.layout, self.dev, d, p)
+        self.out_x[:d + p].copy_(hidden.x)
+        self.out_residual[:d + p].copy_(hidden.residual)
+
+    def _capture(self, d: int, p: int, pool) -> None:
+        self._forward(d, p)  # compiles the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._forward(d, p)
+        self.graphs[(d, p)] = graph
+
+    def run(self, batch: ScheduledBatch) -> tuple[HiddenStates, torch.Tensor]:
+        """Replays the step's graph; returns its hidden states and the rows that sample."""
+        step, d_size, p_size = self.layout.build(batch)
+        which = self.step_index % 2
+        self.step_index += 1
+        self.copied[which].synchronize()
+        host = self.hosts[which]
+        used = self.layout.fill(host.numpy(), step, d_size, p_size)
+        self.dev[:used].copy_(host[:used], non_blocking=True)
+        self.copied[which].record()
+        self.graphs[(d_size, p_size)].replay()
+        t = d_size + p_size
+        rows = self.layout.sample_rows(self.dev, len(step.sample_rows))
+        return HiddenStates(self.out_x[:t], self.out_residual[:t]), rows

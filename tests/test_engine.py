@@ -182,6 +182,16 @@ def test_unknown_engine_argument(tiny_llama_dir):
         build_llm(str(tiny_llama_dir), max_num_sequences=4)
 
 
+@pytest.mark.parametrize("engine_args, message", [
+    ({"mixed_prompt_tokens": 100}, "mixed_prompt_tokens must be 0 or a power of two"),
+    ({"mixed_prompt_tokens": 8}, "mixed_prompt_tokens must be 0 or a power of two"),
+    ({"block_size": 24}, "block_size must be a power of two"),
+])
+def test_bad_engine_arguments(tiny_llama_dir, engine_args, message):
+    with pytest.raises(ValueError, match=message):
+        build_llm(str(tiny_llama_dir), **engine_args)
+
+
 def test_repetition_penalty_matches_transformers(tiny_llm, hf_model, prompts):
     with torch.no_grad():
         ref = []

@@ -11,6 +11,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
            "fp32": torch.float32, "float": torch.float32}
 
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton")
+# The fewest prompt tokens a captured prompt step is sized for: the scheduler trims a mixed
+# step's prompt tokens to a power of two no smaller, and mixed_prompt_tokens is at least this.
+MIN_PROMPT_PIECE = 16
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -120,5 +123,6 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
         m = self.mixed_prompt_tokens
-        if m and (m < 16 or m & (m - 1)):
-            raise ValueError(f"mixed_prompt_tokens must be 0 or a power of two >= 16, got {m}")
+        if m and (m < MIN_PROMPT_PIECE or m & (m - 1)):
+            raise ValueError(f"mixed_prompt_tokens must be 0 or a power of two >= "
+                             f"{MIN_PROMPT_PIECE}, got {m}")

@@ -8,7 +8,7 @@ from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels.decode_splits import DecodeWorkspace, choose_num_splits, max_splits_for
-from liteinfer.kernels.prefill_tiles import prefill_block_m, prefill_tile_map
+from liteinfer.kernels.prefill_tiles import prefill_block_m
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
@@ -126,10 +126,9 @@ class ModelRunner:
         if self.use_triton and batch.is_prefill:
             # An eager mixed step's decoding rows run without split-K: every grid width compiles
             # a kernel variant of its own, and these steps come with any number of decodes.
-            d = step.num_decodes
-            meta.block_m = prefill_block_m(int(step.query_lens[d:].max()))
-            meta.tile_map = as_tensor(prefill_tile_map(step.query_lens[d:], step.context_lens[d:],
-                                                       meta.block_m, first_seq=d), torch.int32)
+            meta.block_m = prefill_block_m(int(step.query_lens[step.num_decodes:].max()))
+            meta.tile_map = as_tensor(step.prompt_tile_map(meta.block_m, step.num_decodes),
+                                      torch.int32)
         elif self.use_triton:
             self.set_split_k(meta, step.num_decodes)
         ids = as_tensor(step.input_ids, torch.int32)

@@ -19,17 +19,15 @@ import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata
+from liteinfer.config import MIN_PROMPT_PIECE
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
-from liteinfer.kernels.prefill_tiles import prefill_block_m, prefill_tile_map
+from liteinfer.kernels.prefill_tiles import prefill_block_m
 from liteinfer.models.llama import HiddenStates
 from liteinfer.utils import next_power_of_2
 
 if TYPE_CHECKING:
     from liteinfer.engine.model_runner import ModelRunner
-
-MIN_PROMPT_TOKENS = 16  # the smallest prompt bucket (the scheduler trims no further)
-
 
 class PromptStepLayout:
     """The buckets, and where a bucket's inputs sit in one flat int32 buffer (a name's region
@@ -41,7 +39,7 @@ class PromptStepLayout:
         self.max_num_seqs = max_num_seqs
         self.width = table_width
         self.block_size = block_size
-        self.prompt_sizes = [1 << i for i in range(MIN_PROMPT_TOKENS.bit_length() - 1,
+        self.prompt_sizes = [1 << i for i in range(MIN_PROMPT_PIECE.bit_length() - 1,
                                                    mixed_prompt_tokens.bit_length())]
         # A mixed step holds at least one prompt, so at most max_num_seqs - 1 decoding rows.
         self.decode_sizes = [0] + sorted({min(next_power_of_2(d), max_num_seqs)
@@ -132,9 +130,8 @@ class PromptStepLayout:
         samples = step.sample_rows
         view("sample_rows", len(samples))[:] = np.where(samples < d, samples,
                                                         samples - d + d_size)
-        view("tiles", 2 * self._tiles(p_size))[:] = prefill_tile_map(
-            step.query_lens[d:], step.context_lens[d:], prefill_block_m(p_size),
-            first_seq=d_size, num_tiles=self._tiles(p_size)).reshape(-1)
+        view("tiles", 2 * self._tiles(p_size))[:] = step.prompt_tile_map(
+            prefill_block_m(p_size), first_seq=d_size, num_tiles=self._tiles(p_size)).reshape(-1)
         return self.offsets["block_tables"] + (d_size + n_seqs - d) * self.width
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from liteinfer.config import MIN_PROMPT_PIECE
 from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.sequence import Sequence, SequenceStatus
 
@@ -35,9 +36,10 @@ class Scheduler:
     (captured in CUDA graphs). With `mixed_prompt_tokens`, a step that decodes carries at most
     that many prompt tokens, a power of two of them (the sizes captured prompt steps come in;
     what a trimmed chunk leaves rides in the next step), so prompts fill the decode steps'
-    idle compute in pieces instead of stalling them with one long step. When a decode finds the pool empty, the newest running sequences
-    are preempted: their blocks are freed and they return to the front of the queue, so the
-    oldest requests always make progress and nothing starves.
+    idle compute in pieces instead of stalling them with one long step. When a decode finds
+    the pool empty, the newest running sequences are preempted: their blocks are freed and
+    they return to the front of the queue, so the oldest requests always make progress and
+    nothing starves.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -118,10 +120,11 @@ class Scheduler:
     def _trim_to_power_of_two(seqs: list[Sequence], num_tokens: list[int],
                               num_decodes: int) -> None:
         """Cuts the last prompt chunks so the step's prompt tokens are a power of two (or at most
-        16, the smallest captured size); a chunk cut to nothing leaves the step (its sequence
-        stays admitted and continues next step)."""
+        MIN_PROMPT_PIECE, the smallest captured size); a chunk cut to nothing leaves the step
+        (its sequence stays admitted and continues next step)."""
         prompt_tokens = sum(num_tokens) - num_decodes
-        excess = max(0, prompt_tokens - max(16, 1 << (prompt_tokens.bit_length() - 1)))
+        piece = max(MIN_PROMPT_PIECE, 1 << (prompt_tokens.bit_length() - 1))
+        excess = max(0, prompt_tokens - piece)
         while excess:
             cut = min(excess, num_tokens[-1])
             num_tokens[-1] -= cut

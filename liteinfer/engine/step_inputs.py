@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.kernels.prefill_tiles import prefill_tile_map
 
 
 @dataclass
@@ -35,6 +36,14 @@ class StepInputs:
     @property
     def has_pending(self) -> bool:
         return bool((self.pending_rows >= 0).any())
+
+    def prompt_tile_map(self, block_m: int, first_seq: int,
+                        num_tiles: int | None = None) -> np.ndarray:
+        """Prefill attention's tile map of the prompt sequences (those past the decoding ones),
+        numbered from `first_seq` (kernels/prefill_tiles.py)."""
+        d = self.num_decodes
+        return prefill_tile_map(self.query_lens[d:], self.context_lens[d:], block_m, first_seq,
+                                num_tiles)
 
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int, table_width: int,

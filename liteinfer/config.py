@@ -11,8 +11,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
            "fp32": torch.float32, "float": torch.float32}
 
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton")
-# The fewest prompt tokens a captured prompt step is sized for: the scheduler trims a mixed
-# step's prompt tokens to a power of two no smaller, and mixed_prompt_tokens is at least this.
+# The fewest prompt tokens a captured prompt step is sized for (scheduler.prompt_piece_sizes);
+# mixed_prompt_tokens is at least this.
 MIN_PROMPT_PIECE = 16
 
 
@@ -102,8 +102,9 @@ class EngineConfig:
     packed_prefill: bool = True           # False: prompts padded to the longest in the step
     overlap_scheduling: bool = True       # schedule step N+1 while the device runs step N
     mixed_steps: bool = True              # decodes share steps with prompt chunks (if packed)
-    # A step that decodes carries at most this many prompt tokens, a power of two of them; steps
-    # of up to this many prompt tokens replay CUDA graphs. 0: no cap, prompt steps run eagerly.
+    # A step that decodes carries at most this many prompt tokens, trimmed to a size that makes
+    # its rows a power of two; steps of up to this many prompt tokens replay CUDA graphs.
+    # 0: no cap, prompt steps run eagerly.
     mixed_prompt_tokens: int = 2048
     seed: int = 0
 

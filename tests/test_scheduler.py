@@ -6,7 +6,8 @@ import itertools
 import pytest
 
 from liteinfer.engine.block_manager import BlockManager
-from liteinfer.engine.scheduler import ScheduledBatch, Scheduler
+from liteinfer.engine.scheduler import (ScheduledBatch, Scheduler, padded_decodes,
+                                        prompt_piece_sizes)
 from liteinfer.engine.sequence import Sequence
 from liteinfer.sampling_params import SamplingParams
 
@@ -96,7 +97,15 @@ def test_mixed_steps_decode_beside_prompt_chunks():
 
 
 
-def test_mixed_steps_carry_power_of_two_prompt_pieces():
+def test_prompt_piece_sizes_bring_steps_to_powers_of_two():
+    assert prompt_piece_sizes(0, 64) == [16, 32, 64]
+    assert prompt_piece_sizes(32, 2048) == [32, 96, 224, 480, 992, 2016]
+    assert prompt_piece_sizes(12, 64) == [20, 52]
+    assert prompt_piece_sizes(128, 64) == [64]  # no power of two fits: the cap alone
+    assert [padded_decodes(d, 12) for d in (0, 1, 3, 8, 9, 11)] == [0, 1, 4, 8, 12, 12]
+
+
+def test_mixed_steps_carry_prompt_pieces_of_captured_sizes():
     bm = BlockManager(64, 16)
     scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
                           mixed_steps=True, mixed_prompt_tokens=64)
@@ -117,17 +126,19 @@ def test_mixed_steps_carry_power_of_two_prompt_pieces():
     scheduler.add(long)
     while long.num_computed_tokens < 150:
         step()
-    # Capped at 64 prompt tokens beside the decode, then trimmed to powers of two down to 16.
-    assert steps == [(1, [1, 64]), (1, [1, 64]), (1, [1, 16]), (1, [1, 6])]
+    # Capped at 64 prompt tokens beside the decode and trimmed to 63 (a step of 64 rows); the
+    # last 24 are fewer than the smallest piece (31) and stay whole.
+    assert steps == [(1, [1, 63]), (1, [1, 63]), (1, [1, 24])]
     steps.clear()
     a, b = request(40, 3), request(5, 3)
     scheduler.add(a)
     scheduler.add(b)
     step()
-    # 45 prompt tokens trim to 32: b's chunk is cut to nothing and leaves the step, admitted.
-    assert steps == [(2, [1, 1, 32])] and b in scheduler.running and b.num_computed_tokens == 0
+    # Two decodes: pieces of 30 or 62. 45 prompt tokens trim to 30: b's chunk is cut to
+    # nothing and leaves the step, admitted.
+    assert steps == [(2, [1, 1, 30])] and b in scheduler.running and b.num_computed_tokens == 0
     step()
-    assert steps[1] == (2, [1, 1, 8, 5])
+    assert steps[1] == (2, [1, 1, 10, 5])
     while scheduler.has_unfinished():
         step()
     assert bm.num_free_blocks == bm.num_blocks

@@ -2,7 +2,9 @@
 
 An eager step of a few hundred prompt tokens spends several times its GPU time launching ~200
 kernels, so steps of up to `mixed_prompt_tokens` prompt tokens are captured too: one graph per
-(decoding rows, prompt tokens) bucket, both powers of two. A step is padded to its bucket:
+(decoding rows, prompt tokens) bucket, the decoding rows a power of two and the prompt tokens
+each bringing the step's rows to a power of two (`prompt_piece_sizes`, which the scheduler
+trims mixed steps to). A step is padded to its bucket:
 decoding rows first, padded with rows of context 0 (the decode kernel writes zeros for them),
 then the prompt tokens, padded with tokens that write no KV and that no query tile covers.
 Prefill attention reads its query tiles from a tile map, so one grid serves any mix of prompt
@@ -19,12 +21,10 @@ import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata
-from liteinfer.config import MIN_PROMPT_PIECE
-from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.scheduler import ScheduledBatch, padded_decodes, prompt_piece_sizes
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.kernels.prefill_tiles import prefill_block_m
 from liteinfer.models.llama import HiddenStates
-from liteinfer.utils import next_power_of_2
 
 if TYPE_CHECKING:
     from liteinfer.engine.model_runner import ModelRunner
@@ -39,14 +39,13 @@ class PromptStepLayout:
         self.max_num_seqs = max_num_seqs
         self.width = table_width
         self.block_size = block_size
-        self.prompt_sizes = [1 << i for i in range(MIN_PROMPT_PIECE.bit_length() - 1,
-                                                   mixed_prompt_tokens.bit_length())]
         # A mixed step holds at least one prompt, so at most max_num_seqs - 1 decoding rows.
-        self.decode_sizes = [0] + sorted({min(next_power_of_2(d), max_num_seqs)
-                                          for d in range(1, max(2, max_num_seqs))})
-        max_tokens = self.decode_sizes[-1] + self.prompt_sizes[-1]
-        max_rows = self.decode_sizes[-1] + self._prompt_seqs(self.prompt_sizes[-1])
-        max_tiles = max(self._tiles(p) for p in self.prompt_sizes)
+        decode_sizes = sorted({padded_decodes(d, max_num_seqs) for d in range(max_num_seqs)})
+        self.prompt_sizes = {d: prompt_piece_sizes(d, mixed_prompt_tokens) for d in decode_sizes}
+        self.buckets = [(d, p) for d in decode_sizes for p in self.prompt_sizes[d]]
+        max_tokens = max(d + p for d, p in self.buckets)
+        max_rows = max(d + self._prompt_seqs(p) for d, p in self.buckets)
+        max_tiles = max(self._tiles(p) for _, p in self.buckets)
         self.sizes = {"ids": max_tokens, "pending": max_tokens, "positions": max_tokens,
                       "slots": max_tokens, "context_lens": max_rows, "cu_seqlens": max_rows + 1,
                       "sample_rows": max_rows, "tiles": 2 * max_tiles,
@@ -66,17 +65,20 @@ class PromptStepLayout:
         return prompt_size // prefill_block_m(prompt_size) + self._prompt_seqs(prompt_size)
 
     def fits(self, batch: ScheduledBatch) -> bool:
+        if not batch.is_prefill or batch.num_decodes >= self.max_num_seqs:
+            return False
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
-        return (batch.is_prefill and prompt_tokens <= self.prompt_sizes[-1]
-                and batch.num_decodes <= self.decode_sizes[-1])
+        return prompt_tokens <= self._sizes_for(batch.num_decodes)[-1]
+
+    def _sizes_for(self, num_decodes: int) -> list[int]:
+        return self.prompt_sizes[padded_decodes(num_decodes, self.max_num_seqs)]
 
     def build(self, batch: ScheduledBatch) -> tuple[StepInputs, int, int]:
         """The step's inputs and its bucket (decoding rows, prompt tokens)."""
         step = build_step_inputs(batch, self.block_size, self.width, pad_prompts=False)
         d = step.num_decodes
-        d_size = next(s for s in self.decode_sizes if s >= d)
-        p_size = next(s for s in self.prompt_sizes if s >= len(step.input_ids) - d)
-        return step, d_size, p_size
+        p_size = next(s for s in self._sizes_for(d) if s >= len(step.input_ids) - d)
+        return step, padded_decodes(d, self.max_num_seqs), p_size
 
     def reset(self, buffer: torch.Tensor) -> None:
         """Inputs of an empty step: no KV written or read, no query tile mapped."""
@@ -162,10 +164,9 @@ class PromptGraphRunner:
                                  device=runner.device)
         self.out_residual = torch.empty_like(self.out_x)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        for d in reversed(self.layout.decode_sizes):  # largest first: smaller ones reuse memory
-            for p in reversed(self.layout.prompt_sizes):
-                self.layout.reset(self.dev)
-                self._capture(d, p, pool)
+        for d, p in reversed(self.layout.buckets):  # largest first: smaller ones reuse memory
+            self.layout.reset(self.dev)
+            self._capture(d, p, pool)
 
     def fits(self, batch: ScheduledBatch) -> bool:
         return self.layout.fits(batch)

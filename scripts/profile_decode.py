@@ -15,7 +15,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from liteinfer import LLM, SamplingParams
 from liteinfer.bench.cli import parse_overrides
-from liteinfer.engine.scheduler import ScheduledBatch
 
 
 def cuda_ms(fn, iters: int = 100) -> float:
@@ -60,8 +59,8 @@ def main() -> None:
         step_ms = (time.perf_counter() - t0) * 1e3 / steps
         row = {"batch": bs, "ctx": args.ctx, "kv_blocks": engine.block_manager.num_blocks,
                "engine_step_ms": step_ms}
-        batch = ScheduledBatch(list(engine.scheduler.running), [1] * bs, is_prefill=False,
-                               num_decodes=bs)
+        batch = engine.scheduler.schedule()  # reserves each row's next slot
+        assert batch is not None and not batch.is_prefill and len(batch.seqs) == bs
         if runner.graphs is not None:
             size = next(s for s in runner.graphs.sizes if s >= bs)
             graph = runner.graphs.graphs[size][0]

@@ -3,9 +3,12 @@ steps are launched back to back (no synchronization between them, so a step whos
 exceeds its GPU time is host-bound), and its per-kernel GPU time by category (matmuls,
 attention, norms, RoPE + KV write, SiLU, other), with the matmuls' achieved TFLOP/s.
 `--cprofile N` also prints the N Python functions that spend the host time (cProfile, own
-time). Llama-3.2-1B, dummy weights, the default engine configuration.
+time). With `--decodes N`, N sequences of `--ctx` tokens decode beside the prompts (a mixed
+step; its prompt tokens trimmed as the scheduler trims them). Llama-3.2-1B, dummy weights, the
+default engine configuration.
 
-    python scripts/profile_prefill.py [--shape 1x15360 8x2048] [--cprofile N] [--set KEY=VALUE ...]
+    python scripts/profile_prefill.py [--shape 1x15360 8x2048] [--decodes N --ctx C] [--cprofile N]
+                                      [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -53,11 +56,13 @@ def main() -> None:
                     help="SEQSxTOKENS prefilled in one step")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the N functions with the most host time per shape")
+    ap.add_argument("--decodes", type=int, default=0, help="sequences decoding beside them")
+    ap.add_argument("--ctx", type=int, default=1024, help="context of the decoding sequences")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine arguments, as in `liteinfer bench --set`")
     args = ap.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shape]
-    budget = max(n * length for n, length in shapes)
+    budget = max(n * length for n, length in shapes) + args.decodes
     llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_model_len=16384,
               max_num_batched_tokens=budget, **parse_overrides(args.set))
     engine, runner, cfg = llm.engine, llm.engine.runner, llm.engine.model_config
@@ -65,6 +70,12 @@ def main() -> None:
     per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * (
         (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
         + cfg.num_attention_heads * cfg.head_dim + 3 * cfg.intermediate_size)
+    for i in range(args.decodes):
+        engine.add_request(f"decode-{i}", [(3 * i + j) % 1000 + 100 for j in range(args.ctx)],
+                           SamplingParams(max_tokens=10_000, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0
+                                          for s in engine.scheduler.running):
+        engine.step()
     report = {}
     for nseq, length in shapes:
         for i in range(nseq):
@@ -72,7 +83,8 @@ def main() -> None:
                                                         for j in range(length)],
                                SamplingParams(max_tokens=1, ignore_eos=True))
         batch = engine.scheduler.schedule()
-        assert batch is not None and batch.is_prefill and sum(batch.num_tokens) == nseq * length
+        assert batch is not None and batch.is_prefill and batch.num_decodes == args.decodes
+        prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
         with torch.inference_mode():
             step_ms = cuda_ms(lambda b=batch: runner.execute(b), 5)
             launch_ms = host_ms(lambda b=batch: runner.execute(b))
@@ -91,10 +103,11 @@ def main() -> None:
                 by_cat[c] = by_cat.get(c, 0.0) + ev.device_time_total / 1e3
                 if c == "attention":
                     attention_kernels.add(ev.key[:80])
-        matmul_tflop = per_token * nseq * length / 1e12
+        matmul_tflop = per_token * (prompt_tokens + batch.num_decodes) / 1e12
         attn_tflop = 4 * nseq * length * (length + 1) / 2 * cfg.num_attention_heads \
             * cfg.head_dim * cfg.num_hidden_layers / 1e12
-        row = {"seqs": nseq, "tokens": length, "step_ms": round(step_ms, 2),
+        row = {"seqs": nseq, "tokens": length, "prompt_tokens": prompt_tokens,
+               "decodes": batch.num_decodes, "step_ms": round(step_ms, 2),
                "host_ms": round(launch_ms, 2),
                "kernel_ms": {c: round(t, 2) for c, t in sorted(by_cat.items(),
                                                                key=lambda kv: -kv[1])},
@@ -106,7 +119,8 @@ def main() -> None:
         for i in range(nseq):
             engine.abort(f"{nseq}x{length}-{i}")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "profile-prefill.json"), "w") as f:
+        name = f"profile-prefill-d{args.decodes}.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(report, f, indent=1)
 
 

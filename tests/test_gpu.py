@@ -29,7 +29,7 @@ CONFIGS = {
     "mixed": {"mixed_prompt_tokens": 0},
     # The default: steps of up to 2,048 prompt tokens (here, after the first) replay graphs.
     "prompt-graphs": {},
-    # Graphs for every step: a first step of prompts alone, then power-of-two prompt pieces
+    # Graphs for every step: a first step of prompts alone, then prompt pieces of captured sizes
     # beside decodes; and a decode bucket that is not a power of two (12).
     "prompt-graphs-chunked": {"max_num_batched_tokens": 200, "mixed_prompt_tokens": 256},
     "prompt-graphs-narrow": {"max_num_seqs": 12, "max_num_batched_tokens": 100,

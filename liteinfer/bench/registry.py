@@ -136,12 +136,12 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("mixed", "Running sequences decode in the same step as arriving prompts' chunks "
                 "instead of waiting for them", "gemv", RUNNABLE, LITEINFER, _MIXED,
                 **_ALL_SHAPES),
-    # The default configuration (throughput as `mixed` within 2%, TTFT 3-6x lower; NOTES 20):
-    # it runs every shape a vLLM reference row has.
+    # The default configuration (throughput as `mixed` within 2%, TTFT 3-6x lower: NOTES 20;
+    # steps of a power of two of rows: NOTES 22); it runs every shape a vLLM reference row has.
     BenchConfig("prompt-graphs", "Prompt and mixed steps of up to 2,048 prompt tokens replayed "
                 "from CUDA graphs; while sequences decode, prompts join their steps in "
-                "power-of-two pieces", "mixed", RUNNABLE, LITEINFER, _PROMPT_GRAPHS,
-                **_ALL_SHAPES),
+                "pieces that make each a power of two of rows", "mixed", RUNNABLE, LITEINFER,
+                _PROMPT_GRAPHS, **_ALL_SHAPES),
     BenchConfig("graphs-b128", "Captured decode at 128 concurrent sequences", None, RUNNABLE,
                 LITEINFER, {**_GRAPHS, "max_num_seqs": 128}, width=128,
                 throughput=((HEADLINE, 128),)),

@@ -67,7 +67,9 @@ def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
 @triton.jit
 def _rope_rows(ptrs, d, mask, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Loads rows x at `ptrs` (+ d) and returns x * cos + rotate_half(x) * sin in fp32
-    (HF Llama layout; cos/sin repeated over both halves)."""
+    (HF Llama layout; cos/sin repeated over both halves). Whole rows, as tl.dot wants them; the
+    rotation stays in registers. kv_cache._rotate_halves rotates in place instead, so there each
+    thread holds both halves of its pairs and no thread reads a partner another already wrote."""
     x = tl.load(ptrs + d[None, :], mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(ptrs + ((d + HALF) % HEAD_DIM)[None, :], mask=mask, other=0.0)
     rotated = tl.where(d < HALF, -partner.to(tl.float32), partner.to(tl.float32))

@@ -215,7 +215,7 @@ def sweep(rows: list[dict], num_sms: int) -> None:
         bench_decode(rows, num_sms, [(1, 384), (1, 15488)], " 4 waves", waves=4)
         for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
             pre.prefill_tiles = lambda *_, m=m, n=n, w=w, s=s: PrefillTiles(m, n, w, s)
-            bench_prefill(rows, [(1, 15360)], f" m{m} n{n} w{w} s{s}", block_m=m)
+            bench_prefill(rows, [(1, 15360), (8, 2048)], f" m{m} n{n} w{w} s{s}", block_m=m)
     finally:
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
 

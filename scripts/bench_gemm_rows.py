@@ -11,6 +11,7 @@ import argparse
 import json
 
 import torch
+from triton.testing import do_bench_cudagraph
 
 # (name, out features, in features) of Llama-3.2-1B's projections; the LM head runs once a step.
 SHAPES = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048),
@@ -18,24 +19,9 @@ SHAPES = (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048),
 LAYERS = 16
 
 
-def graph_us(fn, calls: int, iters: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters / calls
+def graph_us(fn, calls: int) -> float:
+    """Median microseconds per call of fn (which makes `calls` calls), replayed as a graph."""
+    return 1000 * do_bench_cudagraph(fn, rep=50, return_mode="median") / calls
 
 
 def main() -> None:
@@ -56,7 +42,7 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=dt)
             outs = [torch.empty(m, n, device=dev, dtype=dt) for _ in range(layers)]
 
-            def chain() -> None:
+            def chain(x=x, weights=weights, outs=outs) -> None:
                 for w, out in zip(weights, outs):
                     torch.matmul(x, w.t(), out=out)
 

@@ -96,7 +96,6 @@ def test_mixed_steps_decode_beside_prompt_chunks():
     assert bm.num_free_blocks == bm.num_blocks
 
 
-
 def test_prompt_piece_sizes_bring_steps_to_powers_of_two():
     assert prompt_piece_sizes(0, 64) == [16, 32, 64]
     assert prompt_piece_sizes(32, 2048) == [32, 96, 224, 480, 992, 2016]

@@ -29,6 +29,7 @@ from liteinfer.models.llama import HiddenStates
 if TYPE_CHECKING:
     from liteinfer.engine.model_runner import ModelRunner
 
+
 class PromptStepLayout:
     """The buckets, and where a bucket's inputs sit in one flat int32 buffer (a name's region
     starts at the same offset for every bucket). Device-agnostic: the CUDA runner below fills a

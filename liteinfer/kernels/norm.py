@@ -6,14 +6,20 @@ import torch
 import triton
 import triton.language as tl
 
+from liteinfer.kernels import supports_pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stride_r,
                      stride_ro, stride_o, hidden, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:  # launched while the previous kernel finishes: only the weight is read before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -22,7 +28,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stri
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
     normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -39,9 +44,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         assert residual.shape == x.shape and residual.stride(-1) == 1
     res, res_out = (residual, new_res) if residual is not None else (x, x)  # unread when None
     block = triton.next_power_of_2(hidden)
+    pdl = supports_pdl(x.device)
     if num_rows > 0:
         _rms_norm_kernel[(num_rows,)](
             x, res, res_out, weight, out, x.stride(0), res.stride(0), res_out.stride(0),
             out.stride(0), hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(4, block // 512)))
+            USE_PDL=pdl, num_warps=min(16, max(4, block // 512)), launch_pdl=pdl)
     return out if residual is None else (out, new_res)

@@ -5,9 +5,10 @@ Each kernel is first checked against a torch reference at the benchmarked shape,
 with triton.testing.do_bench (median; L2 flushed between runs). Decode is also timed as a
 CUDA-graph replay, which is how the engine runs it, at 1, the engine's and 4x the engine's split
 width, and with this step's RoPE + KV write fused in (`decode+newkv`, the engine's path). Prefill
-is compared with torch's SDPA (the engine's path for a lone prompt with nothing cached) and with
-PyTorch's varlen FlashAttention-2 on the packed projections. Prints a table; with $OUT set, also writes
-$OUT/kernels.json. `--sweep` additionally times alternative tile configurations.
+is also timed as a graph replay, and compared with torch's SDPA (the engine's path for a lone
+prompt with nothing cached) and with PyTorch's varlen FlashAttention-2 on the packed projections.
+Prints a table; with $OUT set, also writes $OUT/kernels.json. `--sweep` additionally times
+alternative tile configurations, prefill also at the sizes of mixed steps' prompt pieces.
 
     python scripts/bench_kernels.py [--sweep]
 """
@@ -158,9 +159,14 @@ def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "",
         err = check(run(), sdpa().transpose(1, 2).reshape_as(q), 2e-2)
         check(flash_varlen(), sdpa().transpose(1, 2).reshape_as(q), 2e-2)
         ms, sdpa_ms, flash_ms = timed(run), timed(sdpa), timed(flash_varlen)
+        # Replayed as a graph, as the engine's captured steps run it: at a few thousand tokens
+        # an eager launch's host time is no longer small next to the kernel.
+        graph_ms = do_bench_cudagraph(run, return_mode="median")
         tflop = 4 * nseq * length * (length + 1) / 2 * HQ * D / 1e12
         rows.append(dict(kernel="prefill" + label, batch=nseq, ctx=length, us=ms * 1e3,
-                         err=err, tflops=tflop / (ms / 1e3), sdpa_tflops=tflop / (sdpa_ms / 1e3),
+                         graph_us=graph_ms * 1e3, err=err, tflops=tflop / (ms / 1e3),
+                         graph_tflops=tflop / (graph_ms / 1e3),
+                         sdpa_tflops=tflop / (sdpa_ms / 1e3),
                          flash_varlen_tflops=tflop / (flash_ms / 1e3)))
 
 
@@ -215,14 +221,15 @@ def sweep(rows: list[dict], num_sms: int) -> None:
         bench_decode(rows, num_sms, [(1, 384), (1, 15488)], " 4 waves", waves=4)
         for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
             pre.prefill_tiles = lambda *_, m=m, n=n, w=w, s=s: PrefillTiles(m, n, w, s)
-            bench_prefill(rows, [(1, 15360), (8, 2048)], f" m{m} n{n} w{w} s{s}", block_m=m)
+            bench_prefill(rows, [(1, 15360), (8, 2048), (1, 2048), (2, 1024)],
+                          f" m{m} n{n} w{w} s{s}", block_m=m)
     finally:
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
 
 
 def print_table(rows: list[dict]) -> None:
     cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "gbps", "pct_peak",
-            "tflops", "sdpa_tflops", "flash_varlen_tflops", "err"]
+            "tflops", "graph_tflops", "sdpa_tflops", "flash_varlen_tflops", "err"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = {float: "{:.3g}", int: "{}", str: "{}"}
     cells = [[fmt[type(r[c])].format(r[c]) if c in r else "" for c in cols] for r in rows]

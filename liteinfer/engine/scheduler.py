@@ -54,10 +54,10 @@ class Scheduler:
     (captured in CUDA graphs). With `mixed_prompt_tokens`, a step that decodes carries at most
     that many prompt tokens, trimmed to one of the sizes captured steps come in
     (`prompt_piece_sizes`; what a trimmed chunk leaves rides in the next step), so prompts fill
-    the decode steps' idle compute in pieces instead of stalling them with one long step. When a decode finds
-    the pool empty, the newest running sequences are preempted: their blocks are freed and
-    they return to the front of the queue, so the oldest requests always make progress and
-    nothing starves.
+    the decode steps' idle compute in pieces instead of stalling them with one long step. When
+    a decode finds the pool empty, the newest running sequences are preempted: their blocks are
+    freed and they return to the front of the queue, so the oldest requests always make
+    progress and nothing starves.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,

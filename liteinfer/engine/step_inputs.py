@@ -24,14 +24,11 @@ class StepInputs:
     positions: np.ndarray     # int64 [T]
     slots: np.ndarray         # int64 [T]: KV pool slot, -1 = padding (not written)
     query_lens: np.ndarray    # int64 [B]
+    cu_seqlens: np.ndarray    # int64 [B+1]: where each sequence's tokens start
     context_lens: np.ndarray  # int64 [B]: KV tokens including this step's
     block_tables: np.ndarray  # int64 [B, table_width]
     sample_rows: np.ndarray   # int64: token rows whose logits are sampled, in sequence order
     num_decodes: int
-
-    @property
-    def cu_seqlens(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.query_lens)])
 
     @property
     def has_pending(self) -> bool:
@@ -85,5 +82,5 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, table_width: int,
     sample_rows = np.array([cu_seqlens[i] + n - 1 for i, n in enumerate(batch.num_tokens)
                             if batch.samples(i)], dtype=np.int64)
     return StepInputs(np.array(input_ids, dtype=np.int64), np.array(pending_rows, dtype=np.int64),
-                      positions, slots, query_lens, context_lens, tables, sample_rows,
+                      positions, slots, query_lens, cu_seqlens, context_lens, tables, sample_rows,
                       batch.num_decodes)

@@ -7,10 +7,11 @@ CUDA-graph replay, which is how the engine runs it, at 1, the engine's and 4x th
 width, and with this step's RoPE + KV write fused in (`decode+newkv`, the engine's path). Prefill
 is also timed as a graph replay, and compared with torch's SDPA (the engine's path for a lone
 prompt with nothing cached) and with PyTorch's varlen FlashAttention-2 on the packed projections.
-Prints a table; with $OUT set, also writes $OUT/kernels.json. `--sweep` additionally times
-alternative tile configurations, prefill also at the sizes of mixed steps' prompt pieces.
+Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>.json. `--sweep`
+additionally times alternative tile configurations, prefill also at the sizes of mixed steps'
+prompt pieces.
 
-    python scripts/bench_kernels.py [--sweep]
+    python scripts/bench_kernels.py [--sweep] [--pool token-major]
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
+from liteinfer.attention import allocate_kv_pool
 from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import decode_splits as splits
 from liteinfer.kernels import prefill_attention as pre
@@ -39,6 +41,8 @@ DTYPE = torch.bfloat16
 PEAK_GBS = 4300.0  # measured H200 copy bandwidth
 SCALE = 1 / math.sqrt(D)
 DEV = "cuda"
+POOL_LAYOUTS = ("head-major", "token-major")
+pool_layout = POOL_LAYOUTS[0]  # --pool: head-major is the engine's (allocate_kv_pool)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -54,13 +58,19 @@ def check(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
     return err
 
 
+def random_pool(num_blocks: int) -> torch.Tensor:
+    if pool_layout == "token-major":
+        return torch.randn(num_blocks, BLOCK_SIZE, HKV, D, dtype=DTYPE, device=DEV)
+    return allocate_kv_pool(num_blocks=num_blocks, block_size=BLOCK_SIZE, num_kv_heads=HKV,
+                            head_dim=D, dtype=DTYPE, device=DEV).normal_()
+
+
 def paged_pool(lens: list[int]):
-    """Pool holding sequences of the given lengths in shuffled blocks, plus their contiguous
-    K/V ([B, Hkv, max_len, D], zero-padded) for the torch reference."""
+    """Pool holding sequences of the given lengths in shuffled blocks, with their block
+    tables and lengths."""
     per_seq = [-(-n // BLOCK_SIZE) for n in lens]
     num_blocks = sum(per_seq)
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, HKV, D, dtype=DTYPE, device=DEV)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache = random_pool(num_blocks), random_pool(num_blocks)
     perm = torch.randperm(num_blocks, device=DEV, dtype=torch.int32)
     tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=DEV)
     used = 0
@@ -72,11 +82,11 @@ def paged_pool(lens: list[int]):
 
 def contiguous_kv(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
     pos = torch.arange(length, device=DEV)
-    slots = tables[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
-    return cache.view(-1, HKV, D)[slots].transpose(1, 2)  # [B, Hkv, length, D]
+    return cache[tables[:, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE].transpose(1, 2)
 
 
-DECODE_SHAPES = [(b, c) for b in (1, 4, 32, 128) for c in (128, 384, 3712, 15488)]
+DECODE_SHAPES = [(b, c) for b in (1, 4, 32, 128) for c in (128, 384, 3712, 15488)] + [
+    (28, 1024), (32, 2048)]  # the decoding rows of W=32 runs at 1-2k contexts
 PREFILL_SHAPES = [(1, 15360), (32, 128), (8, 2048)]
 ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
 
@@ -103,9 +113,9 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
         # The engine's path also rotates q and writes this step's K/V (already in the pool
         # here: the last position of each row is rewritten with the same values).
         last = lens.long() - 1
-        slots = tables[torch.arange(batch, device=DEV), last // BLOCK_SIZE].long() * BLOCK_SIZE \
-            + last % BLOCK_SIZE
-        new_kv = dec.NewKV(k_cache.view(-1, HKV, D)[slots], v_cache.view(-1, HKV, D)[slots],
+        blocks = tables[torch.arange(batch, device=DEV), last // BLOCK_SIZE].long()
+        slots = blocks * BLOCK_SIZE + last % BLOCK_SIZE
+        new_kv = dec.NewKV(k_cache[blocks, last % BLOCK_SIZE], v_cache[blocks, last % BLOCK_SIZE],
                            torch.zeros_like(last), slots, cos_sin_zero_rotation())
         variants = [(m, None) for m in sorted({1, policy, splits.max_splits_for(
             batch, HKV, num_sms, 4 * waves)})] + [(policy, new_kv)]
@@ -190,9 +200,7 @@ def bench_elementwise(rows: list[dict]) -> None:
 
         qkv = torch.randn(tokens, (HQ + 2 * HKV) * D, dtype=DTYPE, device=DEV)
         q, k, v = (t.view(tokens, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], -1))
-        k_cache = torch.zeros(tokens // BLOCK_SIZE + 1, BLOCK_SIZE, HKV, D, dtype=DTYPE,
-                              device=DEV)
-        v_cache = torch.zeros_like(k_cache)
+        k_cache, v_cache = (random_pool(tokens // BLOCK_SIZE + 1) for _ in range(2))
         pos = torch.randint(0, 16384, (tokens,), device=DEV)
         slots = torch.randperm(k_cache.shape[0] * BLOCK_SIZE, device=DEV)[:tokens]
         cos, sin = cos_sin[pos].unsqueeze(1).chunk(2, -1)
@@ -242,7 +250,11 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
+    parser.add_argument("--pool", choices=POOL_LAYOUTS, default=POOL_LAYOUTS[0],
+                        help="memory order of the KV pool the attention kernels read")
     args = parser.parse_args()
+    global pool_layout
+    pool_layout = args.pool
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     start = time.time()
@@ -253,10 +265,11 @@ def main() -> None:
     if args.sweep:
         sweep(rows, props.multi_processor_count)
     print_table(rows)
-    print(f"# {props.name}, {props.multi_processor_count} SMs, {time.time() - start:.0f} s")
+    print(f"# {props.name}, {props.multi_processor_count} SMs, {pool_layout} pool, "
+          f"{time.time() - start:.0f} s")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "kernels.json"), "w") as f:
-            json.dump(dict(device=props.name, rows=rows), f, indent=1)
+        with open(os.path.join(os.environ["OUT"], f"kernels-{pool_layout}.json"), "w") as f:
+            json.dump(dict(device=props.name, pool=pool_layout, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

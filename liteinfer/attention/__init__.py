@@ -1,7 +1,7 @@
 """Attention backends: each applies RoPE, writes K/V into the paged pool and attends over it."""
 from __future__ import annotations
 
-from liteinfer.attention.base import AttentionBackend, AttentionMetadata
+from liteinfer.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_pool
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -17,4 +17,4 @@ def get_backend(name: str) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "allocate_kv_pool", "get_backend"]

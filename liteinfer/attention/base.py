@@ -38,6 +38,17 @@ class AttentionMetadata:
     workspace: Any = None
 
 
+def allocate_kv_pool(*leading: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                     head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed KV pool indexed [*leading, num_blocks, block_size, num_kv_heads, head_dim] (a
+    token's flat slot is block * block_size + row), stored head-major (block, head, row, dim):
+    a block's rows of one KV head, which one attention program reads together, are one
+    contiguous run instead of head_dim-sized pieces num_kv_heads * head_dim apart."""
+    pool = torch.zeros(*leading, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
+                       device=device)
+    return pool.transpose(-3, -2)
+
+
 class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

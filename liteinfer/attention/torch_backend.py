@@ -12,9 +12,10 @@ from liteinfer.utils import cdiv
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
+    slots = slot_mapping[valid].long()
+    blocks, rows = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[blocks, rows] = k[valid]
+    v_cache[blocks, rows] = v[valid]
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from liteinfer.attention import AttentionMetadata, get_backend
+from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.step_inputs import build_step_inputs
@@ -93,9 +93,9 @@ class ModelRunner:
                              f"max_model_len={self.max_model_len}; lower max_model_len or give "
                              f"the pool more memory")
         self.num_kv_blocks = num_blocks
-        kv = torch.zeros(2, cfg.num_hidden_layers, num_blocks, self.block_size,
-                         cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype,
-                         device=self.device)
+        kv = allocate_kv_pool(2, cfg.num_hidden_layers, num_blocks=num_blocks,
+                              block_size=self.block_size, num_kv_heads=cfg.num_key_value_heads,
+                              head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0, i], kv[1, i]
         return kv

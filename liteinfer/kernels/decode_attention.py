@@ -24,7 +24,7 @@ import triton.language as tl
 
 from liteinfer.kernels import supports_pdl
 from liteinfer.kernels.decode_splits import MAX_SPLITS_CAP, DecodeWorkspace, choose_num_splits
-from liteinfer.kernels.kv_cache import paged_kv_offsets
+from liteinfer.kernels.kv_cache import paged_kv_offsets, pool_strides, slot_offset
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
 MERGE_TILE = 4096  # fp32 partial elements the merging program loads at once (32 per thread)
@@ -80,7 +80,8 @@ def _rope_rows(ptrs, d, mask, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constex
 def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_splits_ptr,
                    out_ptr, part_out, part_lse, counters, qk_scale, max_splits,
                    k_new, v_new, pos_ptr, slot_ptr, cos_sin,
-                   stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_slot, stride_ch,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                   stride_pool_block, stride_pool_row, stride_pool_head,
                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_cb,
                    stride_kb, stride_kh, stride_vb, stride_vh, stride_cs,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -118,7 +119,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
         # Rounded to the cache dtype, as a separate RoPE kernel would store it.
         q = _rope_rows(q_ptrs, d, h_mask[:, None], cos, sin, HALF, HEAD_DIM)
         q = q.to(k_cache.dtype.element_ty)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
+        slot = tl.load(slot_ptr + b)
         # The new token is the row's last KV position: the split whose range holds it writes it
         # (padding rows have slot -1). The barrier makes the write visible to all the
         # program's threads before they load their tiles.
@@ -127,7 +128,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
             k = _rope_rows(k_new + b * stride_kb + kvh * stride_kh, d, d[None, :] < HEAD_DIM,
                            cos, sin, HALF, HEAD_DIM)
             v = tl.load(v_new + b * stride_vb + kvh * stride_vh + d)
-            dst = slot * stride_slot + kvh * stride_ch + d
+            dst = (slot_offset(slot, BLOCK_SIZE, stride_pool_block, stride_pool_row)
+                   + kvh * stride_pool_head + d)
             tl.store(k_cache + dst[None, :], k.to(k_cache.dtype.element_ty))
             tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty))
             tl.debug_barrier()
@@ -140,7 +142,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_slot) + kvh * stride_ch
+        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_pool_block,
+                                stride_pool_row) + kvh * stride_pool_head
         kv_ptrs = rows[:, None] + d[None, :]
         k = tl.load(k_cache + kv_ptrs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache + kv_ptrs, mask=valid[:, None], other=0.0)
@@ -227,7 +230,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor, num_splits: torch.Tensor | None = None,
                            max_splits: int = 1, workspace: DecodeWorkspace | None = None,
                            new_kv: NewKV | None = None) -> torch.Tensor:
-    """q, out: [B, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D];
+    """q, out: [B, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D] with
+    equal strides, D contiguous;
     block_tables: int32 [B, max_blocks]; context_lens: int32 [B], 0 for padding rows (their
     output rows are zeros). With max_splits > 1, num_splits (int32 [B], see choose_num_splits;
     computed here when None) and a workspace with at least B rows and max_splits splits are
@@ -236,7 +240,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     is left as it is) and the new key/value are written before they are read. Returns out."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    pool = pool_strides(k_cache, v_cache)
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
     assert num_q_heads % num_kv_heads == 0 and head_dim == triton.next_power_of_2(head_dim)
     assert block_tables.stride(-1) == 1 and 1 <= max_splits <= MAX_SPLITS_CAP
@@ -271,7 +275,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens, num_splits, out, part_out, part_lse,
         counters, scale * LOG2E, max_splits, key, value, pos, slots, cos_sin,
         q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(1), block_tables.stride(0), *pool,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), counters.stride(0),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos_sin.stride(0),

@@ -1,8 +1,10 @@
 """Writing K/V into the paged pool, optionally fused with RoPE, and the pool-gather helper the
 attention kernels share.
 
-Pool layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], contiguous. A token's
-flat slot is block_id * block_size + row; slot -1 marks a padding token that is not written.
+A layer's pool is indexed [num_blocks, block_size, num_kv_heads, head_dim] (head_dim
+contiguous); the kernels take its other strides from the tensor, so the memory order of
+blocks, rows and heads is the allocator's (attention.base.allocate_kv_pool). A token's flat
+slot is block_id * block_size + row; slot -1 marks a padding token that is not written.
 """
 from __future__ import annotations
 
@@ -12,14 +14,30 @@ import triton.language as tl
 
 
 @triton.jit
-def paged_kv_offsets(block_table_row, offs_n, mask, BLOCK_SIZE: tl.constexpr, stride_slot):
-    """Element offsets (int64) of the pool rows holding KV positions `offs_n` of one sequence.
+def paged_kv_offsets(block_table_row, offs_n, mask, BLOCK_SIZE: tl.constexpr, stride_block,
+                     stride_row):
+    """Element offsets (int64) of the pool rows holding KV positions `offs_n` of one sequence
+    (add the KV head's offset).
 
     Each position's block is looked up separately, so one tile may span several KV blocks.
     Masked-off positions get undefined offsets: the caller masks its K/V loads with `mask`.
     """
     block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask)
-    return (block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * stride_slot
+    return block.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_row
+
+
+@triton.jit
+def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_block, stride_row):
+    """Element offset (int64) of flat slot `slot`'s pool row (add the KV head's offset)."""
+    slot = slot.to(tl.int64)
+    return slot // BLOCK_SIZE * stride_block + slot % BLOCK_SIZE * stride_row
+
+
+def pool_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block, row, head) element strides shared by a layer's K and V pools."""
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.dim() == 4 and k_cache.stride(3) == 1
+    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
 @triton.jit
@@ -38,7 +56,8 @@ def _rotate_halves(ptrs1, ptrs2, mask, cos, sin):
 @triton.jit
 def _store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache, v_cache, slot_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cs, stride_slot, stride_ch, num_q_heads, num_kv_heads,
+                     stride_cs, stride_pool_block, stride_pool_row, stride_pool_head,
+                     num_q_heads, num_kv_heads, BLOCK_SIZE: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
                      BLOCK_HKV: tl.constexpr, APPLY_ROPE: tl.constexpr):
     # One program per token: all of its q heads (RoPE only) and kv heads.
@@ -64,27 +83,23 @@ def _store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache, v_cache
     v1 = tl.load(v1_ptrs, mask=kv_mask)
     v2 = tl.load(v1_ptrs + HALF, mask=kv_mask)
 
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
     if slot >= 0:
-        dst = slot * stride_slot + kh[:, None] * stride_ch + d[None, :]
+        dst = (slot_offset(slot, BLOCK_SIZE, stride_pool_block, stride_pool_row)
+               + kh[:, None] * stride_pool_head + d[None, :])
         tl.store(k_cache + dst, k1.to(k_cache.dtype.element_ty), mask=kv_mask)
         tl.store(k_cache + dst + HALF, k2.to(k_cache.dtype.element_ty), mask=kv_mask)
         tl.store(v_cache + dst, v1.to(v_cache.dtype.element_ty), mask=kv_mask)
         tl.store(v_cache + dst + HALF, v2.to(v_cache.dtype.element_ty), mask=kv_mask)
 
 
-def _check_pool(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == key.shape[1:]
-    assert value.shape == key.shape and slot_mapping.shape == key.shape[:1]
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and key.shape[-1] % 2 == 0
-
-
 def _launch(query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor,
             positions: torch.Tensor | None, cos_sin_cache: torch.Tensor | None,
             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _check_pool(key, value, k_cache, v_cache, slot_mapping)
+    strides = pool_strides(k_cache, v_cache)
+    assert k_cache.shape[2:] == key.shape[1:] and value.shape == key.shape
+    assert slot_mapping.shape == key.shape[:1]
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and key.shape[-1] % 2 == 0
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -95,9 +110,9 @@ def _launch(query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor,
         q, key, value, positions if rope else slot_mapping, cos_sin_cache if rope else key,
         k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        cos_sin_cache.stride(0) if rope else 0, k_cache.stride(1), k_cache.stride(2),
-        num_q_heads, num_kv_heads,
-        HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        cos_sin_cache.stride(0) if rope else 0, *strides, num_q_heads, num_kv_heads,
+        BLOCK_SIZE=k_cache.shape[1], HALF=head_dim // 2,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), APPLY_ROPE=rope, num_warps=4)
 

@@ -16,21 +16,23 @@ import triton
 import triton.language as tl
 
 from liteinfer.kernels.decode_attention import LOG2E, dot_precision, softmax_tile
-from liteinfer.kernels.kv_cache import paged_kv_offsets
+from liteinfer.kernels.kv_cache import paged_kv_offsets, pool_strides
 from liteinfer.kernels.prefill_tiles import prefill_tiles
 
 
 @triton.jit
-def _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_slot,
+def _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_block, stride_row,
              BLOCK_SIZE: tl.constexpr, MASK_BOUNDS: tl.constexpr, ctx):
     if MASK_BOUNDS:
         valid = offs_n < ctx
-        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_slot) + kv_head_off
+        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_block,
+                                stride_row) + kv_head_off
         ptrs = rows[:, None] + d[None, :]
         k = tl.load(k_cache + ptrs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache + ptrs, mask=valid[:, None], other=0.0)
     else:
-        rows = paged_kv_offsets(bt_row, offs_n, None, BLOCK_SIZE, stride_slot) + kv_head_off
+        rows = paged_kv_offsets(bt_row, offs_n, None, BLOCK_SIZE, stride_block,
+                                stride_row) + kv_head_off
         ptrs = rows[:, None] + d[None, :]
         k = tl.load(k_cache + ptrs)
         v = tl.load(v_cache + ptrs)
@@ -40,7 +42,7 @@ def _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_slot,
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, tile_map,
                     out_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    stride_slot, stride_ch,
+                    stride_pool_block, stride_pool_row, stride_pool_head,
                     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
@@ -65,14 +67,14 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_t
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
-    kv_head_off = (h // G) * stride_ch
+    kv_head_off = (h // G) * stride_pool_head
 
     # KV tiles every row of this query tile sees in full: no mask, no bounds checks.
     full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_slot,
-                        BLOCK_SIZE, False, ctx)
+        k, v = _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
+                        stride_pool_row, BLOCK_SIZE, False, ctx)
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, None, qk_scale,
                                      False, DOT_PRECISION)
     # Tiles crossing the diagonal. Position 0 is visible to every row (padding rows too), so
@@ -80,8 +82,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_t
     causal_end = tl.minimum(ctx, prefix + m0 + BLOCK_M)
     for start_n in range(full_end, causal_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_slot,
-                        BLOCK_SIZE, True, ctx)
+        k, v = _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
+                        stride_pool_row, BLOCK_SIZE, True, ctx)
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < ctx)[None, :]
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, visible, qk_scale,
                                      True, DOT_PRECISION)
@@ -94,14 +96,15 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                              block_tables: torch.Tensor, tile_map: torch.Tensor, block_m: int,
                              scale: float, out: torch.Tensor) -> torch.Tensor:
-    """q, out: [T, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D];
+    """q, out: [T, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D] with
+    equal strides, D contiguous;
     cu_seqlens_q: int32 [B+1]; context_lens: int32 [B] (>= each q_len; KV of this step
     already in the pool); block_tables: int32 [B, max_blocks]; tile_map: int32 [N, 2] from
     prefill_tile_map with `block_m` rows a tile. Only the mapped tiles' rows of out are
     written. Returns out."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    pool = pool_strides(k_cache, v_cache)
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
     assert num_q_heads % num_kv_heads == 0 and head_dim == triton.next_power_of_2(head_dim)
     assert cu_seqlens_q.shape[0] == context_lens.shape[0] + 1 and block_tables.stride(-1) == 1
@@ -113,7 +116,7 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     _prefill_kernel[(num_q_heads, tile_map.shape[0])](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, tile_map, out,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), *pool,
         G=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)

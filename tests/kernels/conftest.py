@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from liteinfer.attention import allocate_kv_pool  # noqa: E402
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (max abs error relative to max|ref|, ||out - ref|| / ||ref||). The interpreter rounds
@@ -58,19 +60,38 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | Non
     assert rel <= rel_tol, f"relative error {rel:.3g} > {rel_tol:.3g}"
 
 
+def _pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+          dtype: torch.dtype, device: str, head_major: bool = True) -> torch.Tensor:
+    """An uninitialized pool [num_blocks, block_size, Hkv, D]: head-major as the engine
+    allocates it, or contiguous (token-major); the kernels must serve both."""
+    if head_major:
+        return allocate_kv_pool(num_blocks=num_blocks, block_size=block_size,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                                device=device)
+    return torch.empty(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                       device=device)
+
+
+def _at(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index of flat slots' rows: cache[_at(cache, slots)] is [len(slots), Hkv, D]."""
+    slots = slots.long()
+    return slots // cache.shape[1], slots % cache.shape[1]
+
+
 class _PagedKV:
     """A KV pool holding ragged sequences in shuffled blocks. Every pool row that no sequence
     owns (unused blocks, tails of last blocks) is NaN, so any stray read poisons the output."""
 
     def __init__(self, context_lens: list[int], num_kv_heads: int, head_dim: int,
-                 block_size: int, dtype: torch.dtype, device: str, spare_blocks: int = 3):
+                 block_size: int, dtype: torch.dtype, device: str, spare_blocks: int = 3,
+                 head_major: bool = True):
         self.context_lens = context_lens
         self.block_size = block_size
         per_seq = [-(-c // block_size) for c in context_lens]
         num_blocks = sum(per_seq) + spare_blocks
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        self.k_cache, self.v_cache = (
+            _pool(num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                  head_major).fill_(float("nan")) for _ in range(2))
         perm = torch.randperm(num_blocks, device=device)
         width = max(1, max(per_seq, default=1))
         self.block_tables = torch.zeros(len(context_lens), width, dtype=torch.int32, device=device)
@@ -78,11 +99,11 @@ class _PagedKV:
         for b, (ctx, n) in enumerate(zip(context_lens, per_seq)):
             self.block_tables[b, :n] = perm[used:used + n].to(torch.int32)
             used += n
-            slots = self.slots(b)
-            self.k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
-                ctx, num_kv_heads, head_dim, dtype=dtype, device=device)
-            self.v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
-                ctx, num_kv_heads, head_dim, dtype=dtype, device=device)
+            at = _at(self.k_cache, self.slots(b))
+            self.k_cache[at] = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype,
+                                           device=device)
+            self.v_cache[at] = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype,
+                                           device=device)
         self.context_lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
 
     def slots(self, b: int) -> torch.Tensor:
@@ -92,11 +113,9 @@ class _PagedKV:
 
     def kv64(self, b: int, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's K and V as float64 [ctx, Hq, D], KV heads repeated HF-style."""
-        heads, dim = self.k_cache.shape[2:]
-        group = num_q_heads // heads
-        slots = self.slots(b)
-        k = self.k_cache.view(-1, heads, dim)[slots].double()
-        v = self.v_cache.view(-1, heads, dim)[slots].double()
+        group = num_q_heads // self.k_cache.shape[2]
+        at = _at(self.k_cache, self.slots(b))
+        k, v = self.k_cache[at].double(), self.v_cache[at].double()
         return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
 
@@ -146,6 +165,16 @@ def rope_ref_fixture():
 @pytest.fixture(name="assert_close")
 def assert_close_fixture():
     return _assert_close
+
+
+@pytest.fixture(name="pool")
+def pool_fixture():
+    return _pool
+
+
+@pytest.fixture(name="at")
+def at_fixture():
+    return _at
 
 
 @pytest.fixture(name="PagedKV")

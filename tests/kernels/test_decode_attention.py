@@ -27,8 +27,9 @@ def _workspace(batch, num_q_heads, head_dim, max_splits, device) -> DecodeWorksp
 
 
 def _check(PagedKV, attention_ref, assert_close, contexts, num_q_heads, num_kv_heads, head_dim,
-           block_size, dtype, device, max_splits, num_splits=None, ws=None):
-    kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device)
+           block_size, dtype, device, max_splits, num_splits=None, ws=None, head_major=True):
+    kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device,
+                 head_major=head_major)
     batch = len(contexts)
     q = torch.randn(batch, num_q_heads, head_dim, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))
@@ -59,9 +60,10 @@ def test_decode_matches_reference(PagedKV, attention_ref, assert_close, needs_do
            num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, device, max_splits)
 
 
-def test_decode_per_row_splits(PagedKV, attention_ref, assert_close, device, full):
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
+def test_decode_per_row_splits(PagedKV, attention_ref, assert_close, device, full, head_major):
     """Split counts differ per row, exceed some rows' tile counts, and one exceeds max_splits
-    (clamped); 3 query heads per KV head (padded to 16 rows)."""
+    (clamped); 3 query heads per KV head (padded to 16 rows); either pool layout."""
     max_splits = 8
     contexts = _contexts(full, 16, batch=24) if full else [1, 16, 129, 300, 0, 257]
     num_splits = torch.randint(1, max_splits + 3, (len(contexts),), dtype=torch.int32,
@@ -69,7 +71,7 @@ def test_decode_per_row_splits(PagedKV, attention_ref, assert_close, device, ful
     num_splits[:3] = torch.tensor([8, 1, 10], dtype=torch.int32)
     dtype = torch.bfloat16 if full else torch.float32
     _check(PagedKV, attention_ref, assert_close, contexts, 6, 2, 64, 16, dtype, device,
-           max_splits, num_splits)
+           max_splits, num_splits, head_major=head_major)
 
 
 def test_decode_mixed_split_counts(PagedKV, attention_ref, assert_close, device):
@@ -129,7 +131,7 @@ def test_split_policy():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("max_splits", [1, 4, 8])
 @pytest.mark.parametrize("group", [1, 4])
-def test_decode_writes_new_token(PagedKV, attention_ref, rope_ref, qkv_views, assert_close,
+def test_decode_writes_new_token(PagedKV, at, attention_ref, rope_ref, qkv_views, assert_close,
                                  needs_dot, device, full, group, max_splits, dtype):
     """With NewKV the kernel rotates q and the new key, writes key and value at the row's last
     KV position (poisoned with NaN until then, so reading it unwritten fails), and attends over
@@ -141,8 +143,8 @@ def test_decode_writes_new_token(PagedKV, attention_ref, rope_ref, qkv_views, as
     kv = PagedKV(contexts, num_kv_heads, head_dim, 16, dtype, device)
     last = torch.tensor([kv.slots(b)[-1].item() if c else -1 for b, c in enumerate(contexts)],
                         device=device)
-    kv.k_cache.view(-1, num_kv_heads, head_dim)[last[last >= 0]] = float("nan")
-    kv.v_cache.view(-1, num_kv_heads, head_dim)[last[last >= 0]] = float("nan")
+    kv.k_cache[at(kv.k_cache, last[last >= 0])] = float("nan")
+    kv.v_cache[at(kv.v_cache, last[last >= 0])] = float("nan")
     q, k, v = qkv_views(batch, num_q_heads, num_kv_heads, head_dim, dtype, device)
     q_before = q.clone()
     cos_sin = cos_sin_cache(head_dim, 1 << 15, 500000.0, None, device)
@@ -158,10 +160,9 @@ def test_decode_writes_new_token(PagedKV, attention_ref, rope_ref, qkv_views, as
     assert (ws.counters == 0).all()
     rows = [b for b, c in enumerate(contexts) if c > 0]
     assert (out[[b for b in range(batch) if b not in rows]] == 0).all()
-    pool_k = kv.k_cache.view(-1, num_kv_heads, head_dim)
-    pool_v = kv.v_cache.view(-1, num_kv_heads, head_dim)
-    assert torch.equal(pool_v[last[rows]], v[rows])
-    assert_close(pool_k[last[rows]], rope_ref(k[rows], positions[rows], cos_sin))
+    written = at(kv.k_cache, last[rows])
+    assert torch.equal(kv.v_cache[written], v[rows])
+    assert_close(kv.k_cache[written], rope_ref(k[rows], positions[rows], cos_sin))
     q_rot = rope_ref(q, positions, cos_sin)
     ref = torch.stack([attention_ref(q_rot[b:b + 1], *kv.kv64(b, num_q_heads), contexts[b] - 1,
                                      scale)[0] for b in rows])

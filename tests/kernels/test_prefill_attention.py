@@ -9,13 +9,14 @@ from liteinfer.kernels.prefill_tiles import prefill_block_m, prefill_tile_map
 
 
 def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads, head_dim,
-           block_size, dtype, device, first_seq=0, spare_tiles=0):
+           block_size, dtype, device, first_seq=0, spare_tiles=0, head_major=True):
     """seqs: (q_len, context_len) per sequence; context_len - q_len tokens are a cached
     prefix. Only sequences from `first_seq` on are mapped (the rows of those before must stay
     untouched), into a tile map with `spare_tiles` unused rows."""
     q_lens = [q for q, _ in seqs]
     contexts = [c for _, c in seqs]
-    kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device)
+    kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device,
+                 head_major=head_major)
     cu = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))
@@ -55,9 +56,12 @@ def test_prefill_matches_reference(PagedKV, attention_ref, assert_close, needs_d
     [(1, 40), (3, 3), (16, 97), (2, 33), (4, 66), (2, 65)],
     [(37, 37)] * 3 + [(5, 200)],
 ], ids=["short-chunks", "many-prompts"])
-def test_prefill_ragged_batches(PagedKV, attention_ref, assert_close, device, full, seqs):
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
+def test_prefill_ragged_batches(PagedKV, attention_ref, assert_close, device, full, seqs,
+                                head_major):
     dtype = torch.bfloat16 if full else torch.float16
-    _check(PagedKV, attention_ref, assert_close, seqs, 8, 2, 64, 16, dtype, device)
+    _check(PagedKV, attention_ref, assert_close, seqs, 8, 2, 64, 16, dtype, device,
+           head_major=head_major)
 
 
 def test_prefill_tile_map_of_a_mixed_step(PagedKV, attention_ref, assert_close, device, full):

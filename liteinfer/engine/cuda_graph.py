@@ -9,7 +9,7 @@ write the KV pool.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -19,6 +19,42 @@ from liteinfer.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
     from liteinfer.engine.model_runner import ModelRunner
+
+T = TypeVar("T")
+
+
+def capture_graph(forward: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Runs `forward` once eagerly (compiling its kernels outside the capture), then captures
+    it into a graph allocating from `pool`; returns the graph and the captured call's output."""
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
+class StagedInputs:
+    """A captured step's inputs: one flat int32 device buffer, sent from two pinned host mirrors
+    in turn, so that one is filled while the copy from the other may still be in flight."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.dev = torch.zeros(size, dtype=torch.int32, device=device)
+        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._copied = [torch.cuda.Event() for _ in range(2)]
+        self._step = 0
+
+    def host(self) -> np.ndarray:
+        """The next host mirror to fill (waits until its previous copy has finished)."""
+        self._copied[self._step % 2].synchronize()
+        return self._hosts[self._step % 2].numpy()
+
+    def send(self, used: int) -> None:
+        """Copies the first `used` elements of the mirror just filled to the device buffer."""
+        which = self._step % 2
+        self.dev[:used].copy_(self._hosts[which][:used], non_blocking=True)
+        self._copied[which].record()
+        self._step += 1
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -35,21 +71,15 @@ class CUDAGraphRunner:
         self.width = runner.max_blocks_per_seq
         n = self.max_bs
         # Layout: ids | pending rows | positions | slots | context lens | block tables.
-        size = 5 * n + n * self.width
-        # Two host mirrors, so one is filled while the copy from the other may be in flight.
-        self.hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self.copied = [torch.cuda.Event() for _ in range(2)]
-        self.step_index = 0
-        self.dev = torch.zeros(size, dtype=torch.int32, device=runner.device)
+        self.inputs = StagedInputs(5 * n + n * self.width, runner.device)
         (self.input_ids, self.pending_rows, self.positions, self.slots,
-         self.context_lens) = self.dev[:5 * n].view(5, n)
-        self.block_tables = self.dev[5 * n:].view(n, self.width)
+         self.context_lens) = self.inputs.dev[:5 * n].view(5, n)
+        self.block_tables = self.inputs.dev[5 * n:].view(n, self.width)
         self.pending_rows.fill_(-1)
         self.slots.fill_(-1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = pool
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            self._capture(bs)
+            self.graphs[bs] = capture_graph(lambda bs=bs: self._forward(bs), pool)
 
     def _forward(self, bs: int) -> torch.Tensor:
         meta = AttentionMetadata(is_prefill=False, slot_mapping=self.slots[:bs],
@@ -59,14 +89,6 @@ class CUDAGraphRunner:
         runner = self.runner
         ids = runner.with_pending(self.input_ids[:bs], self.pending_rows[:bs])
         return runner.model.compute_logits(runner.model(ids, self.positions[:bs], meta))
-
-    def _capture(self, bs: int) -> None:
-        self._forward(bs)  # compiles the kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(bs)
-        self.graphs[bs] = (graph, logits)
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         # Fills the mirror directly rather than through build_step_inputs (step_inputs.py): a
@@ -79,12 +101,8 @@ class CUDAGraphRunner:
         pos = lens - 1
         last_blocks = np.fromiter((s.block_table[p // block_size] for s, p in zip(seqs, pos)),
                                   dtype=np.int64, count=n)
-        which = self.step_index % 2
-        self.step_index += 1
-        self.copied[which].synchronize()
-        host = self.hosts[which]
         m = self.max_bs
-        h = host.numpy()
+        h = self.inputs.host()
         h[:n] = [0 if s.num_pending else s.token_ids[-1] for s in seqs]
         h[m:m + n] = [s.pending_row if s.num_pending else -1 for s in seqs]
         h[m + n:m + bs] = -1
@@ -96,9 +114,7 @@ class CUDAGraphRunner:
         tables = h[5 * m:].reshape(m, self.width)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
-        used = 5 * m + n * self.width
-        self.dev[:used].copy_(host[:used], non_blocking=True)
-        self.copied[which].record()
+        self.inputs.send(5 * m + n * self.width)
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits[:n]

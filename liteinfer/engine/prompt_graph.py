@@ -11,7 +11,7 @@ Prefill attention reads its query tiles from a tile map, so one grid serves any 
 lengths. The LM head runs after the replay on the rows that sample only.
 
 All inputs live in one flat int32 device buffer at fixed offsets (`PromptStepLayout`), filled
-from a pinned host mirror with one copy per step, as in captured decode (cuda_graph.py).
+from a pinned host mirror with one copy per step (`StagedInputs`, as in captured decode).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata
+from liteinfer.engine.cuda_graph import StagedInputs, capture_graph
 from liteinfer.engine.scheduler import ScheduledBatch, padded_decodes, prompt_piece_sizes
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.kernels.prefill_tiles import prefill_block_m
@@ -155,47 +156,29 @@ class PromptGraphRunner:
         config = runner.config
         self.layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
                                        runner.max_blocks_per_seq, runner.block_size)
-        total = self.layout.total
-        self.hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self.copied = [torch.cuda.Event() for _ in range(2)]
-        self.step_index = 0
-        self.dev = torch.zeros(total, dtype=torch.int32, device=runner.device)
+        self.inputs = StagedInputs(self.layout.total, runner.device)
         hidden = runner.model_config.hidden_size
         self.out_x = torch.empty(self.layout.max_tokens, hidden, dtype=runner.dtype,
                                  device=runner.device)
         self.out_residual = torch.empty_like(self.out_x)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         for d, p in reversed(self.layout.buckets):  # largest first: smaller ones reuse memory
-            self.layout.reset(self.dev)
-            self._capture(d, p, pool)
+            self.layout.reset(self.inputs.dev)
+            self.graphs[(d, p)], _ = capture_graph(lambda d=d, p=p: self._forward(d, p), pool)
 
     def fits(self, batch: ScheduledBatch) -> bool:
         return self.layout.fits(batch)
 
     def _forward(self, d: int, p: int) -> None:
-        hidden = forward_bucket(self.runner, self.layout, self.dev, d, p)
+        hidden = forward_bucket(self.runner, self.layout, self.inputs.dev, d, p)
         self.out_x[:d + p].copy_(hidden.x)
         self.out_residual[:d + p].copy_(hidden.residual)
-
-    def _capture(self, d: int, p: int, pool) -> None:
-        self._forward(d, p)  # compiles the kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._forward(d, p)
-        self.graphs[(d, p)] = graph
 
     def run(self, batch: ScheduledBatch) -> tuple[HiddenStates, torch.Tensor]:
         """Replays the step's graph; returns its hidden states and the rows that sample."""
         step, d_size, p_size = self.layout.build(batch)
-        which = self.step_index % 2
-        self.step_index += 1
-        self.copied[which].synchronize()
-        host = self.hosts[which]
-        used = self.layout.fill(host.numpy(), step, d_size, p_size)
-        self.dev[:used].copy_(host[:used], non_blocking=True)
-        self.copied[which].record()
+        self.inputs.send(self.layout.fill(self.inputs.host(), step, d_size, p_size))
         self.graphs[(d_size, p_size)].replay()
         t = d_size + p_size
-        rows = self.layout.sample_rows(self.dev, len(step.sample_rows))
+        rows = self.layout.sample_rows(self.inputs.dev, len(step.sample_rows))
         return HiddenStates(self.out_x[:t], self.out_residual[:t]), rows

@@ -1,14 +1,15 @@
 """Where a prefill step's time goes: wall time of one packed prefill step, its host time when
 steps are launched back to back (no synchronization between them, so a step whose host time
 exceeds its GPU time is host-bound), and its per-kernel GPU time by category (matmuls,
-attention, norms, RoPE + KV write, SiLU, other), with the matmuls' achieved TFLOP/s.
-`--cprofile N` also prints the N Python functions that spend the host time (cProfile, own
-time). With `--decodes N`, N sequences of `--ctx` tokens decode beside the prompts (a mixed
-step; its prompt tokens trimmed as the scheduler trims them). Llama-3.2-1B, dummy weights, the
-default engine configuration.
+attention, norms, RoPE + KV write, SiLU, other), with the matmuls' achieved TFLOP/s, and its
+kernel timeline's span, busy time and idle gaps (`--gaps N` prints the N kernel pairs with the
+most idle time between them). `--cprofile N` also prints the N Python functions that spend
+the host time (cProfile, own time). With `--decodes N`, N sequences of `--ctx` tokens decode
+beside the prompts (a mixed step; its prompt tokens trimmed as the scheduler trims them).
+Llama-3.2-1B, dummy weights, the default engine configuration.
 
     python scripts/profile_prefill.py [--shape 1x15360 8x2048] [--decodes N --ctx C] [--cprofile N]
-                                      [--set KEY=VALUE ...]
+                                      [--gaps N] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import os
 import pstats
 import time
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -50,12 +52,30 @@ def host_ms(fn: Callable[[], object], iters: int = 20) -> float:
     return ms
 
 
+def timeline(prof: profile, top: int) -> dict:
+    """Span of the profiled kernels, their busy time and the idle time between them (ms); prints
+    the `top` kernel pairs with the most idle time between them."""
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                     key=lambda e: e.time_range.start)
+    idle: Counter[tuple[str, str]] = Counter()
+    for a, b in zip(kernels, kernels[1:]):
+        idle[(a.name[:40], b.name[:40])] += max(0, b.time_range.start - a.time_range.end)
+    for (a, b), us in idle.most_common(top):
+        print(f"  {us:7.1f} us idle between {a} -> {b}")
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+            "idle_ms": round(sum(idle.values()) / 1e3, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", nargs="+", default=["1x15360", "8x2048"],
                     help="SEQSxTOKENS prefilled in one step")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="print the N functions with the most host time per shape")
+    ap.add_argument("--gaps", type=int, default=0, metavar="N",
+                    help="print the N kernel pairs with the most idle time between them")
     ap.add_argument("--decodes", type=int, default=0, help="sequences decoding beside them")
     ap.add_argument("--ctx", type=int, default=1024, help="context of the decoding sequences")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -113,7 +133,7 @@ def main() -> None:
                                                                key=lambda kv: -kv[1])},
                "matmul_tflops": round(matmul_tflop / by_cat.get("matmul", float("nan")) * 1e3),
                "attention_tflops": round(attn_tflop / by_cat.get("attention", float("nan")) * 1e3),
-               "attention_kernels": sorted(attention_kernels)}
+               "attention_kernels": sorted(attention_kernels), **timeline(prof, args.gaps)}
         report[f"{nseq}x{length}"] = row
         print(row, flush=True)
         for i in range(nseq):

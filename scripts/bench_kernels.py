@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from liteinfer.attention import allocate_kv_pool
+from liteinfer.attention.torch_backend import gather_kv
 from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import decode_splits as splits
 from liteinfer.kernels import prefill_attention as pre
@@ -80,11 +81,6 @@ def paged_pool(lens: list[int]):
     return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
-def contiguous_kv(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    pos = torch.arange(length, device=DEV)
-    return cache[tables[:, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE].transpose(1, 2)
-
-
 DECODE_SHAPES = [(b, c) for b in (1, 4, 32, 128) for c in (128, 384, 3712, 15488)] + [
     (28, 1024), (32, 2048)]  # the decoding rows of W=32 runs at 1-2k contexts
 PREFILL_SHAPES = [(1, 15360), (32, 128), (8, 2048)]
@@ -94,7 +90,7 @@ ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
 def decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                tables: torch.Tensor, ctx: int) -> torch.Tensor:
     """fp32 attention of q [B, Hq, D] over each row's first ctx pool tokens."""
-    k, v = (contiguous_kv(c, tables, ctx).float() for c in (k_cache, v_cache))
+    k, v = (gather_kv(c, tables, ctx).transpose(1, 2).float() for c in (k_cache, v_cache))
     qg = q.float().view(q.shape[0], HKV, HQ // HKV, D)
     p = torch.einsum("bhgd,bhnd->bhgn", qg, k).mul_(SCALE).softmax(-1)
     return torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(q.shape)
@@ -155,9 +151,9 @@ def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "",
         # SDPA as the engine calls it (KV heads repeated up front), and varlen FlashAttention-2
         # on the packed projections with grouped heads as they are.
         q4 = q.view(nseq, length, HQ, D).transpose(1, 2)
-        k4, v4 = (contiguous_kv(c, tables, length).repeat_interleave(HQ // HKV, 1)
+        k4, v4 = (gather_kv(c, tables, length).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
                   for c in (k_cache, v_cache))
-        k, v = (contiguous_kv(c, tables, length).transpose(1, 2).reshape(-1, HKV, D)
+        k, v = (gather_kv(c, tables, length).reshape(-1, HKV, D)
                 for c in (k_cache, v_cache))
 
         def sdpa() -> torch.Tensor:

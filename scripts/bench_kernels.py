@@ -35,7 +35,7 @@ from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
 from liteinfer.kernels.kv_cache import rope_store_kv
 from liteinfer.kernels.norm import rms_norm
-from liteinfer.kernels.prefill_tiles import PrefillTiles, prefill_block_m, prefill_tile_map
+from liteinfer.kernels.prefill_tiles import PrefillTiles, prefill_tile_map, prefill_tile_tokens
 
 HQ, HKV, D, BLOCK_SIZE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192
 DTYPE = torch.bfloat16
@@ -83,7 +83,7 @@ def paged_pool(lens: list[int]):
 
 DECODE_SHAPES = [(b, c) for b in (1, 4, 32, 128) for c in (128, 384, 3712, 15488)] + [
     (28, 1024), (32, 2048)]  # the decoding rows of W=32 runs at 1-2k contexts
-PREFILL_SHAPES = [(1, 15360), (32, 128), (8, 2048)]
+PREFILL_SHAPES = [(1, 15360), (32, 128), (8, 2048), (1, 2016), (2, 1008)]  # + mixed-step pieces
 ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
 
 
@@ -136,13 +136,13 @@ def cos_sin_zero_rotation() -> torch.Tensor:
 
 
 def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "",
-                  block_m: int | None = None) -> None:
+                  tile_tokens: int | None = None) -> None:
     for nseq, length in shapes:
         k_cache, v_cache, tables, lens = paged_pool([length] * nseq)
         q = torch.randn(nseq * length, HQ, D, dtype=DTYPE, device=DEV)
         out = torch.empty_like(q)
         cu = torch.arange(nseq + 1, device=DEV, dtype=torch.int32) * length
-        m = block_m or prefill_block_m(length)
+        m = tile_tokens or prefill_tile_tokens(length, HQ // HKV)
         tile_map = torch.from_numpy(prefill_tile_map([length] * nseq, [length] * nseq, m)).to(DEV)
 
         def run() -> torch.Tensor:
@@ -226,7 +226,7 @@ def sweep(rows: list[dict], num_sms: int) -> None:
         for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
             pre.prefill_tiles = lambda *_, m=m, n=n, w=w, s=s: PrefillTiles(m, n, w, s)
             bench_prefill(rows, [(1, 15360), (8, 2048), (1, 2048), (2, 1024)],
-                          f" m{m} n{n} w{w} s{s}", block_m=m)
+                          f" m{m} n{n} w{w} s{s}", tile_tokens=m // (HQ // HKV))
     finally:
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
 

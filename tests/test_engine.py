@@ -321,7 +321,8 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
                     attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
                     mixed_prompt_tokens=32)
     runner = llm.engine.runner
-    layout = PromptStepLayout(4, 32, runner.max_blocks_per_seq, runner.block_size)
+    layout = PromptStepLayout(4, 32, runner.max_blocks_per_seq, runner.block_size,
+                              runner.query_group_size)
     buffer = torch.zeros(layout.total, dtype=torch.int32)
     execute, buckets = runner.execute, []
 

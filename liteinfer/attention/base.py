@@ -30,7 +30,7 @@ class AttentionMetadata:
     context_lens_host: list[int] = field(default_factory=list)
     # Packed prefill (Triton): the prompt sequences' query tiles (kernels/prefill_tiles.py).
     tile_map: torch.Tensor | None = None  # [N, 2] int32
-    block_m: int = 0
+    tile_tokens: int = 0  # query tokens a tile
     # Split-K decode (decode steps, and a mixed step's decoding rows): per-sequence split counts
     # chosen on the device, and the fixed grid width.
     num_splits: torch.Tensor | None = None

@@ -47,7 +47,7 @@ class TritonBackend(AttentionBackend):
                                    workspace=meta.workspace)
         return packed_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
                                         meta.context_lens, meta.block_tables, meta.tile_map,
-                                        meta.block_m, scale, out)
+                                        meta.tile_tokens, scale, out)
 
     def _lone_fresh_prompt(self, meta: AttentionMetadata) -> bool:
         if len(meta.query_lens_host) != 1:  # several sequences, or a captured step

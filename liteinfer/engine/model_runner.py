@@ -8,7 +8,7 @@ from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels.decode_splits import DecodeWorkspace, choose_num_splits, max_splits_for
-from liteinfer.kernels.prefill_tiles import prefill_block_m
+from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
@@ -27,6 +27,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
+        # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
+        self.query_group_size = (model_config.num_attention_heads
+                                 // model_config.num_key_value_heads)
         self.use_triton = config.attention_backend == "triton"
         self.backend = get_backend(config.attention_backend)
         self.model = self._load_model(source, load_format)
@@ -126,8 +129,9 @@ class ModelRunner:
         if self.use_triton and batch.is_prefill:
             # An eager mixed step's decoding rows run without split-K: every grid width compiles
             # a kernel variant of its own, and these steps come with any number of decodes.
-            meta.block_m = prefill_block_m(int(step.query_lens[step.num_decodes:].max()))
-            meta.tile_map = as_tensor(step.prompt_tile_map(meta.block_m, step.num_decodes),
+            meta.tile_tokens = prefill_tile_tokens(
+                int(step.query_lens[step.num_decodes:].max()), self.query_group_size)
+            meta.tile_map = as_tensor(step.prompt_tile_map(meta.tile_tokens, step.num_decodes),
                                       torch.int32)
         elif self.use_triton:
             self.set_split_k(meta, step.num_decodes)

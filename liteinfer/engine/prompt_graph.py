@@ -24,7 +24,7 @@ from liteinfer.attention import AttentionMetadata
 from liteinfer.engine.cuda_graph import StagedInputs, capture_graph
 from liteinfer.engine.scheduler import ScheduledBatch, padded_decodes, prompt_piece_sizes
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
-from liteinfer.kernels.prefill_tiles import prefill_block_m
+from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.models.llama import HiddenStates
 
 if TYPE_CHECKING:
@@ -37,8 +37,9 @@ class PromptStepLayout:
     pinned mirror of its device buffer, and the layout runs as well on a CPU buffer."""
 
     def __init__(self, max_num_seqs: int, mixed_prompt_tokens: int, table_width: int,
-                 block_size: int):
+                 block_size: int, query_group_size: int):
         self.max_num_seqs = max_num_seqs
+        self.query_group_size = query_group_size
         self.width = table_width
         self.block_size = block_size
         # A mixed step holds at least one prompt, so at most max_num_seqs - 1 decoding rows.
@@ -64,7 +65,10 @@ class PromptStepLayout:
 
     def _tiles(self, prompt_size: int) -> int:
         """Query tiles of any `prompt_size` tokens: each sequence adds at most one partial."""
-        return prompt_size // prefill_block_m(prompt_size) + self._prompt_seqs(prompt_size)
+        return prompt_size // self._tile_tokens(prompt_size) + self._prompt_seqs(prompt_size)
+
+    def _tile_tokens(self, prompt_size: int) -> int:
+        return prefill_tile_tokens(prompt_size, self.query_group_size)
 
     def fits(self, batch: ScheduledBatch) -> bool:
         if not batch.is_prefill or batch.num_decodes >= self.max_num_seqs:
@@ -100,7 +104,8 @@ class PromptStepLayout:
             is_prefill=True, slot_mapping=view("slots", t), context_lens=view("context_lens", rows),
             block_tables=view("block_tables", rows * self.width).view(rows, self.width),
             cu_seqlens_q=view("cu_seqlens", rows + 1), num_decodes=d,
-            tile_map=view("tiles", 2 * self._tiles(p)).view(-1, 2), block_m=prefill_block_m(p))
+            tile_map=view("tiles", 2 * self._tiles(p)).view(-1, 2),
+            tile_tokens=self._tile_tokens(p))
         return view("ids", t), view("pending", t), view("positions", t), meta
 
     def sample_rows(self, buffer: torch.Tensor, n: int) -> torch.Tensor:
@@ -135,7 +140,7 @@ class PromptStepLayout:
         view("sample_rows", len(samples))[:] = np.where(samples < d, samples,
                                                         samples - d + d_size)
         view("tiles", 2 * self._tiles(p_size))[:] = step.prompt_tile_map(
-            prefill_block_m(p_size), first_seq=d_size, num_tiles=self._tiles(p_size)).reshape(-1)
+            self._tile_tokens(p_size), first_seq=d_size, num_tiles=self._tiles(p_size)).reshape(-1)
         return self.offsets["block_tables"] + (d_size + n_seqs - d) * self.width
 
 
@@ -155,7 +160,8 @@ class PromptGraphRunner:
         self.runner = runner
         config = runner.config
         self.layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
-                                       runner.max_blocks_per_seq, runner.block_size)
+                                       runner.max_blocks_per_seq, runner.block_size,
+                                       runner.query_group_size)
         self.inputs = StagedInputs(self.layout.total, runner.device)
         hidden = runner.model_config.hidden_size
         self.out_x = torch.empty(self.layout.max_tokens, hidden, dtype=runner.dtype,

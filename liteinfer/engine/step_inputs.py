@@ -34,12 +34,13 @@ class StepInputs:
     def has_pending(self) -> bool:
         return bool((self.pending_rows >= 0).any())
 
-    def prompt_tile_map(self, block_m: int, first_seq: int,
+    def prompt_tile_map(self, tile_tokens: int, first_seq: int,
                         num_tiles: int | None = None) -> np.ndarray:
         """Prefill attention's tile map of the prompt sequences (those past the decoding ones),
         numbered from `first_seq` (kernels/prefill_tiles.py)."""
         d = self.num_decodes
-        return prefill_tile_map(self.query_lens[d:], self.context_lens[d:], block_m, first_seq,
+        return prefill_tile_map(self.query_lens[d:], self.context_lens[d:], tile_tokens,
+                                first_seq,
                                 num_tiles)
 
 

@@ -3,8 +3,10 @@
 All sequences' query tokens (whole prompts or chunks) form one flat run; query token i of
 sequence b sits at absolute position context_lens[b] - q_len_b + i and attends causally to
 every KV position up to it (cached prefix and this chunk), read from the pool through the
-block table. One program per (q head, query tile), flash-attention style: KV tiles entirely
-below the diagonal run without a mask, the few on it with the causal mask.
+block table. One program per (KV head, query tile), flash-attention style: the tile's rows are
+its tokens times the G query heads of that KV head, token-major, so each K/V tile is loaded
+once for all of them; KV tiles entirely below the diagonal run without a mask, the few on it
+with the causal mask.
 
 The query tiles come from a tile map built on the host (kernels/prefill_tiles.py), not from
 the grid shape: a captured step keeps one grid for any mix of prompt lengths.
@@ -43,10 +45,10 @@ def _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_block, str
 def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, tile_map,
                     out_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_pool_block, stride_pool_row, stride_pool_head,
-                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    G: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_TOKENS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
-    h = tl.program_id(0)
+    kvh = tl.program_id(0)
     b = tl.load(tile_map + 2 * tl.program_id(1))
     if b < 0:
         return
@@ -56,18 +58,22 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_t
     ctx = tl.load(context_lens + b)
     prefix = ctx - q_len
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < q_len
+    # Row r: token m0 + r // G, query head kvh * G + r % G; rows past TILE_TOKENS * G pad
+    # BLOCK_M to a power of two.
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = m0 + rows // G
+    heads = kvh * G + rows % G
+    m_mask = (offs_m < q_len) & (rows < TILE_TOKENS * G)
     d = tl.arange(0, HEAD_DIM)
     tok = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=m_mask[:, None], other=0.0)
     q_pos = prefix + offs_m
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
-    kv_head_off = (h // G) * stride_pool_head
+    kv_head_off = kvh * stride_pool_head
 
     # KV tiles every row of this query tile sees in full: no mask, no bounds checks.
     full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N
@@ -79,7 +85,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_t
                                      False, DOT_PRECISION)
     # Tiles crossing the diagonal. Position 0 is visible to every row (padding rows too), so
     # each row's first tile has a finite max.
-    causal_end = tl.minimum(ctx, prefix + m0 + BLOCK_M)
+    causal_end = tl.minimum(ctx, prefix + m0 + TILE_TOKENS)
     for start_n in range(full_end, causal_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
@@ -88,20 +94,20 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_t
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, visible, qk_scale,
                                      True, DOT_PRECISION)
     o = acc / l_i[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
 def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                             block_tables: torch.Tensor, tile_map: torch.Tensor, block_m: int,
-                             scale: float, out: torch.Tensor) -> torch.Tensor:
+                             block_tables: torch.Tensor, tile_map: torch.Tensor,
+                             tile_tokens: int, scale: float, out: torch.Tensor) -> torch.Tensor:
     """q, out: [T, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D] with
     equal strides, D contiguous;
     cu_seqlens_q: int32 [B+1]; context_lens: int32 [B] (>= each q_len; KV of this step
     already in the pool); block_tables: int32 [B, max_blocks]; tile_map: int32 [N, 2] from
-    prefill_tile_map with `block_m` rows a tile. Only the mapped tiles' rows of out are
-    written. Returns out."""
+    prefill_tile_map with `tile_tokens` query tokens a tile (prefill_tile_tokens). Only the
+    mapped tiles' rows of out are written. Returns out."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     pool = pool_strides(k_cache, v_cache)
@@ -112,12 +118,13 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     assert q.dtype == k_cache.dtype
     if num_tokens == 0 or tile_map.shape[0] == 0:
         return out
-    tiles = prefill_tiles(head_dim, block_size, block_m)
-    _prefill_kernel[(num_q_heads, tile_map.shape[0])](
+    group = num_q_heads // num_kv_heads
+    tiles = prefill_tiles(head_dim, block_size, tile_tokens, group)
+    _prefill_kernel[(num_kv_heads, tile_map.shape[0])](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, tile_map, out,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *pool,
-        G=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m,
+        G=group, HEAD_DIM=head_dim, TILE_TOKENS=tile_tokens, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from liteinfer.kernels.prefill_attention import packed_prefill_attention
-from liteinfer.kernels.prefill_tiles import prefill_block_m, prefill_tile_map
+from liteinfer.kernels.prefill_tiles import prefill_tile_map, prefill_tile_tokens
 
 
 def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads, head_dim,
@@ -21,13 +21,13 @@ def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))
     scale = 1 / math.sqrt(head_dim)
-    block_m = prefill_block_m(max(q_lens[first_seq:]))
-    tiles = prefill_tile_map(q_lens[first_seq:], contexts[first_seq:], block_m, first_seq)
+    tile_tokens = prefill_tile_tokens(max(q_lens[first_seq:]), num_q_heads // num_kv_heads)
+    tiles = prefill_tile_map(q_lens[first_seq:], contexts[first_seq:], tile_tokens, first_seq)
     if spare_tiles:
-        tiles = prefill_tile_map(q_lens[first_seq:], contexts[first_seq:], block_m, first_seq,
-                                 num_tiles=len(tiles) + spare_tiles)
+        tiles = prefill_tile_map(q_lens[first_seq:], contexts[first_seq:], tile_tokens,
+                                 first_seq, num_tiles=len(tiles) + spare_tiles)
     packed_prefill_attention(q, kv.k_cache, kv.v_cache, cu, kv.context_lens_t, kv.block_tables,
-                             torch.from_numpy(tiles).to(device), block_m, scale, out)
+                             torch.from_numpy(tiles).to(device), tile_tokens, scale, out)
     start = int(cu[first_seq])
     assert out[:start].isnan().all(), "rows of unmapped sequences were written"
     ref = torch.cat([attention_ref(q[cu[b]:cu[b + 1]], *kv.kv64(b, num_q_heads), c - n, scale)
@@ -49,6 +49,16 @@ def test_prefill_matches_reference(PagedKV, attention_ref, assert_close, needs_d
         seqs, num_kv_heads = [(1, 1), (150, 150), (20, 37), (3, 70), (64, 64)], 1
     _check(PagedKV, attention_ref, assert_close, seqs, num_kv_heads * group, num_kv_heads,
            head_dim, block_size, dtype, device)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(9, 3), (6, 1)])
+def test_prefill_group_not_a_power_of_two(PagedKV, attention_ref, assert_close, device,
+                                          num_q_heads, num_kv_heads):
+    """A tile's tokens times G rows (e.g. 42 x 3) are padded to a power of two; the pad rows
+    must not be written."""
+    seqs = [(150, 150), (5, 40), (60, 77)]
+    _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads, 64, 16,
+           torch.float32, device)
 
 
 @pytest.mark.parametrize("seqs", [

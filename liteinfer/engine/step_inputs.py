@@ -40,8 +40,7 @@ class StepInputs:
         numbered from `first_seq` (kernels/prefill_tiles.py)."""
         d = self.num_decodes
         return prefill_tile_map(self.query_lens[d:], self.context_lens[d:], tile_tokens,
-                                first_seq,
-                                num_tiles)
+                                first_seq, num_tiles)
 
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int, table_width: int,

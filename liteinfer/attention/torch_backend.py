@@ -9,13 +9,19 @@ from liteinfer.layers.rotary import apply_rotary_torch
 from liteinfer.utils import cdiv
 
 
+def slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (block, row) index of flat slots: cache[slot_rows(cache, slots)] is their
+    [len(slots), Hkv, D] rows, whatever the pool's memory order."""
+    slots = slots.long()
+    return slots // cache.shape[1], slots % cache.shape[1]
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    blocks, rows = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache[blocks, rows] = k[valid]
-    v_cache[blocks, rows] = v[valid]
+    at = slot_rows(k_cache, slot_mapping[valid])
+    k_cache[at] = k[valid]
+    v_cache[at] = v[valid]
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:

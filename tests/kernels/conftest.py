@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from liteinfer.attention import allocate_kv_pool  # noqa: E402
+from liteinfer.attention.torch_backend import slot_rows  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -72,12 +73,6 @@ def _pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        device=device)
 
 
-def _at(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index of flat slots' rows: cache[_at(cache, slots)] is [len(slots), Hkv, D]."""
-    slots = slots.long()
-    return slots // cache.shape[1], slots % cache.shape[1]
-
-
 class _PagedKV:
     """A KV pool holding ragged sequences in shuffled blocks. Every pool row that no sequence
     owns (unused blocks, tails of last blocks) is NaN, so any stray read poisons the output."""
@@ -99,7 +94,7 @@ class _PagedKV:
         for b, (ctx, n) in enumerate(zip(context_lens, per_seq)):
             self.block_tables[b, :n] = perm[used:used + n].to(torch.int32)
             used += n
-            at = _at(self.k_cache, self.slots(b))
+            at = slot_rows(self.k_cache, self.slots(b))
             self.k_cache[at] = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype,
                                            device=device)
             self.v_cache[at] = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype,
@@ -114,7 +109,7 @@ class _PagedKV:
     def kv64(self, b: int, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's K and V as float64 [ctx, Hq, D], KV heads repeated HF-style."""
         group = num_q_heads // self.k_cache.shape[2]
-        at = _at(self.k_cache, self.slots(b))
+        at = slot_rows(self.k_cache, self.slots(b))
         k, v = self.k_cache[at].double(), self.v_cache[at].double()
         return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
@@ -174,7 +169,7 @@ def pool_fixture():
 
 @pytest.fixture(name="at")
 def at_fixture():
-    return _at
+    return slot_rows
 
 
 @pytest.fixture(name="PagedKV")

@@ -116,11 +116,9 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
         variants = [(m, None) for m in sorted({1, policy, splits.max_splits_for(
             batch, HKV, num_sms, 4 * waves)})] + [(policy, new_kv)]
         for max_splits, fused in variants:
-            num_splits = splits.choose_num_splits(lens, max_splits)
-
             def run() -> torch.Tensor:
                 return dec.paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE,
-                                                  out, num_splits, max_splits, ws, fused)
+                                                  out, max_splits, ws, fused)
             err = check(run(), ref, 2e-2)
             ms, graph_ms = timed(run), do_bench_cudagraph(run, return_mode="median")
             rows.append(dict(kernel="decode" + ("+newkv" if fused else "") + label,

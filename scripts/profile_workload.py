@@ -75,7 +75,18 @@ def summarize(steps: list[dict], wall_s: float) -> dict:
                  "prompt_tokens_mean": round(a["prompt_tokens"] / a["steps"], 1),
                  "decode_rows_mean": round(a["decode_rows"] / a["steps"], 1)}
              for k, a in sorted(by_kind.items())}
-    return {"wall_s": round(wall_s, 3), "steps": len(steps), "by_kind": table}
+    # Steps of one kind, prompt size and decoding rows (to the next multiple of 8) together: what
+    # a step of each shape costs, against the pure-prefill rate of the largest prompt steps.
+    by_shape: dict[tuple, list[float]] = defaultdict(list)
+    for s in steps:
+        if "host_ms" in s:
+            key = (s["kind"], s["prompt"], -(-s["decodes"] // 8) * 8)
+            by_shape[key].append(s["events"][0].elapsed_time(s["events"][1]))
+    shapes = [{"kind": k, "prompt": p, "decodes_to": d, "steps": len(ms),
+               "device_ms_mean": round(sum(ms) / len(ms), 3), "device_ms_total": round(sum(ms), 1)}
+              for (k, p, d), ms in sorted(by_shape.items(), key=lambda kv: -sum(kv[1]))]
+    return {"wall_s": round(wall_s, 3), "steps": len(steps), "by_kind": table,
+            "by_shape": shapes[:25]}
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ class TritonBackend(AttentionBackend):
             new_kv = NewKV(k, v, positions, meta.slot_mapping, cos_sin_cache)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                           meta.context_lens, scale, torch.empty_like(q),
-                                          num_splits=meta.num_splits, max_splits=meta.max_splits,
-                                          workspace=meta.workspace, new_kv=new_kv)
+                                          max_splits=meta.max_splits, workspace=meta.workspace,
+                                          new_kv=new_kv)
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         if self._lone_fresh_prompt(meta):
             return _causal_sdpa(q, k, v, scale)
@@ -43,8 +43,7 @@ class TritonBackend(AttentionBackend):
         if d:  # q is rotated and the new K/V are in the pool already
             paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
                                    meta.context_lens[:d], scale, out[:d],
-                                   num_splits=meta.num_splits, max_splits=meta.max_splits,
-                                   workspace=meta.workspace)
+                                   max_splits=meta.max_splits, workspace=meta.workspace)
         return packed_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
                                         meta.context_lens, meta.block_tables, meta.tile_map,
                                         meta.tile_tokens, scale, out)

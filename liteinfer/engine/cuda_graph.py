@@ -16,6 +16,7 @@ import torch
 
 from liteinfer.attention import AttentionMetadata
 from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.kernels.decode_splits import rows_may_split
 
 if TYPE_CHECKING:
     from liteinfer.engine.model_runner import ModelRunner
@@ -77,15 +78,20 @@ class CUDAGraphRunner:
         self.block_tables = self.inputs.dev[5 * n:].view(n, self.width)
         self.pending_rows.fill_(-1)
         self.slots.fill_(-1)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # One graph per batch size and, where the split-K grid width depends on it, per whether a
+        # row may split (kernels/decode_splits.max_splits_for).
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            self.graphs[bs] = capture_graph(lambda bs=bs: self._forward(bs), pool)
+            self.graphs[bs, True] = capture_graph(lambda bs=bs: self._forward(bs, True), pool)
+            same_width = runner.split_width(bs, False) == runner.split_width(bs, True)
+            self.graphs[bs, False] = self.graphs[bs, True] if same_width else capture_graph(
+                lambda bs=bs: self._forward(bs, False), pool)
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int, may_split: bool) -> torch.Tensor:
         meta = AttentionMetadata(is_prefill=False, slot_mapping=self.slots[:bs],
                                  context_lens=self.context_lens[:bs],
                                  block_tables=self.block_tables[:bs], cu_seqlens_q=None)
-        self.runner.set_split_k(meta, bs)  # the split counts are computed inside the graph
+        self.runner.set_split_k(meta, bs, may_split)  # split counts are chosen in the graph
         runner = self.runner
         ids = runner.with_pending(self.input_ids[:bs], self.pending_rows[:bs])
         return runner.model.compute_logits(runner.model(ids, self.positions[:bs], meta))
@@ -115,6 +121,6 @@ class CUDAGraphRunner:
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
         self.inputs.send(5 * m + n * self.width)
-        graph, logits = self.graphs[bs]
+        graph, logits = self.graphs[bs, rows_may_split(lens)]
         graph.replay()
         return logits[:n]

@@ -7,7 +7,8 @@ from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.step_inputs import build_step_inputs
-from liteinfer.kernels.decode_splits import DecodeWorkspace, choose_num_splits, max_splits_for
+from liteinfer.kernels import num_sms
+from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
@@ -34,8 +35,7 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend)
         self.model = self._load_model(source, load_format)
         self.kv_cache = self._allocate_kv_cache()
-        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                        if self.device.type == "cuda" else 8)
+        self.num_sms = num_sms(self.device)
         self.decode_workspace = None
         if self.use_triton and config.decode_split_k:
             cfg = model_config
@@ -134,7 +134,7 @@ class ModelRunner:
             meta.tile_map = as_tensor(step.prompt_tile_map(meta.tile_tokens, step.num_decodes),
                                       torch.int32)
         elif self.use_triton:
-            self.set_split_k(meta, step.num_decodes)
+            self.set_split_k(meta, step.num_decodes, rows_may_split(step.context_lens))
         ids = as_tensor(step.input_ids, torch.int32)
         if step.has_pending:
             ids = self.with_pending(ids, as_tensor(step.pending_rows, torch.int32))
@@ -162,14 +162,18 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[rows]) if rows.numel() else None
 
-    def set_split_k(self, meta: AttentionMetadata, num_decodes: int) -> None:
-        """Decode split-K for the step's first `num_decodes` sequences: the grid width is fixed
-        per decode count, the split count per sequence is chosen on the device from its context
-        length."""
+    def split_width(self, num_decodes: int, may_split: bool = True) -> int:
+        """The split-K grid width of `num_decodes` decoding rows (1: no split-K)."""
         if self.decode_workspace is None or num_decodes == 0:
-            return
-        meta.max_splits = max_splits_for(num_decodes, self.model_config.num_key_value_heads,
-                                         self.num_sms)
+            return 1
+        return max_splits_for(num_decodes, self.model_config.num_key_value_heads, self.num_sms,
+                              may_split)
+
+    def set_split_k(self, meta: AttentionMetadata, num_decodes: int,
+                    may_split: bool = True) -> None:
+        """Decode split-K for the step's first `num_decodes` sequences: the grid width is fixed
+        per decode count and whether a row may split (`max_splits_for`); the decode kernel
+        chooses each sequence's split count from the context lengths (kernels/decode_splits.py)."""
+        meta.max_splits = self.split_width(num_decodes, may_split)
         if meta.max_splits > 1:
-            meta.num_splits = choose_num_splits(meta.context_lens[:num_decodes], meta.max_splits)
             meta.workspace = self.decode_workspace

@@ -14,3 +14,12 @@ def supports_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (a kernel launched while the previous one finishes, waiting
     in-kernel with griddepcontrol) needs a Hopper-or-later CUDA device."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (8 stands in elsewhere, as for Triton's CPU
+    interpreter): what split-K decode sizes its grid against."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count

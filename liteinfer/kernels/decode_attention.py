@@ -2,11 +2,13 @@
 
 One program per (sequence, KV head, split) serves all G query heads of that KV head, so each
 K/V tile is read from the pool once; the G query rows are padded to 16 for tl.dot. A sequence's
-KV tiles are divided between its `num_splits[b]` programs. A row with one split writes its output
-directly. Otherwise each program writes an fp32 partial output and its log-sum-exp to the
-workspace and bumps its (sequence, KV head) arrival counter; the program that arrives last merges
-the partials and resets the counter, so split-K costs one launch. The grid is fixed at
-(B, Hkv, max_splits) so CUDA graphs can replay it; programs past a row's split count exit at once.
+KV tiles are divided between its programs, as many as `decode_splits` says for its length and
+the batch's (computed in the kernel: no launches to size the splits). A row with one split
+writes its output directly. Otherwise each program writes an fp32 partial output and its
+log-sum-exp to the workspace and bumps its (sequence, KV head) arrival counter; the program that
+arrives last merges the partials and resets the counter, so split-K costs one launch. The grid
+is fixed at (max_splits, B, Hkv) so CUDA graphs can replay it; programs past a row's split count
+exit at once, early in the launch, since the split index varies fastest.
 
 Given this step's un-rotated key/value (`NewKV`), the kernel also does the work of a separate
 RoPE + KV-write launch: every program rotates its query rows in registers, and the program whose
@@ -22,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import supports_pdl
-from liteinfer.kernels.decode_splits import MAX_SPLITS_CAP, DecodeWorkspace, choose_num_splits
+from liteinfer.kernels import num_sms, supports_pdl
+from liteinfer.kernels.decode_splits import (MAX_SPLITS_CAP, MIN_SPLIT_TOKENS, SPLIT_WAVES,
+                                             DecodeWorkspace)
 from liteinfer.kernels.kv_cache import paged_kv_offsets, pool_strides, slot_offset
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
@@ -77,8 +80,22 @@ def _rope_rows(ptrs, d, mask, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constex
 
 
 @triton.jit
+def _split_count(context_lens, ctx, batch, num_kv_heads, program_slots, max_splits,
+                 BLOCK_B: tl.constexpr, MIN_TOKENS: tl.constexpr):
+    """decode_splits' rule for a row of `ctx` tokens: programs of at most the batch's even share
+    of KV tokens per program slot (at least MIN_TOKENS); rows under 2 * MIN_TOKENS stay whole.
+    Every program of the launch reads the same lengths, so a row's programs agree."""
+    rows = tl.arange(0, BLOCK_B)
+    total = tl.sum(tl.load(context_lens + rows, mask=rows < batch, other=0), 0)
+    share = tl.maximum(total * num_kv_heads // program_slots, MIN_TOKENS)
+    n = tl.where(ctx < 2 * MIN_TOKENS, 1, (ctx - 1) // share + 1)
+    return tl.minimum(n, max_splits)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_splits_ptr,
-                   out_ptr, part_out, part_lse, counters, qk_scale, max_splits,
+                   out_ptr, part_out, part_lse, counters, qk_scale, max_splits, batch,
+                   program_slots,
                    k_new, v_new, pos_ptr, slot_ptr, cos_sin,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
                    stride_pool_block, stride_pool_row, stride_pool_head,
@@ -87,20 +104,28 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-                   NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # launched while the previous kernel finishes: wait for it before any read
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+                   SPLITS_GIVEN: tl.constexpr, BLOCK_B: tl.constexpr,
+                   MIN_SPLIT_TOKENS: tl.constexpr, NEW_KV: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    # The lengths and split counts are step inputs, which no kernel writes: read before the
+    # wait, so that surplus splits leave while the previous kernel is still finishing.
+    ctx = tl.load(context_lens + b)
     if SPLIT_K:
-        n_splits = tl.minimum(tl.load(num_splits_ptr + b), max_splits)
+        if SPLITS_GIVEN:
+            n_splits = tl.minimum(tl.load(num_splits_ptr + b), max_splits)
+        else:
+            n_splits = _split_count(context_lens, ctx, batch, tl.num_programs(2), program_slots,
+                                    max_splits, BLOCK_B, MIN_SPLIT_TOKENS)
     else:
         n_splits = 1
     if split >= n_splits:
         return
-    ctx = tl.load(context_lens + b)
+    if USE_PDL:  # launched while the previous kernel finishes: wait for it before other reads
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Splits own whole tiles; trailing splits of a short row get an empty range.
     tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), n_splits)
     start = split * tiles_per_split * BLOCK_N
@@ -227,17 +252,20 @@ class NewKV:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor, num_splits: torch.Tensor | None = None,
-                           max_splits: int = 1, workspace: DecodeWorkspace | None = None,
-                           new_kv: NewKV | None = None) -> torch.Tensor:
+                           out: torch.Tensor, max_splits: int = 1,
+                           workspace: DecodeWorkspace | None = None, new_kv: NewKV | None = None,
+                           num_splits: torch.Tensor | None = None,
+                           min_split_tokens: int = MIN_SPLIT_TOKENS) -> torch.Tensor:
     """q, out: [B, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D] with
     equal strides, D contiguous;
     block_tables: int32 [B, max_blocks]; context_lens: int32 [B], 0 for padding rows (their
-    output rows are zeros). With max_splits > 1, num_splits (int32 [B], see choose_num_splits;
-    computed here when None) and a workspace with at least B rows and max_splits splits are
-    used; rows never read splits past their own count. The workspace's counters must be zero,
-    as allocated; every launch leaves them so. With new_kv, q is rotated in registers (q itself
-    is left as it is) and the new key/value are written before they are read. Returns out."""
+    output rows are zeros). With max_splits > 1 rows split as `decode_splits` describes (with
+    `min_split_tokens`), or into num_splits[b] programs when that int32 [B] tensor is given,
+    clamped to max_splits; a workspace with at least B rows and max_splits splits holds the
+    partials (allocated here when None); rows never read splits past their own count. The
+    workspace's counters must be zero, as allocated; every launch leaves them so. With new_kv, q
+    is rotated in registers (q itself is left as it is) and the new key/value are written before
+    they are read. Returns out."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     pool = pool_strides(k_cache, v_cache)
@@ -247,9 +275,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.dtype == k_cache.dtype
     group = num_q_heads // num_kv_heads
     tiles = decode_tiles(head_dim, block_size)
+    splits_given = num_splits is not None
     if max_splits > 1:
-        if num_splits is None:
-            num_splits = choose_num_splits(context_lens, max_splits)
         if workspace is None:
             workspace = DecodeWorkspace.allocate(batch, num_q_heads, head_dim, max_splits, q.device)
         part_out, part_lse, counters = (workspace.partial_out, workspace.partial_lse,
@@ -257,7 +284,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         assert part_out.shape[0] >= batch and part_out.shape[2] >= max_splits
         assert counters.shape[0] >= batch and counters.shape[1] >= num_kv_heads
     else:  # unread placeholders
-        num_splits, part_out, part_lse, counters = context_lens, out, out, context_lens
+        part_out, part_lse, counters = out, out, context_lens
+    if not splits_given:
+        num_splits = context_lens  # unread placeholder
     if new_kv is not None:
         key, value, cos_sin = new_kv.key, new_kv.value, new_kv.cos_sin_cache
         assert key.shape == value.shape == (batch, num_kv_heads, head_dim)
@@ -271,9 +300,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_g = triton.next_power_of_2(group)
     block_s = triton.next_power_of_2(max_splits)
     pdl = supports_pdl(q.device)
-    _decode_kernel[(batch, num_kv_heads, max_splits)](
+    _decode_kernel[(max_splits, batch, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, num_splits, out, part_out, part_lse,
-        counters, scale * LOG2E, max_splits, key, value, pos, slots, cos_sin,
+        counters, scale * LOG2E, max_splits, batch, SPLIT_WAVES * num_sms(q.device),
+        key, value, pos, slots, cos_sin,
         q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), *pool,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -282,6 +312,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         G=group, HEAD_DIM=head_dim, BLOCK_H=max(16, block_g), BLOCK_N=tiles.block_n,
         BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1, BLOCK_G=block_g, BLOCK_S=block_s,
         CHUNK_S=min(block_s, max(1, MERGE_TILE // (block_g * head_dim))),
-        NEW_KV=new_kv is not None, DOT_PRECISION=dot_precision(q.dtype), USE_PDL=pdl,
+        SPLITS_GIVEN=splits_given, BLOCK_B=triton.next_power_of_2(batch),
+        MIN_SPLIT_TOKENS=min_split_tokens, NEW_KV=new_kv is not None,
+        DOT_PRECISION=dot_precision(q.dtype), USE_PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out

@@ -4,8 +4,10 @@ import math
 import pytest
 import torch
 
+from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_attention import NewKV, paged_decode_attention
-from liteinfer.kernels.decode_splits import DecodeWorkspace, choose_num_splits, max_splits_for
+from liteinfer.kernels.decode_splits import (MIN_SPLIT_TOKENS, SPLIT_WAVES, DecodeWorkspace,
+                                             max_splits_for, rows_may_split)
 from liteinfer.layers.rotary import cos_sin_cache
 
 
@@ -27,7 +29,8 @@ def _workspace(batch, num_q_heads, head_dim, max_splits, device) -> DecodeWorksp
 
 
 def _check(PagedKV, attention_ref, assert_close, contexts, num_q_heads, num_kv_heads, head_dim,
-           block_size, dtype, device, max_splits, num_splits=None, ws=None, head_major=True):
+           block_size, dtype, device, max_splits, num_splits=None, ws=None, head_major=True,
+           min_split_tokens=MIN_SPLIT_TOKENS):
     kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device,
                  head_major=head_major)
     batch = len(contexts)
@@ -37,7 +40,8 @@ def _check(PagedKV, attention_ref, assert_close, contexts, num_q_heads, num_kv_h
         ws = _workspace(batch, num_q_heads, head_dim, max_splits, device)
     scale = 1 / math.sqrt(head_dim)
     paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, scale,
-                           out, num_splits, max_splits, ws)
+                           out, max_splits, ws, num_splits=num_splits,
+                           min_split_tokens=min_split_tokens)
     assert (ws.counters == 0).all(), "the last program of each row must reset its counter"
     rows = [b for b, c in enumerate(contexts) if c > 0]
     padding = [b for b, c in enumerate(contexts) if c == 0]
@@ -101,31 +105,58 @@ def test_decode_workspace_reuse(PagedKV, attention_ref, assert_close, device):
                device, max_splits, num_splits, ws)
 
 
+def _kernel_split_counts(PagedKV, contexts, max_splits, num_kv_heads, device,
+                         min_split_tokens=MIN_SPLIT_TOKENS):
+    """The split count the kernel's own rule gives each row, read back from the workspace: a row
+    in one split writes no partials (they stay NaN), a row in n writes the lse of splits 0..n-1."""
+    kv = PagedKV(contexts, num_kv_heads, 64, 16, torch.float16, device)
+    q = torch.randn(len(contexts), num_kv_heads, 64, dtype=torch.float16, device=device)
+    ws = _workspace(len(contexts), num_kv_heads, 64, max_splits, device)
+    paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, 0.125,
+                           torch.empty_like(q), max_splits, ws, min_split_tokens=min_split_tokens)
+    written = (~ws.partial_lse[:len(contexts), 0].isnan()).sum(-1)
+    return torch.where(written == 0, 1, written).tolist()
+
+
 @pytest.mark.parametrize("batch", [1, 4, 32, 128])
 def test_decode_engine_policy(PagedKV, attention_ref, assert_close, device, full, batch):
-    """The engine's path: grid width from the host policy, per-row splits on the device."""
+    """The engine's path: grid width from the host policy, per-row splits chosen in the kernel."""
     num_kv_heads = 8 if full else 2
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count if full else 8
     if not full:
         batch = min(batch, 5)
     max_splits = max_splits_for(batch, num_kv_heads, num_sms)
     contexts = torch.randint(1, 16385 if full else 400, (batch,)).tolist()
-    num_splits = choose_num_splits(torch.tensor(contexts, device=device), max_splits,
-                                   min_tokens_per_split=256 if full else 64)
     dtype = torch.bfloat16 if full else torch.float16
     _check(PagedKV, attention_ref, assert_close, contexts, 4 * num_kv_heads, num_kv_heads, 64,
-           16, dtype, device, max_splits, num_splits)
+           16, dtype, device, max_splits, min_split_tokens=256 if full else 64)
 
 
 def test_split_policy():
     assert max_splits_for(1, 8, 132) >= 16  # one long sequence spreads over the SMs
     widths = [max_splits_for(b, 8, 132) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
     assert widths == sorted(widths, reverse=True)
-    assert widths[-3:] == [1, 1, 1]  # wide batches fill the GPU without splitting
+    assert widths[-4:] == [2, 2, 1, 1]  # wide batches: room for their longest rows, then none
+    # ... but only if a row may split; narrow batches fill the SMs either way.
+    assert max_splits_for(32, 8, 132, may_split=False) == 1
+    assert max_splits_for(4, 8, 132, may_split=False) == max_splits_for(4, 8, 132)
+    assert not rows_may_split([0, 100, 511]) and rows_may_split([0, 512]) and not rows_may_split([])
     assert all(1 <= w <= 64 for w in widths)
-    lens = torch.tensor([0, 1, 256, 511, 512, 1000, 5000, 100000], dtype=torch.int32)
-    n = choose_num_splits(lens, max_splits=16, min_tokens_per_split=256)
-    assert n.dtype == torch.int32 and n.tolist() == [1, 1, 1, 1, 2, 4, 16, 16]
+
+
+def test_kernel_split_counts(PagedKV, device):
+    """The kernel's split rule (decode_splits) with 16-token minimal splits. The ragged case
+    takes as many KV heads as there are program slots over 8 (CPU: 2), so its even share is
+    the same on any device: a total of 1,063 tokens / 8 = 132."""
+    # Narrow: the even share is under the minimum, so rows split per 16 tokens from 32 on; a
+    # lone long row fills the grid's width.
+    assert _kernel_split_counts(PagedKV, [0, 1, 16, 31, 32, 70], 8, 1, device, 16) == [
+        1, 1, 1, 1, 2, 5]
+    assert _kernel_split_counts(PagedKV, [300], 8, 1, device, 16) == [8]
+    # Wide and ragged: only the rows past the even share split.
+    contexts = [20] * 30 + [150, 60, 120, 133]
+    heads = SPLIT_WAVES * num_sms(torch.device(device)) // 8
+    assert _kernel_split_counts(PagedKV, contexts, 2, heads, device, 16) == [1] * 30 + [2, 1, 1, 2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
@@ -154,8 +185,8 @@ def test_decode_writes_new_token(PagedKV, at, attention_ref, rope_ref, qkv_views
     out = torch.full_like(q, float("nan"))
     scale = 1 / math.sqrt(head_dim)
     paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, scale,
-                           out, num_splits, max_splits, ws,
-                           NewKV(k, v, positions, last, cos_sin))
+                           out, max_splits, ws, NewKV(k, v, positions, last, cos_sin),
+                           num_splits=num_splits)
     assert torch.equal(q, q_before), "q is rotated in registers, not in place"
     assert (ws.counters == 0).all()
     rows = [b for b, c in enumerate(contexts) if c > 0]

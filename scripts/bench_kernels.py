@@ -81,31 +81,46 @@ def paged_pool(lens: list[int]):
     return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
+RAGGED = "mixed2048"  # a shape's context: 64-2,048 prompt tokens + 0-128 decoded, drawn per row
 DECODE_SHAPES = [(b, c) for b in (1, 4, 32, 128) for c in (128, 384, 3712, 15488)] + [
-    (28, 1024), (32, 2048)]  # the decoding rows of W=32 runs at 1-2k contexts
+    (28, 1024), (32, 2048), (28, RAGGED), (32, RAGGED)]  # the decoding rows of W=32 runs
 PREFILL_SHAPES = [(1, 15360), (32, 128), (8, 2048), (1, 2016), (2, 1008)]  # + mixed-step pieces
 ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
 
 
+def decode_lens(batch: int, ctx: int | str) -> list[int]:
+    if ctx == RAGGED:
+        rng = torch.Generator().manual_seed(batch)
+        return (torch.randint(64, 2049, (batch,), generator=rng)
+                + torch.randint(0, 129, (batch,), generator=rng)).tolist()
+    return [ctx] * batch
+
+
 def decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               tables: torch.Tensor, ctx: int) -> torch.Tensor:
-    """fp32 attention of q [B, Hq, D] over each row's first ctx pool tokens."""
-    k, v = (gather_kv(c, tables, ctx).transpose(1, 2).float() for c in (k_cache, v_cache))
-    qg = q.float().view(q.shape[0], HKV, HQ // HKV, D)
-    p = torch.einsum("bhgd,bhnd->bhgn", qg, k).mul_(SCALE).softmax(-1)
-    return torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(q.shape)
+               tables: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """fp32 attention of q [B, Hq, D] over each row's first lens[b] pool tokens."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b, ctx in enumerate(lens):
+        k, v = (gather_kv(c, tables[b:b + 1], ctx).transpose(1, 2).float()
+                for c in (k_cache, v_cache))
+        qg = q[b:b + 1].float().view(1, HKV, HQ // HKV, D)
+        p = torch.einsum("bhgd,bhnd->bhgn", qg, k).mul_(SCALE).softmax(-1)
+        out[b] = torch.einsum("bhgn,bhnd->bhgd", p, v).reshape(HQ, D)
+    return out
 
 
 def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: str = "",
                  waves: int = 2) -> None:
     ws = splits.DecodeWorkspace.allocate(128, HQ, D, splits.MAX_SPLITS_CAP, DEV)
     for batch, ctx in shapes:
-        k_cache, v_cache, tables, lens = paged_pool([ctx] * batch)
+        lens_list = decode_lens(batch, ctx)
+        k_cache, v_cache, tables, lens = paged_pool(lens_list)
         q = torch.randn(batch, HQ, D, dtype=DTYPE, device=DEV)
         out = torch.empty_like(q)
-        ref = decode_ref(q, k_cache, v_cache, tables, ctx)
-        gbytes = 2 * batch * ctx * HKV * D * k_cache.element_size() / 1e9
-        policy = splits.max_splits_for(batch, HKV, num_sms, waves)
+        ref = decode_ref(q, k_cache, v_cache, tables, lens_list)
+        gbytes = 2 * sum(lens_list) * HKV * D * k_cache.element_size() / 1e9
+        policy = splits.max_splits_for(batch, HKV, num_sms, splits.rows_may_split(lens_list),
+                                       waves=waves)
         # The engine's path also rotates q and writes this step's K/V (already in the pool
         # here: the last position of each row is rewritten with the same values).
         last = lens.long() - 1
@@ -114,7 +129,7 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
         new_kv = dec.NewKV(k_cache[blocks, last % BLOCK_SIZE], v_cache[blocks, last % BLOCK_SIZE],
                            torch.zeros_like(last), slots, cos_sin_zero_rotation())
         variants = [(m, None) for m in sorted({1, policy, splits.max_splits_for(
-            batch, HKV, num_sms, 4 * waves)})] + [(policy, new_kv)]
+            batch, HKV, num_sms, waves=4 * waves)})] + [(policy, new_kv)]
         for max_splits, fused in variants:
             def run() -> torch.Tensor:
                 return dec.paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE,

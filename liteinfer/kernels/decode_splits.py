@@ -50,10 +50,10 @@ def max_splits_for(batch_size: int, num_kv_heads: int, num_sms: int, may_split: 
     """Grid width for a batch size: enough (sequence, KV head, split) programs to fill about
     `waves` waves of SMs. Batches of up to twice that many programs get width 2 all the same
     when a row of theirs may split (`may_split`: one holds at least 2 * MIN_SPLIT_TOKENS
-    tokens): without it a ragged batch waits on the program of its longest row (H200, 32 rows
-    of 64-2,176 tokens: 44-46 us in one split, 37-40 with the longest rows split; a uniform
-    batch of the same total 35). Where no row can split, the second split's programs would only
-    cost time (32 rows of 128-384 tokens: a decode step 28 us longer)."""
+    tokens): without it a ragged batch waits on the program of its longest row (H200, 28-32
+    rows of 64-2,176 tokens: 34-35 us a layer in one split, 28-29 with the longest rows split;
+    uniform rows of the same total 23-25). Where no row can split, the second split's programs
+    would only cost time (32 rows of 128-384 tokens: a decode step 28 us longer)."""
     programs = max(1, batch_size * num_kv_heads)
     width = waves * num_sms // programs
     if width < 2 and may_split and programs < 2 * waves * num_sms:

@@ -162,15 +162,14 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[rows]) if rows.numel() else None
 
-    def split_width(self, num_decodes: int, may_split: bool = True) -> int:
+    def split_width(self, num_decodes: int, may_split: bool) -> int:
         """The split-K grid width of `num_decodes` decoding rows (1: no split-K)."""
         if self.decode_workspace is None or num_decodes == 0:
             return 1
         return max_splits_for(num_decodes, self.model_config.num_key_value_heads, self.num_sms,
                               may_split)
 
-    def set_split_k(self, meta: AttentionMetadata, num_decodes: int,
-                    may_split: bool = True) -> None:
+    def set_split_k(self, meta: AttentionMetadata, num_decodes: int, may_split: bool) -> None:
         """Decode split-K for the step's first `num_decodes` sequences: the grid width is fixed
         per decode count and whether a row may split (`max_splits_for`); the decode kernel
         chooses each sequence's split count from the context lengths (kernels/decode_splits.py)."""

@@ -148,7 +148,9 @@ def forward_bucket(runner: ModelRunner, layout: PromptStepLayout, buffer: torch.
                    p: int) -> HiddenStates:
     """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
     ids, pending, positions, meta = layout.inputs(buffer, d, p)
-    runner.set_split_k(meta, d)  # split counts are computed inside the graph
+    # Split counts are chosen inside the graph. One graph serves every context, and beside a
+    # prompt piece the second split's cost where no row splits is small, so rows may split.
+    runner.set_split_k(meta, d, may_split=True)
     return runner.model(runner.with_pending(ids, pending), positions, meta)
 
 

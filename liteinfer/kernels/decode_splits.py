@@ -62,5 +62,7 @@ def max_splits_for(batch_size: int, num_kv_heads: int, num_sms: int, may_split: 
 
 
 def rows_may_split(context_lens: Sequence[int] | np.ndarray) -> bool:
-    """Whether a row of a decode batch (host-side lengths) is long enough to split."""
-    return len(context_lens) > 0 and max(context_lens) >= 2 * MIN_SPLIT_TOKENS
+    """Whether a row of a decode batch (host-side lengths) is long enough to split. Runs on
+    every captured decode step's host path, so it reduces in numpy."""
+    lens = np.asarray(context_lens)
+    return lens.size > 0 and bool(lens.max() >= 2 * MIN_SPLIT_TOKENS)

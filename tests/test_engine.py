@@ -322,7 +322,7 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
                     mixed_prompt_tokens=32)
     runner = llm.engine.runner
     layout = PromptStepLayout(4, 32, runner.max_blocks_per_seq, runner.block_size,
-                              runner.query_group_size)
+                              runner.query_group_size, runner.max_decode_splits)
     buffer = torch.zeros(layout.total, dtype=torch.int32)
     execute, buckets = runner.execute, []
 

@@ -31,8 +31,8 @@ class AttentionMetadata:
     # Packed prefill (Triton): the prompt sequences' query tiles (kernels/prefill_tiles.py).
     tile_map: torch.Tensor | None = None  # [N, 2] int32
     tile_tokens: int = 0  # query tokens a tile
-    # Split-K decode (decode steps, and a mixed step's decoding rows): the fixed grid width (the
-    # kernel chooses each sequence's split count) and the partials' workspace.
+    # Split-K: a decode step's fixed grid width (the kernel chooses each sequence's split count),
+    # and the partials' workspace, which a mixed step's split decoding rows use too.
     max_splits: int = 1
     workspace: Any = None
 

@@ -1,6 +1,7 @@
 """Attention through liteinfer's Triton kernels: paged decode with RoPE and the KV write fused in,
-packed prefill over the pool, and torch's fused SDPA for a lone long prompt. In a mixed step the
-decoding sequences' rows go through the decode kernel, the prompt chunks' through prefill."""
+packed prefill over the pool, and torch's fused SDPA for a lone long prompt. A mixed step's
+decoding rows go through the prefill launch with its prompt chunks (their entries in the tile
+map), where their memory-bound programs overlap the compute-bound prompt tiles."""
 from __future__ import annotations
 
 import torch
@@ -38,15 +39,10 @@ class TritonBackend(AttentionBackend):
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         if self._lone_fresh_prompt(meta):
             return _causal_sdpa(q, k, v, scale)
-        out = torch.empty_like(q)
-        d = meta.num_decodes
-        if d:  # q is rotated and the new K/V are in the pool already
-            paged_decode_attention(q[:d], k_cache, v_cache, meta.block_tables[:d],
-                                   meta.context_lens[:d], scale, out[:d],
-                                   max_splits=meta.max_splits, workspace=meta.workspace)
         return packed_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
                                         meta.context_lens, meta.block_tables, meta.tile_map,
-                                        meta.tile_tokens, scale, out)
+                                        meta.tile_tokens, scale, torch.empty_like(q),
+                                        meta.workspace)
 
     def _lone_fresh_prompt(self, meta: AttentionMetadata) -> bool:
         if len(meta.query_lens_host) != 1:  # several sequences, or a captured step

@@ -9,7 +9,7 @@ from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
-from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
+from liteinfer.kernels.prefill_tiles import decode_entries, prefill_tile_tokens
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
@@ -127,12 +127,12 @@ class ModelRunner:
             context_lens_host=step.context_lens.tolist(),
         )
         if self.use_triton and batch.is_prefill:
-            # An eager mixed step's decoding rows run without split-K: every grid width compiles
-            # a kernel variant of its own, and these steps come with any number of decodes.
-            meta.tile_tokens = prefill_tile_tokens(
-                int(step.query_lens[step.num_decodes:].max()), self.query_group_size)
-            meta.tile_map = as_tensor(step.prompt_tile_map(meta.tile_tokens, step.num_decodes),
-                                      torch.int32)
+            d = step.num_decodes
+            meta.tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
+                                                   self.query_group_size)
+            meta.tile_map = as_tensor(step.attention_tile_map(
+                meta.tile_tokens, d, decode_entries(d), self.max_decode_splits), torch.int32)
+            meta.workspace = self.decode_workspace
         elif self.use_triton:
             self.set_split_k(meta, step.num_decodes, rows_may_split(step.context_lens))
         ids = as_tensor(step.input_ids, torch.int32)
@@ -161,6 +161,12 @@ class ModelRunner:
             input_ids, positions, meta, rows = self.prepare(batch)
             hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[rows]) if rows.numel() else None
+
+    @property
+    def max_decode_splits(self) -> int:
+        """Most programs a decoding row splits into (1 without split-K)."""
+        workspace = self.decode_workspace
+        return 1 if workspace is None else workspace.partial_out.shape[2]
 
     def split_width(self, num_decodes: int, may_split: bool) -> int:
         """The split-K grid width of `num_decodes` decoding rows (1: no split-K)."""

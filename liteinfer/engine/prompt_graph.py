@@ -5,10 +5,10 @@ kernels, so steps of up to `mixed_prompt_tokens` prompt tokens are captured too:
 (decoding rows, prompt tokens) bucket, the decoding rows a power of two and the prompt tokens
 each bringing the step's rows to a power of two (`prompt_piece_sizes`, which the scheduler
 trims mixed steps to). A step is padded to its bucket:
-decoding rows first, padded with rows of context 0 (the decode kernel writes zeros for them),
-then the prompt tokens, padded with tokens that write no KV and that no query tile covers.
-Prefill attention reads its query tiles from a tile map, so one grid serves any mix of prompt
-lengths. The LM head runs after the replay on the rows that sample only.
+decoding rows first, padded with rows of context 0, then the prompt tokens, padded with tokens
+that write no KV; no tile-map entry covers a padding row. Prefill attention reads its programs'
+work (decoding rows' splits, prompt query tiles) from a tile map, so one grid serves any mix of
+context and prompt lengths. The LM head runs after the replay on the rows that sample only.
 
 All inputs live in one flat int32 device buffer at fixed offsets (`PromptStepLayout`), filled
 from a pinned host mirror with one copy per step (`StagedInputs`, as in captured decode).
@@ -24,7 +24,7 @@ from liteinfer.attention import AttentionMetadata
 from liteinfer.engine.cuda_graph import StagedInputs, capture_graph
 from liteinfer.engine.scheduler import ScheduledBatch, padded_decodes, prompt_piece_sizes
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
-from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
+from liteinfer.kernels.prefill_tiles import decode_entries, prefill_tile_tokens
 from liteinfer.models.llama import HiddenStates
 
 if TYPE_CHECKING:
@@ -37,9 +37,10 @@ class PromptStepLayout:
     pinned mirror of its device buffer, and the layout runs as well on a CPU buffer."""
 
     def __init__(self, max_num_seqs: int, mixed_prompt_tokens: int, table_width: int,
-                 block_size: int, query_group_size: int):
+                 block_size: int, query_group_size: int, max_decode_splits: int):
         self.max_num_seqs = max_num_seqs
         self.query_group_size = query_group_size
+        self.max_decode_splits = max_decode_splits
         self.width = table_width
         self.block_size = block_size
         # A mixed step holds at least one prompt, so at most max_num_seqs - 1 decoding rows.
@@ -48,7 +49,7 @@ class PromptStepLayout:
         self.buckets = [(d, p) for d in decode_sizes for p in self.prompt_sizes[d]]
         max_tokens = max(d + p for d, p in self.buckets)
         max_rows = max(d + self._prompt_seqs(p) for d, p in self.buckets)
-        max_tiles = max(self._tiles(p) for _, p in self.buckets)
+        max_tiles = max(self._tiles(d, p) for d, p in self.buckets)
         self.sizes = {"ids": max_tokens, "pending": max_tokens, "positions": max_tokens,
                       "slots": max_tokens, "context_lens": max_rows, "cu_seqlens": max_rows + 1,
                       "sample_rows": max_rows, "tiles": 2 * max_tiles,
@@ -63,9 +64,11 @@ class PromptStepLayout:
     def _prompt_seqs(self, prompt_size: int) -> int:
         return min(prompt_size, self.max_num_seqs)
 
-    def _tiles(self, prompt_size: int) -> int:
-        """Query tiles of any `prompt_size` tokens: each sequence adds at most one partial."""
-        return prompt_size // self._tile_tokens(prompt_size) + self._prompt_seqs(prompt_size)
+    def _tiles(self, decodes: int, prompt_size: int) -> int:
+        """Tile-map entries of bucket (decodes, prompt_size): the decoding rows' and the query
+        tiles of any `prompt_size` tokens (each sequence adds at most one partial)."""
+        return (decode_entries(decodes) + prompt_size // self._tile_tokens(prompt_size)
+                + self._prompt_seqs(prompt_size))
 
     def _tile_tokens(self, prompt_size: int) -> int:
         return prefill_tile_tokens(prompt_size, self.query_group_size)
@@ -104,7 +107,7 @@ class PromptStepLayout:
             is_prefill=True, slot_mapping=view("slots", t), context_lens=view("context_lens", rows),
             block_tables=view("block_tables", rows * self.width).view(rows, self.width),
             cu_seqlens_q=view("cu_seqlens", rows + 1), num_decodes=d,
-            tile_map=view("tiles", 2 * self._tiles(p)).view(-1, 2),
+            tile_map=view("tiles", 2 * self._tiles(d, p)).view(-1, 2),
             tile_tokens=self._tile_tokens(p))
         return view("ids", t), view("pending", t), view("positions", t), meta
 
@@ -139,8 +142,10 @@ class PromptStepLayout:
         samples = step.sample_rows
         view("sample_rows", len(samples))[:] = np.where(samples < d, samples,
                                                         samples - d + d_size)
-        view("tiles", 2 * self._tiles(p_size))[:] = step.prompt_tile_map(
-            self._tile_tokens(p_size), first_seq=d_size, num_tiles=self._tiles(p_size)).reshape(-1)
+        num_tiles = self._tiles(d_size, p_size)
+        view("tiles", 2 * num_tiles)[:] = step.attention_tile_map(
+            self._tile_tokens(p_size), d_size, decode_entries(d_size), self.max_decode_splits,
+            num_tiles).reshape(-1)
         return self.offsets["block_tables"] + (d_size + n_seqs - d) * self.width
 
 
@@ -148,9 +153,7 @@ def forward_bucket(runner: ModelRunner, layout: PromptStepLayout, buffer: torch.
                    p: int) -> HiddenStates:
     """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
     ids, pending, positions, meta = layout.inputs(buffer, d, p)
-    # Split counts are chosen inside the graph. One graph serves every context, and beside a
-    # prompt piece the second split's cost where no row splits is small, so rows may split.
-    runner.set_split_k(meta, d, may_split=True)
+    meta.workspace = runner.decode_workspace  # for the decoding rows' splits (tile map)
     return runner.model(runner.with_pending(ids, pending), positions, meta)
 
 
@@ -163,7 +166,7 @@ class PromptGraphRunner:
         config = runner.config
         self.layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
                                        runner.max_blocks_per_seq, runner.block_size,
-                                       runner.query_group_size)
+                                       runner.query_group_size, runner.max_decode_splits)
         self.inputs = StagedInputs(self.layout.total, runner.device)
         hidden = runner.model_config.hidden_size
         self.out_x = torch.empty(self.layout.max_tokens, hidden, dtype=runner.dtype,

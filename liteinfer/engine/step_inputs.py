@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from liteinfer.engine.scheduler import ScheduledBatch
-from liteinfer.kernels.prefill_tiles import prefill_tile_map
+from liteinfer.kernels.prefill_tiles import decode_split_counts, prefill_tile_map
 
 
 @dataclass
@@ -34,13 +34,15 @@ class StepInputs:
     def has_pending(self) -> bool:
         return bool((self.pending_rows >= 0).any())
 
-    def prompt_tile_map(self, tile_tokens: int, first_seq: int,
-                        num_tiles: int | None = None) -> np.ndarray:
-        """Prefill attention's tile map of the prompt sequences (those past the decoding ones),
-        numbered from `first_seq` (kernels/prefill_tiles.py)."""
+    def attention_tile_map(self, tile_tokens: int, first_seq: int, decode_entries: int,
+                           max_decode_splits: int, num_tiles: int | None = None) -> np.ndarray:
+        """Prefill attention's tile map (kernels/prefill_tiles.py): the decoding rows in at most
+        `decode_entries` programs (each row in at most max_decode_splits), then the prompt
+        sequences' query tiles, those sequences numbered from `first_seq`."""
         d = self.num_decodes
+        splits = decode_split_counts(self.context_lens[:d], decode_entries, max_decode_splits)
         return prefill_tile_map(self.query_lens[d:], self.context_lens[d:], tile_tokens,
-                                first_seq, num_tiles)
+                                first_seq, num_tiles, splits)
 
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int, table_width: int,

@@ -68,6 +68,25 @@ def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
 
 
 @triton.jit
+def attend_kv_range(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
+                    qk_scale, stride_block, stride_row, BLOCK_N: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of query rows q over one sequence's KV positions [start, end), read from
+    the pool in BLOCK_N-key tiles through its block table row."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_block,
+                                stride_row) + kv_head_off
+        kv_ptrs = rows[:, None] + d[None, :]
+        k = tl.load(k_cache + kv_ptrs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache + kv_ptrs, mask=valid[:, None], other=0.0)
+        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, valid[None, :], qk_scale,
+                                     True, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _rope_rows(ptrs, d, mask, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Loads rows x at `ptrs` (+ d) and returns x * cos + rotate_half(x) * sin in fp32
     (HF Llama layout; cos/sin repeated over both halves). Whole rows, as tl.dot wants them; the
@@ -94,12 +113,12 @@ def _split_count(context_lens, ctx, batch, num_kv_heads, program_slots, max_spli
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_splits_ptr,
-                   out_ptr, part_out, part_lse, counters, qk_scale, max_splits, batch,
-                   program_slots,
+                   out_ptr, part_out, part_lse, counters,
+                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_cb,
+                   qk_scale, max_splits, batch, program_slots,
                    k_new, v_new, pos_ptr, slot_ptr, cos_sin,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
                    stride_pool_block, stride_pool_row, stride_pool_head,
-                   stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_cb,
                    stride_kb, stride_kh, stride_vb, stride_vh, stride_cs,
                    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -164,23 +183,30 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
-    for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_pool_block,
-                                stride_pool_row) + kvh * stride_pool_head
-        kv_ptrs = rows[:, None] + d[None, :]
-        k = tl.load(k_cache + kv_ptrs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache + kv_ptrs, mask=valid[:, None], other=0.0)
-        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, valid[None, :], qk_scale,
-                                     True, DOT_PRECISION)
+    acc, l_i, m_i = attend_kv_range(acc, l_i, m_i, q, k_cache, v_cache, bt_row,
+                                    kvh * stride_pool_head, start, end, d, qk_scale,
+                                    stride_pool_block, stride_pool_row, BLOCK_N, BLOCK_SIZE,
+                                    DOT_PRECISION)
+    finish_split(acc, l_i, m_i, out_ptr + b * stride_ob, stride_oh, heads, h_mask, d, b, kvh,
+                 split, n_splits, part_out, part_lse, counters, stride_pb, stride_ph, stride_ps,
+                 stride_lb, stride_lh, stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
+
+
+@triton.jit
+def finish_split(acc, l_i, m_i, out_row, stride_oh, heads, h_mask, d, b, kvh, split, n_splits,
+                 part_out, part_lse, counters, stride_pb, stride_ph, stride_ps, stride_lb,
+                 stride_lh, stride_cb, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """Ends split `split` of n_splits over (row b, KV head kvh): a whole row writes its output
+    (query heads `heads` at out_row); a split writes its partial and log-sum-exp to the
+    workspace, and the last of the row's splits to arrive merges them into out_row."""
     # Empty ranges (padding rows, surplus splits) give zeros and lse = -inf, never NaN.
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
     o = acc / l_safe[:, None]
     if n_splits == 1:  # the whole row: final output, no workspace, no counter
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        o_ptrs = out_row + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_row.dtype.element_ty), mask=h_mask[:, None])
     else:
         p_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
         tl.store(p_ptrs + d[None, :], o, mask=h_mask[:, None])
@@ -200,14 +226,14 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
             # counter again in this launch, so a plain store restores the zero invariant; the
             # next launch (next layer, graph replay) is ordered after it by the stream.
             tl.store(cnt_ptr, 0)
-            _merge_splits(part_out, part_lse, out_ptr, b, kvh, n_splits,
+            _merge_splits(part_out, part_lse, out_row, b, kvh, n_splits,
                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                          stride_ob, stride_oh, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
+                          stride_oh, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
 
 
 @triton.jit
-def _merge_splits(part_out, part_lse, out_ptr, b, kvh, n_splits,
-                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+def _merge_splits(part_out, part_lse, out_row, b, kvh, n_splits,
+                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_oh,
                   G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
     """Log-sum-exp (base 2) merge of splits [0, n_splits) of KV head kvh's G query heads.
@@ -233,8 +259,8 @@ def _merge_splits(part_out, part_lse, out_ptr, b, kvh, n_splits,
         parts = tl.load(p_row + sc[None, :, None] * stride_ps, mask=mask[:, :, None], other=0.0)
         acc += tl.sum(w[:, :, None] * parts, 1)
     o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    tl.store(out_row + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_row.dtype.element_ty), mask=g_mask[:, None])
 
 
 @dataclass(frozen=True)
@@ -248,6 +274,33 @@ class NewKV:
     positions: torch.Tensor
     slots: torch.Tensor
     cos_sin_cache: torch.Tensor
+
+
+def query_rows(group: int) -> int:
+    """Rows of a decoding row's query tile: its G heads, padded to the 16 tl.dot needs."""
+    return max(16, triton.next_power_of_2(group))
+
+
+def workspace_args(workspace: DecodeWorkspace | None, max_splits: int, rows: int,
+                   num_kv_heads: int, group: int, out: torch.Tensor,
+                   int_placeholder: torch.Tensor) -> tuple[list, dict[str, int]]:
+    """Split-K's kernel arguments: the workspace's partial outputs, log-sum-exps and counters
+    with their strides (unread placeholders when rows never split, max_splits 1), and the
+    merge's tile sizes (`finish_split`)."""
+    if max_splits > 1:
+        part_out, part_lse, counters = (workspace.partial_out, workspace.partial_lse,
+                                        workspace.counters)
+        assert part_out.shape[0] >= rows and part_out.shape[2] >= max_splits
+        assert counters.shape[0] >= rows and counters.shape[1] >= num_kv_heads
+    else:
+        part_out, part_lse, counters = out, out, int_placeholder
+    block_g = triton.next_power_of_2(group)
+    block_s = triton.next_power_of_2(max_splits)
+    head_dim = out.shape[-1]
+    args = [part_out, part_lse, counters, part_out.stride(0), part_out.stride(1),
+            part_out.stride(2), part_lse.stride(0), part_lse.stride(1), counters.stride(0)]
+    return args, dict(BLOCK_G=block_g, BLOCK_S=block_s,
+                      CHUNK_S=min(block_s, max(1, MERGE_TILE // (block_g * head_dim))))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -276,15 +329,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_q_heads // num_kv_heads
     tiles = decode_tiles(head_dim, block_size)
     splits_given = num_splits is not None
-    if max_splits > 1:
-        if workspace is None:
-            workspace = DecodeWorkspace.allocate(batch, num_q_heads, head_dim, max_splits, q.device)
-        part_out, part_lse, counters = (workspace.partial_out, workspace.partial_lse,
-                                        workspace.counters)
-        assert part_out.shape[0] >= batch and part_out.shape[2] >= max_splits
-        assert counters.shape[0] >= batch and counters.shape[1] >= num_kv_heads
-    else:  # unread placeholders
-        part_out, part_lse, counters = out, out, context_lens
+    if max_splits > 1 and workspace is None:
+        workspace = DecodeWorkspace.allocate(batch, num_q_heads, head_dim, max_splits, q.device)
+    split_args, merge_tiles = workspace_args(workspace, max_splits, batch, num_kv_heads, group,
+                                             out, context_lens)
     if not splits_given:
         num_splits = context_lens  # unread placeholder
     if new_kv is not None:
@@ -297,21 +345,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:  # unread placeholders
         key = value = q
         pos = slots = cos_sin = context_lens
-    block_g = triton.next_power_of_2(group)
-    block_s = triton.next_power_of_2(max_splits)
     pdl = supports_pdl(q.device)
     _decode_kernel[(max_splits, batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, num_splits, out, part_out, part_lse,
-        counters, scale * LOG2E, max_splits, batch, SPLIT_WAVES * num_sms(q.device),
+        q, k_cache, v_cache, block_tables, context_lens, num_splits, out, *split_args,
+        scale * LOG2E, max_splits, batch, SPLIT_WAVES * num_sms(q.device),
         key, value, pos, slots, cos_sin,
         q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), *pool,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), counters.stride(0),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos_sin.stride(0),
-        G=group, HEAD_DIM=head_dim, BLOCK_H=max(16, block_g), BLOCK_N=tiles.block_n,
-        BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1, BLOCK_G=block_g, BLOCK_S=block_s,
-        CHUNK_S=min(block_s, max(1, MERGE_TILE // (block_g * head_dim))),
+        G=group, HEAD_DIM=head_dim, BLOCK_H=query_rows(group), BLOCK_N=tiles.block_n,
+        BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1, **merge_tiles,
         SPLITS_GIVEN=splits_given, BLOCK_B=triton.next_power_of_2(batch),
         MIN_SPLIT_TOKENS=min_split_tokens, NEW_KV=new_kv is not None,
         DOT_PRECISION=dot_precision(q.dtype), USE_PDL=pdl,

@@ -6,6 +6,7 @@ A tile's rows are its query tokens times the G query heads that share one KV hea
 attention), so each K/V tile is loaded once for all G heads."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +14,12 @@ import numpy as np
 from liteinfer.utils import next_power_of_2
 
 MAX_TILE_ROWS = 128
+# A decoding row's programs in the prefill launch each take at least this many KV tokens. Beside
+# a 2k-token prompt piece, rows of up to 2k tokens ran fastest whole (H200: 28 rows of 64-2,176
+# tokens 77.5 us a layer whole, 85.1 in programs of 1,024 tokens), and a 15k-token row in
+# programs of 1-4k tokens (65-71 us, against 217 whole).
+DECODE_CHUNK_TOKENS = 4096
+DECODE_SPLIT_BITS = 8  # a decoding split's map entry packs (split << 8) | splits, negated
 
 
 @dataclass(frozen=True)
@@ -42,12 +49,38 @@ def prefill_tiles(head_dim: int, block_size: int, tile_tokens: int,
     return PrefillTiles(rows, max(64, block_size), num_warps, num_stages=2)
 
 
+def decode_entries(num_decodes: int) -> int:
+    """Tile-map entries a step with `num_decodes` decoding rows reserves for them: one a row,
+    and as many again plus 32 so that long rows can split."""
+    return 2 * num_decodes + 32 if num_decodes else 0
+
+
+def decode_split_counts(context_lens: np.ndarray, max_entries: int,
+                        max_splits: int) -> np.ndarray:
+    """Programs per decoding row: chunks of at least DECODE_CHUNK_TOKENS KV tokens, longer when
+    needed for all rows' programs to fit `max_entries` (at least one a row), and at most
+    max_splits a row."""
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    spare = max(max_entries - len(ctx), 1)
+    chunk = max(DECODE_CHUNK_TOKENS, -(-int(ctx.sum()) // spare))
+    return np.clip(-(-ctx // chunk), 1, max_splits)
+
+
 def prefill_tile_map(query_lens: np.ndarray, context_lens: np.ndarray, tile_tokens: int,
-                     first_seq: int = 0, num_tiles: int | None = None) -> np.ndarray:
+                     first_seq: int = 0, num_tiles: int | None = None,
+                     decode_splits: Sequence[int] | np.ndarray = ()) -> np.ndarray:
     """int32 [num_tiles, 2]: (sequence, first query token) of each query tile of `tile_tokens`
     tokens of the sequences `first_seq`, `first_seq + 1`, ... (their query and context lengths
     given), heaviest first so the causal tail does not straggle; rows past the real tiles are
-    (-1, 0) and exit at once. num_tiles: at least the tile count (default: exactly it)."""
+    (-1, 0) and exit at once. Decoding sequences 0, 1, ... (one query token each) come first,
+    decode_splits[b] entries for sequence b, whose second column -1 - ((split << 8) | splits)
+    tells the kernel its share of the row's KV: memory-bound programs that run on the SMs
+    beside the compute-bound prompt tiles. num_tiles: at least the entry count (default:
+    exactly it)."""
+    splits = np.asarray(decode_splits, dtype=np.int64)
+    dec_seq = np.repeat(np.arange(len(splits)), splits)
+    dec_split = np.arange(len(dec_seq)) - np.repeat(np.cumsum(splits) - splits, splits)
+    decodes = len(dec_seq)
     query_lens = np.asarray(query_lens, dtype=np.int64)
     per_seq = -(-query_lens // tile_tokens)
     seq = np.repeat(np.arange(len(query_lens)), per_seq)
@@ -55,10 +88,13 @@ def prefill_tile_map(query_lens: np.ndarray, context_lens: np.ndarray, tile_toke
     # Work of a tile: the KV positions its last row sees.
     work = np.asarray(context_lens, dtype=np.int64)[seq] - query_lens[seq] + m0
     order = np.argsort(-work, kind="stable")
-    total = len(seq) if num_tiles is None else num_tiles
-    assert total >= len(seq), f"{len(seq)} query tiles do not fit a map of {total}"
+    used = decodes + len(seq)
+    total = used if num_tiles is None else num_tiles
+    assert total >= used, f"{used} tiles do not fit a map of {total}"
     tiles = np.zeros((total, 2), dtype=np.int32)
     tiles[:, 0] = -1
-    tiles[:len(seq), 0] = seq[order] + first_seq
-    tiles[:len(seq), 1] = m0[order]
+    tiles[:decodes, 0] = dec_seq
+    tiles[:decodes, 1] = -1 - ((dec_split << DECODE_SPLIT_BITS) | np.repeat(splits, splits))
+    tiles[decodes:used, 0] = seq[order] + first_seq
+    tiles[decodes:used, 1] = m0[order]
     return tiles

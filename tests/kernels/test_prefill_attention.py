@@ -1,18 +1,26 @@
 """Packed (ragged, chunked) prefill attention over the paged pool against a float64 reference."""
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
+from liteinfer.kernels.decode_splits import DecodeWorkspace
 from liteinfer.kernels.prefill_attention import packed_prefill_attention
-from liteinfer.kernels.prefill_tiles import prefill_tile_map, prefill_tile_tokens
+from liteinfer.kernels.prefill_tiles import (DECODE_CHUNK_TOKENS, decode_entries,
+                                             decode_split_counts, prefill_tile_map,
+                                             prefill_tile_tokens)
 
 
 def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads, head_dim,
-           block_size, dtype, device, first_seq=0, spare_tiles=0, head_major=True):
+           block_size, dtype, device, first_seq=0, spare_tiles=0, head_major=True,
+           decode_splits=()):
     """seqs: (q_len, context_len) per sequence; context_len - q_len tokens are a cached
-    prefix. Only sequences from `first_seq` on are mapped (the rows of those before must stay
-    untouched), into a tile map with `spare_tiles` unused rows."""
+    prefix. Only the decoding rows (the first sequences, one query token each, in
+    decode_splits[b] programs) and the sequences from `first_seq` on are mapped (the rows of
+    those between must stay untouched), into a tile map with `spare_tiles` unused rows."""
+    decodes = len(decode_splits)
     q_lens = [q for q, _ in seqs]
     contexts = [c for _, c in seqs]
     kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device,
@@ -22,17 +30,25 @@ def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads
     out = torch.full_like(q, float("nan"))
     scale = 1 / math.sqrt(head_dim)
     tile_tokens = prefill_tile_tokens(max(q_lens[first_seq:]), num_q_heads // num_kv_heads)
-    tiles = prefill_tile_map(q_lens[first_seq:], contexts[first_seq:], tile_tokens, first_seq)
+    tiles = prefill_tile_map(q_lens[first_seq:], contexts[first_seq:], tile_tokens, first_seq,
+                             decode_splits=decode_splits)
     if spare_tiles:
         tiles = prefill_tile_map(q_lens[first_seq:], contexts[first_seq:], tile_tokens,
-                                 first_seq, num_tiles=len(tiles) + spare_tiles)
-    packed_prefill_attention(q, kv.k_cache, kv.v_cache, cu, kv.context_lens_t, kv.block_tables,
-                             torch.from_numpy(tiles).to(device), tile_tokens, scale, out)
+                                 first_seq, num_tiles=len(tiles) + spare_tiles,
+                                 decode_splits=decode_splits)
+    workspace = DecodeWorkspace.allocate(len(seqs), num_q_heads, head_dim,
+                                         max(decode_splits, default=1), device)
+    for _ in range(2):  # a second launch finds the split counters as the first left them
+        packed_prefill_attention(q, kv.k_cache, kv.v_cache, cu, kv.context_lens_t,
+                                 kv.block_tables, torch.from_numpy(tiles).to(device),
+                                 tile_tokens, scale, out, workspace)
+    assert (workspace.counters == 0).all()
     start = int(cu[first_seq])
-    assert out[:start].isnan().all(), "rows of unmapped sequences were written"
-    ref = torch.cat([attention_ref(q[cu[b]:cu[b + 1]], *kv.kv64(b, num_q_heads), c - n, scale)
-                     for b, (n, c) in enumerate(seqs) if b >= first_seq])
-    assert_close(out[start:], ref)
+    assert out[decodes:start].isnan().all(), "rows of unmapped sequences were written"
+    mapped = [b for b in range(len(seqs)) if b < decodes or b >= first_seq]
+    ref = torch.cat([attention_ref(q[cu[b]:cu[b + 1]], *kv.kv64(b, num_q_heads),
+                                   seqs[b][1] - seqs[b][0], scale) for b in mapped])
+    assert_close(torch.cat([out[:decodes], out[start:]]), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
@@ -83,10 +99,35 @@ def test_prefill_tile_map_of_a_mixed_step(PagedKV, attention_ref, assert_close, 
            first_seq=3, spare_tiles=5)
 
 
+@pytest.mark.parametrize("group", [4, 3])
+def test_prefill_with_decoding_rows(PagedKV, attention_ref, assert_close, device, full, group):
+    """A mixed step's decoding rows in the prefill launch, whole or split (more splits than a
+    short row has KV tiles leaves some empty), beside prompt chunks; an unmapped padding row
+    between them."""
+    dtype = torch.bfloat16 if full else torch.float16
+    ctx = [2176, 1, 900, 5000] if full else [300, 1, 17, 600]
+    seqs = [(1, c) for c in ctx] + [(1, 0), (40, 40), (7, 51), (130, 300)]
+    _check(PagedKV, attention_ref, assert_close, seqs, 2 * group, 2, 64, 16, dtype, device,
+           first_seq=5, spare_tiles=3, decode_splits=[3, 1, 2, 5])
+
+
 def test_prefill_tile_map_orders_heaviest_first():
     tiles = prefill_tile_map([130, 5], [130, 900], 64, first_seq=2, num_tiles=6)
     # (seq 3: 895 KV positions) > (seq 2, rows 128..: 129) > (rows 64..: 65) > (rows 0..: 1)
     assert tiles.tolist() == [[3, 0], [2, 128], [2, 64], [2, 0], [-1, 0], [-1, 0]]
+    # Decoding rows first, entry -1 - ((split << 8) | splits).
+    tiles = prefill_tile_map([130, 5], [130, 900], 64, first_seq=2, decode_splits=[1, 2])
+    assert tiles.tolist() == [[0, -2], [1, -3], [1, -259], [3, 0], [2, 128], [2, 64], [2, 0]]
+
+
+def test_decode_split_counts_fit_their_entries():
+    chunk = DECODE_CHUNK_TOKENS
+    assert decode_split_counts([3 * chunk - 5, 100, chunk], 6 + 32, 33).tolist() == [3, 1, 1]
+    # Too many tokens for chunks of DECODE_CHUNK_TOKENS in the entries: longer chunks.
+    ctx = np.full(32, 4 * chunk)
+    counts = decode_split_counts(ctx, decode_entries(32), 33)
+    assert counts.sum() <= decode_entries(32) and counts.tolist() == [2] * 32
+    assert decode_split_counts([15 * chunk], decode_entries(1), 4).tolist() == [4]
 
 
 @pytest.mark.gpu

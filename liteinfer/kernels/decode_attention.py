@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from liteinfer.kernels import num_sms, supports_pdl
-from liteinfer.kernels.decode_splits import (MAX_SPLITS_CAP, MIN_SPLIT_TOKENS, SPLIT_WAVES,
-                                             DecodeWorkspace)
+from liteinfer.kernels.decode_splits import (MAX_SPLITS_CAP, MIN_SPLIT_TOKENS, DecodeWorkspace,
+                                             program_slots)
 from liteinfer.kernels.kv_cache import paged_kv_offsets, pool_strides, slot_offset
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
@@ -348,7 +348,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     pdl = supports_pdl(q.device)
     _decode_kernel[(max_splits, batch, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, num_splits, out, *split_args,
-        scale * LOG2E, max_splits, batch, SPLIT_WAVES * num_sms(q.device),
+        scale * LOG2E, max_splits, batch,
+        program_slots(batch, num_kv_heads, num_sms(q.device), max_splits),
         key, value, pos, slots, cos_sin,
         q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), *pool,

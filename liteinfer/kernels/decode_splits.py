@@ -4,7 +4,8 @@ the preallocated workspace the splits' partial results go through (kernels/decod
 A row's split count is chosen in the decode kernel from the context lengths on the device, so
 captured graphs never change shape and no launch is spent on it. A row splits into programs of
 at most `share` KV tokens: what one program would hold if the batch's tokens were spread evenly
-over SPLIT_WAVES waves of programs, and at least MIN_SPLIT_TOKENS; the count rounds up and is
+over SPLIT_WAVES waves of programs (WIDE_SPLITS waves for a batch that fills the SMs on its own
+and was widened to that many splits), and at least MIN_SPLIT_TOKENS; the count rounds up and is
 clamped to the grid width. So a narrow batch fills the SMs, and in a wide one only rows longer
 than the even share split, which keeps a ragged batch from waiting on its longest row. Rows
 shorter than two minimal splits stay in one program: there the merge costs more than the tiles a
@@ -22,6 +23,7 @@ import torch
 MAX_SPLITS_CAP = 64
 MIN_SPLIT_TOKENS = 256
 SPLIT_WAVES = 2  # program slots: about two (sequence, KV head, split) programs per SM
+WIDE_SPLITS = 3  # width and share's waves for 17-32 rows (8 KV heads, 132 SMs) that may split
 
 
 @dataclass
@@ -48,17 +50,28 @@ class DecodeWorkspace:
 def max_splits_for(batch_size: int, num_kv_heads: int, num_sms: int, may_split: bool = True,
                    waves: int = SPLIT_WAVES, cap: int = MAX_SPLITS_CAP) -> int:
     """Grid width for a batch size: enough (sequence, KV head, split) programs to fill about
-    `waves` waves of SMs. Batches of up to twice that many programs get width 2 all the same
+    `waves` waves of SMs. Batches of up to twice that many programs get a width all the same
     when a row of theirs may split (`may_split`: one holds at least 2 * MIN_SPLIT_TOKENS
     tokens): without it a ragged batch waits on the program of its longest row (H200, 28-32
-    rows of 64-2,176 tokens: 34-35 us a layer in one split, 28-29 with the longest rows split;
-    uniform rows of the same total 23-25). Where no row can split, the second split's programs
-    would only cost time (32 rows of 128-384 tokens: a decode step 28 us longer)."""
+    rows of 64-2,176 tokens: 34-35 us a layer in one split, 28-29 with the longest rows split
+    at the two-wave share; uniform rows of the same total 23-25). Those of up to two waves of
+    programs get WIDE_SPLITS, the others 2 (H200, rows of 64-2,176 tokens at WIDE_SPLITS
+    against 2: 20-24 rows 20.5-20.8 us a layer against 24.4-25.3, 32 rows 24.2 against 27.2, 48
+    rows 37.4 against 42.2, but 64 rows 51.6 against 53.9 and 48 rows of 2,100 tokens 71.8
+    against 61.1). Where no row can split, more splits would only cost time (32 rows of 128-384
+    tokens at width 2: a decode step 28 us longer)."""
     programs = max(1, batch_size * num_kv_heads)
     width = waves * num_sms // programs
     if width < 2 and may_split and programs < 2 * waves * num_sms:
-        width = 2
+        width = WIDE_SPLITS if programs <= waves * num_sms else 2
     return max(1, min(cap, width))
+
+
+def program_slots(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
+    """Programs the kernel's even share spreads a batch's KV tokens over: SPLIT_WAVES waves of
+    SMs, or as many as its width for a batch that fills the SMs on its own (max_splits_for)."""
+    wide = batch_size * num_kv_heads > num_sms and max_splits > 1
+    return num_sms * (max_splits if wide else SPLIT_WAVES)
 
 
 def rows_may_split(context_lens: Sequence[int] | np.ndarray) -> bool:

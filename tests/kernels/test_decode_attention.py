@@ -7,7 +7,7 @@ import torch
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_attention import NewKV, paged_decode_attention
 from liteinfer.kernels.decode_splits import (MIN_SPLIT_TOKENS, SPLIT_WAVES, DecodeWorkspace,
-                                             max_splits_for, rows_may_split)
+                                             max_splits_for, program_slots, rows_may_split)
 from liteinfer.layers.rotary import cos_sin_cache
 
 
@@ -135,8 +135,10 @@ def test_decode_engine_policy(PagedKV, attention_ref, assert_close, device, full
 def test_split_policy():
     assert max_splits_for(1, 8, 132) >= 16  # one long sequence spreads over the SMs
     widths = [max_splits_for(b, 8, 132) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
-    assert widths == sorted(widths, reverse=True)
-    assert widths[-4:] == [2, 2, 1, 1]  # wide batches: room for their longest rows, then none
+    assert widths[:5] == sorted(widths[:5], reverse=True)  # narrow: fill two waves of SMs
+    # Wide batches: room for their longest rows (more where the batch fills one wave), then none.
+    assert widths[-4:] == [3, 2, 1, 1] and max_splits_for(17, 8, 132) == 3
+    assert program_slots(17, 8, 132, 3) == 3 * program_slots(16, 8, 132, 2) // 2
     # ... but only if a row may split; narrow batches fill the SMs either way.
     assert max_splits_for(32, 8, 132, may_split=False) == 1
     assert max_splits_for(4, 8, 132, may_split=False) == max_splits_for(4, 8, 132)

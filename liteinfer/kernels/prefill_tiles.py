@@ -1,6 +1,7 @@
 """How packed prefill attention is tiled (kernels/prefill_attention.py): query tokens per tile,
 the tile shapes, and the host-built map of (sequence, first token) per query tile that the
-kernel's programs read instead of deriving their tile from the grid.
+kernel's programs read instead of deriving their tile from the grid; a mixed step's decoding
+rows come first in the map, in as many programs as `decode_split_counts` gives each.
 
 A tile's rows are its query tokens times the G query heads that share one KV head (grouped-query
 attention), so each K/V tile is loaded once for all G heads."""

@@ -310,12 +310,24 @@ def test_mixed_steps_match_transformers(tiny_llama_dir, prompts, reference, back
     assert sum(mixed) >= 3
 
 
+@pytest.mark.parametrize("decode_chunk", [None, 16], ids=["whole-rows", "split-rows"])
 def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, prompts,
-                                                                reference):
+                                                                reference, monkeypatch,
+                                                                decode_chunk):
     """Prompt and mixed steps laid out as captured steps have them (decoding rows first and
     padded to their bucket, prompt tokens padded to theirs, prefill tiles from the padded tile
-    map), run eagerly with the Triton kernels on the CPU: token for token."""
+    map), run eagerly with the Triton kernels on the CPU: token for token. With 16-token
+    chunks the decoding rows split across programs in the prefill launch."""
+    import liteinfer.engine.step_inputs as step_inputs
     from liteinfer.engine.prompt_graph import PromptStepLayout, forward_bucket
+    from liteinfer.kernels import prefill_tiles
+
+    split_counts = []
+    if decode_chunk:
+        monkeypatch.setattr(prefill_tiles, "DECODE_CHUNK_TOKENS", decode_chunk)
+    count = step_inputs.decode_split_counts
+    monkeypatch.setattr(step_inputs, "decode_split_counts",
+                        lambda *a: split_counts.append(count(*a)) or split_counts[-1])
 
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                     attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
@@ -346,4 +358,6 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
     assert any(d == 0 for d, *_ in buckets) and any(d > 0 for d, *_ in buckets)
     assert any(d < d_size for d, d_size, *_ in buckets)
     assert any(p < p_size for *_, p, p_size in buckets)
+    most = max(int(c.max()) for c in split_counts if len(c))
+    assert most > 1 if decode_chunk else most == 1
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

@@ -166,7 +166,7 @@ class ModelRunner:
     def max_decode_splits(self) -> int:
         """Most programs a decoding row splits into (1 without split-K)."""
         workspace = self.decode_workspace
-        return 1 if workspace is None else workspace.partial_out.shape[2]
+        return 1 if workspace is None else workspace.max_splits
 
     def split_width(self, num_decodes: int, may_split: bool) -> int:
         """The split-K grid width of `num_decodes` decoding rows (1: no split-K)."""

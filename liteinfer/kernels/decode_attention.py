@@ -27,7 +27,7 @@ import triton.language as tl
 from liteinfer.kernels import num_sms, supports_pdl
 from liteinfer.kernels.decode_splits import (MAX_SPLITS_CAP, MIN_SPLIT_TOKENS, DecodeWorkspace,
                                              program_slots)
-from liteinfer.kernels.kv_cache import paged_kv_offsets, pool_strides, slot_offset
+from liteinfer.kernels.kv_cache import load_kv_tile, pool_strides, slot_offset
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
 MERGE_TILE = 4096  # fp32 partial elements the merging program loads at once (32 per thread)
@@ -68,20 +68,28 @@ def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
 
 
 @triton.jit
-def attend_kv_range(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
-                    qk_scale, stride_block, stride_row, BLOCK_N: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def split_range(ctx, split, n_splits, BLOCK_N: tl.constexpr):
+    """KV positions [start, end) of split `split` of a row of ctx tokens in n_splits: splits
+    own whole BLOCK_N-key tiles; trailing splits of a short row get an empty range."""
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), n_splits)
+    start = split * tiles_per_split * BLOCK_N
+    return start, tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+
+
+@triton.jit
+def attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d, qk_scale,
+                    stride_block, stride_row, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """Online softmax of query rows q over one sequence's KV positions [start, end), read from
-    the pool in BLOCK_N-key tiles through its block table row."""
+    the pool in BLOCK_N-key tiles through its block table row: (acc, l, m), fp32."""
+    acc = tl.zeros(q.shape, dtype=tl.float32)
+    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
+    m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_block,
-                                stride_row) + kv_head_off
-        kv_ptrs = rows[:, None] + d[None, :]
-        k = tl.load(k_cache + kv_ptrs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache + kv_ptrs, mask=valid[:, None], other=0.0)
-        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, valid[None, :], qk_scale,
+        k, v = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_block,
+                            stride_row, BLOCK_SIZE, True, end)
+        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, (offs_n < end)[None, :], qk_scale,
                                      True, DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -145,10 +153,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     if USE_PDL:  # launched while the previous kernel finishes: wait for it before other reads
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    # Splits own whole tiles; trailing splits of a short row get an empty range.
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), n_splits)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+    start, end = split_range(ctx, split, n_splits, BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < G
@@ -167,8 +172,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
         # The new token is the row's last KV position: the split whose range holds it writes it
         # (padding rows have slot -1). The barrier makes the write visible to all the
         # program's threads before they load their tiles.
-        owner = (ctx - 1) // tl.maximum(tiles_per_split * BLOCK_N, 1)
-        if (slot >= 0) & (split == owner):
+        if (slot >= 0) & (start < ctx) & (end == ctx):
             k = _rope_rows(k_new + b * stride_kb + kvh * stride_kh, d, d[None, :] < HEAD_DIM,
                            cos, sin, HALF, HEAD_DIM)
             v = tl.load(v_new + b * stride_vb + kvh * stride_vh + d)
@@ -179,14 +183,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
             tl.debug_barrier()
     else:
         q = tl.load(q_ptrs + d[None, :], mask=h_mask[:, None], other=0.0)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
-    acc, l_i, m_i = attend_kv_range(acc, l_i, m_i, q, k_cache, v_cache, bt_row,
-                                    kvh * stride_pool_head, start, end, d, qk_scale,
-                                    stride_pool_block, stride_pool_row, BLOCK_N, BLOCK_SIZE,
-                                    DOT_PRECISION)
+    acc, l_i, m_i = attend_kv_range(q, k_cache, v_cache, bt_row, kvh * stride_pool_head, start,
+                                    end, d, qk_scale, stride_pool_block, stride_pool_row, BLOCK_N,
+                                    BLOCK_SIZE, DOT_PRECISION)
     finish_split(acc, l_i, m_i, out_ptr + b * stride_ob, stride_oh, heads, h_mask, d, b, kvh,
                  split, n_splits, part_out, part_lse, counters, stride_pb, stride_ph, stride_ps,
                  stride_lb, stride_lh, stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
@@ -290,7 +290,7 @@ def workspace_args(workspace: DecodeWorkspace | None, max_splits: int, rows: int
     if max_splits > 1:
         part_out, part_lse, counters = (workspace.partial_out, workspace.partial_lse,
                                         workspace.counters)
-        assert part_out.shape[0] >= rows and part_out.shape[2] >= max_splits
+        assert part_out.shape[0] >= rows and workspace.max_splits >= max_splits
         assert counters.shape[0] >= rows and counters.shape[1] >= num_kv_heads
     else:
         part_out, part_lse, counters = out, out, int_placeholder

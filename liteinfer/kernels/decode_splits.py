@@ -38,6 +38,10 @@ class DecodeWorkspace:
     # program of a (sequence, KV head) resets the count it raised.
     counters: torch.Tensor
 
+    @property
+    def max_splits(self) -> int:
+        return self.partial_out.shape[2]
+
     @classmethod
     def allocate(cls, max_batch: int, num_q_heads: int, head_dim: int, max_splits: int,
                  device: torch.device | str) -> DecodeWorkspace:

@@ -27,6 +27,27 @@ def paged_kv_offsets(block_table_row, offs_n, mask, BLOCK_SIZE: tl.constexpr, st
 
 
 @triton.jit
+def load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_block, stride_row,
+                 BLOCK_SIZE: tl.constexpr, MASK_BOUNDS: tl.constexpr, end):
+    """One sequence's K and V rows at KV positions offs_n (of the KV head at kv_head_off),
+    through its block table row; with MASK_BOUNDS, positions from `end` on read as zeros."""
+    if MASK_BOUNDS:
+        valid = offs_n < end
+        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_block,
+                                stride_row) + kv_head_off
+        ptrs = rows[:, None] + d[None, :]
+        k = tl.load(k_cache + ptrs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache + ptrs, mask=valid[:, None], other=0.0)
+    else:
+        rows = paged_kv_offsets(bt_row, offs_n, None, BLOCK_SIZE, stride_block,
+                                stride_row) + kv_head_off
+        ptrs = rows[:, None] + d[None, :]
+        k = tl.load(k_cache + ptrs)
+        v = tl.load(v_cache + ptrs)
+    return k, v
+
+
+@triton.jit
 def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_block, stride_row):
     """Element offset (int64) of flat slot `slot`'s pool row (add the KV head's offset)."""
     slot = slot.to(tl.int64)

@@ -22,29 +22,10 @@ import triton.language as tl
 
 from liteinfer.kernels.decode_attention import (LOG2E, attend_kv_range, decode_tiles,
                                                 dot_precision, finish_split, query_rows,
-                                                softmax_tile, workspace_args)
+                                                softmax_tile, split_range, workspace_args)
 from liteinfer.kernels.decode_splits import DecodeWorkspace
-from liteinfer.kernels.kv_cache import paged_kv_offsets, pool_strides
+from liteinfer.kernels.kv_cache import load_kv_tile, pool_strides
 from liteinfer.kernels.prefill_tiles import DECODE_SPLIT_BITS, prefill_tiles
-
-
-@triton.jit
-def _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_block, stride_row,
-             BLOCK_SIZE: tl.constexpr, MASK_BOUNDS: tl.constexpr, ctx):
-    if MASK_BOUNDS:
-        valid = offs_n < ctx
-        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_block,
-                                stride_row) + kv_head_off
-        ptrs = rows[:, None] + d[None, :]
-        k = tl.load(k_cache + ptrs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache + ptrs, mask=valid[:, None], other=0.0)
-    else:
-        rows = paged_kv_offsets(bt_row, offs_n, None, BLOCK_SIZE, stride_block,
-                                stride_row) + kv_head_off
-        ptrs = rows[:, None] + d[None, :]
-        k = tl.load(k_cache + ptrs)
-        v = tl.load(v_cache + ptrs)
-    return k, v
 
 
 @triton.jit
@@ -74,22 +55,16 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_t
         code = -1 - m0
         split = code >> SPLIT_BITS
         n_splits = code & ((1 << SPLIT_BITS) - 1)
-        tiles_per_split = tl.cdiv(tl.cdiv(ctx, DECODE_BLOCK_N), n_splits)
-        start = split * tiles_per_split * DECODE_BLOCK_N
-        end = tl.minimum(start + tiles_per_split * DECODE_BLOCK_N, ctx)
+        start, end = split_range(ctx, split, n_splits, DECODE_BLOCK_N)
         r = tl.arange(0, DECODE_ROWS)
         heads = kvh * G + r
         h_mask = r < G
         tok = q_start.to(tl.int64)
         q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=h_mask[:, None], other=0.0)
-        acc = tl.zeros([DECODE_ROWS, HEAD_DIM], dtype=tl.float32)
-        l_i = tl.zeros([DECODE_ROWS], dtype=tl.float32)
-        m_i = tl.full([DECODE_ROWS], float("-inf"), dtype=tl.float32)
-        acc, l_i, m_i = attend_kv_range(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off,
-                                        start, end, d, qk_scale, stride_pool_block,
-                                        stride_pool_row, DECODE_BLOCK_N, BLOCK_SIZE,
-                                        DOT_PRECISION)
+        acc, l_i, m_i = attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
+                                        qk_scale, stride_pool_block, stride_pool_row,
+                                        DECODE_BLOCK_N, BLOCK_SIZE, DOT_PRECISION)
         finish_split(acc, l_i, m_i, out_ptr + tok * stride_ot, stride_oh, heads, h_mask, d, b,
                      kvh, split, n_splits, part_out, part_lse, counters, stride_pb, stride_ph,
                      stride_ps, stride_lb, stride_lh, stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S,
@@ -128,7 +103,7 @@ def _prompt_tile(q_ptr, k_cache, v_cache, cu_seqlens_q, out_ptr, b, m0, q_start,
     full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
+        k, v = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
                         stride_pool_row, BLOCK_SIZE, False, ctx)
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, None, qk_scale,
                                      False, DOT_PRECISION)
@@ -137,7 +112,7 @@ def _prompt_tile(q_ptr, k_cache, v_cache, cu_seqlens_q, out_ptr, b, m0, q_start,
     causal_end = tl.minimum(ctx, prefix + m0 + TILE_TOKENS)
     for start_n in range(full_end, causal_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
+        k, v = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
                         stride_pool_row, BLOCK_SIZE, True, ctx)
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < ctx)[None, :]
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, visible, qk_scale,
@@ -172,7 +147,7 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return out
     group = num_q_heads // num_kv_heads
     tiles = prefill_tiles(head_dim, block_size, tile_tokens, group)
-    max_splits = 1 if workspace is None else workspace.partial_out.shape[2]
+    max_splits = 1 if workspace is None else workspace.max_splits
     # Only the decoding rows (the first sequences) index the workspace, so no row count to check.
     split_args, merge_tiles = workspace_args(workspace, max_splits, 0, num_kv_heads, group, out,
                                              context_lens)

@@ -1,5 +1,5 @@
 """GPU microbenchmark of the fused one-token linear layers (liteinfer/kernels/gemv.py) against
-what they replace: cuBLAS (F.linear) plus the separate RMSNorm (with the residual add) and
+what they replace: cuBLAS (F.linear) plus the separate RMSNorm and
 SiLU-and-mul kernels, at the 1B Llama model's shapes, bf16, one token. Each op is checked
 against the unfused path, then timed as a CUDA-graph replay (median), with and without
 programmatic dependent launch. `chain` is what a decode step's projections cost: 16 layers of
@@ -36,18 +36,17 @@ def make_op(name: str) -> tuple[Callable[[], object], Callable[[], object], int]
     """(unfused, fused, weight bytes) for one projection, checked against each other."""
     rows, k, normed, gated = SHAPES[name]
     w = torch.randn(rows, k, dtype=DTYPE, device=DEV) * k ** -0.5
-    x, residual = (torch.randn(1, k, dtype=DTYPE, device=DEV) for _ in range(2))
+    x = torch.randn(1, k, dtype=DTYPE, device=DEV)
     norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
 
     def unfused() -> torch.Tensor:
-        y = F.linear(rms_norm(x, norm_w, EPS, residual)[0] if normed else x, w)
+        y = F.linear(rms_norm(x, norm_w, EPS) if normed else x, w)
         return silu_and_mul(y) if gated else y
 
     def fused() -> torch.Tensor:
         if not normed:
             return gemv_kernels.gemv(x, w)
-        return gemv_kernels.gemv(x, w, norm_weight=norm_w, eps=EPS, residual=residual,
-                                 gated=gated)[0]
+        return gemv_kernels.gemv(x, w, norm_weight=norm_w, eps=EPS, gated=gated)
 
     ref = unfused().float()
     err = ((fused().float() - ref).abs().max() / ref.abs().max()).item()

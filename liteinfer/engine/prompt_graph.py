@@ -25,7 +25,6 @@ from liteinfer.engine.cuda_graph import StagedInputs, capture_graph
 from liteinfer.engine.scheduler import ScheduledBatch, padded_decodes, prompt_piece_sizes
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.kernels.prefill_tiles import decode_entries, prefill_tile_tokens
-from liteinfer.models.llama import HiddenStates
 
 if TYPE_CHECKING:
     from liteinfer.engine.model_runner import ModelRunner
@@ -150,7 +149,7 @@ class PromptStepLayout:
 
 
 def forward_bucket(runner: ModelRunner, layout: PromptStepLayout, buffer: torch.Tensor, d: int,
-                   p: int) -> HiddenStates:
+                   p: int) -> torch.Tensor:
     """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
     ids, pending, positions, meta = layout.inputs(buffer, d, p)
     meta.workspace = runner.decode_workspace  # for the decoding rows' splits (tile map)
@@ -169,9 +168,8 @@ class PromptGraphRunner:
                                        runner.query_group_size, runner.max_decode_splits)
         self.inputs = StagedInputs(self.layout.total, runner.device)
         hidden = runner.model_config.hidden_size
-        self.out_x = torch.empty(self.layout.max_tokens, hidden, dtype=runner.dtype,
-                                 device=runner.device)
-        self.out_residual = torch.empty_like(self.out_x)
+        self.out_hidden = torch.empty(self.layout.max_tokens, hidden, dtype=runner.dtype,
+                                      device=runner.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         for d, p in reversed(self.layout.buckets):  # largest first: smaller ones reuse memory
             self.layout.reset(self.inputs.dev)
@@ -181,15 +179,14 @@ class PromptGraphRunner:
         return self.layout.fits(batch)
 
     def _forward(self, d: int, p: int) -> None:
-        hidden = forward_bucket(self.runner, self.layout, self.inputs.dev, d, p)
-        self.out_x[:d + p].copy_(hidden.x)
-        self.out_residual[:d + p].copy_(hidden.residual)
+        self.out_hidden[:d + p].copy_(forward_bucket(self.runner, self.layout, self.inputs.dev,
+                                                     d, p))
 
-    def run(self, batch: ScheduledBatch) -> tuple[HiddenStates, torch.Tensor]:
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the step's graph; returns its hidden states and the rows that sample."""
         step, d_size, p_size = self.layout.build(batch)
         self.inputs.send(self.layout.fill(self.inputs.host(), step, d_size, p_size))
         self.graphs[(d_size, p_size)].replay()
         t = d_size + p_size
         rows = self.layout.sample_rows(self.inputs.dev, len(step.sample_rows))
-        return HiddenStates(self.out_x[:t], self.out_residual[:t]), rows
+        return self.out_hidden[:t], rows

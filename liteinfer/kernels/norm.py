@@ -1,5 +1,6 @@
-"""RMSNorm with an optional fused residual add, rounding exactly as Hugging Face's LlamaRMSNorm
-(normalize in fp32, round to the input dtype, then multiply by the weight in that dtype)."""
+"""RMSNorm, rounding exactly as Hugging Face's LlamaRMSNorm (normalize in fp32, round to the
+input dtype, then multiply by the weight in that dtype). The residual add in front of it happens
+in the output projection before (layers/linear.py), so the norm reads one tensor."""
 from __future__ import annotations
 
 import torch
@@ -10,9 +11,8 @@ from liteinfer.kernels import supports_pdl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stride_r,
-                     stride_ro, stride_o, hidden, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, hidden, eps,
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -21,10 +21,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stri
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
     normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
@@ -32,22 +28,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_x, stri
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, out: torch.Tensor | None = None):
-    """x: [T, H] (rows may be strided, last dim contiguous). Returns out, or with a residual
-    (out, new_residual) where new_residual = x + residual rounded to x.dtype, written to a
-    new tensor (inputs are never modified; out may alias x)."""
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, H] (rows may be strided, last dim contiguous). Returns out (which may alias x)."""
     assert x.dim() == 2 and x.stride(-1) == 1 and weight.shape == x.shape[1:]
     num_rows, hidden = x.shape
     out = torch.empty_like(x) if out is None else out
-    new_res = torch.empty_like(x) if residual is not None else None
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(-1) == 1
-    res, res_out = (residual, new_res) if residual is not None else (x, x)  # unread when None
     block = triton.next_power_of_2(hidden)
     pdl = supports_pdl(x.device)
     if num_rows > 0:
         _rms_norm_kernel[(num_rows,)](
-            x, res, res_out, weight, out, x.stride(0), res.stride(0), res_out.stride(0),
-            out.stride(0), hidden, eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            USE_PDL=pdl, num_warps=min(16, max(4, block // 512)), launch_pdl=pdl)
-    return out if residual is None else (out, new_res)
+            x, weight, out, x.stride(0), out.stride(0), hidden, eps, BLOCK=block, USE_PDL=pdl,
+            num_warps=min(16, max(4, block // 512)), launch_pdl=pdl)
+    return out

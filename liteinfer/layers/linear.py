@@ -4,9 +4,13 @@ Fused projections (q/k/v, gate/up) are one matmul each; their `weight_loader` co
 checkpoint shard into its rows. The tensor-parallel split (column or row) is a constructor
 argument so sharded serving reuses these classes; with tp_size 1 they are plain linears.
 
+Llama's residual stream flows through them: a pre-norm projection (`forward_normed`) reads
+norm(stream), and an output projection (`forward_add`) adds its result to the stream in place,
+inside the GEMM (cuBLAS with beta = 1), so no separate kernel adds the two.
+
 With `use_gemv`, a one-token input (a decode step of one sequence) goes through the fused GEMV
-kernel (kernels/gemv.py), which also absorbs the RMSNorm in front of a projection and the SwiGLU
-behind gate/up; `forward_normed` is the entry point that lets it.
+kernel (kernels/gemv.py), which also absorbs the RMSNorm in front of a projection, the SwiGLU
+behind gate/up and the residual add behind an output projection.
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ class _ShardedLinear(nn.Module):
             return gemv(x, self.weight)
         return nn.functional.linear(x, self.weight)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard: str | None = None) -> None:
         size = param.shape[self.dim]
         param.data.copy_(loaded.narrow(self.dim, self.tp_rank * size, size))
 
@@ -61,21 +66,16 @@ class ColumnParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x)
 
-    def forward_normed(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None,
-                       act: SiluAndMul | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """act(norm(x + residual) W^T) and the new residual x + residual (x itself when
-        residual is None): the pre-norm projection of a Llama block. act, when given, is the
+    def forward_normed(self, x: torch.Tensor, norm: RMSNorm,
+                       act: SiluAndMul | None = None) -> torch.Tensor:
+        """act(norm(x) W^T): the pre-norm projection of a Llama block. act, when given, is the
         SwiGLU over this layer's [gate; up] output."""
         if self._one_token(x):
             from liteinfer.kernels.gemv import gemv
             return gemv(x, self.weight, norm_weight=norm.weight, eps=norm.eps,
-                        residual=residual, gated=act is not None)
-        if residual is None:
-            residual, x = x, norm(x)
-        else:
-            x, residual = norm(x, residual)
-        y = self._matmul(x)
-        return (y if act is None else act(y)), residual
+                        gated=act is not None)
+        y = self._matmul(norm(x))
+        return y if act is None else act(y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -90,7 +90,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             self.offsets[name] = (start, size // tp_size)
             start += size // tp_size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard: str | None = None) -> None:
         start, rows = self.offsets[shard]
         param.data[start:start + rows].copy_(loaded[self.tp_rank * rows:(self.tp_rank + 1) * rows])
 
@@ -112,8 +113,14 @@ class RowParallelLinear(_ShardedLinear):
                  use_gemv: bool = False):
         super().__init__(in_features, out_features, tp_rank, tp_size, dim=1, use_gemv=use_gemv)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """residual += x W^T, in place (under tensor parallelism, the all-reduced sum)."""
         if self.tp_size > 1:
+            y = self._matmul(x)
             dist.all_reduce(y)
-        return y
+            residual.add_(y)
+        elif self._one_token(x):
+            from liteinfer.kernels.gemv import gemv
+            gemv(x, self.weight, residual=residual)
+        else:
+            residual.addmm_(x, self.weight.t())

@@ -5,16 +5,11 @@ import torch
 from torch import nn
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None):
-    """Hugging Face LlamaRMSNorm, with the residual add fused in front (same rounding order)."""
-    if residual is not None:
-        x = x + residual
-        residual = x
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face LlamaRMSNorm (same rounding order)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
-    return out if residual is None else (out, residual)
+    return weight * h.to(x.dtype)
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
@@ -29,11 +24,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.use_triton = use_triton
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
             from liteinfer.kernels.norm import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual)
-        return rms_norm_torch(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_torch(x, self.weight, self.eps)
 
 
 class SiluAndMul(nn.Module):

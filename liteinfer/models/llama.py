@@ -23,18 +23,6 @@ class LayerOps:
     gemv: bool = False
 
 
-@dataclass(frozen=True)
-class HiddenStates:
-    """The last layer's output and the residual stream it is still to be added to; the final
-    norm (and that add) runs with the LM head. Index both with the same rows."""
-
-    x: torch.Tensor
-    residual: torch.Tensor
-
-    def __getitem__(self, rows: torch.Tensor) -> HiddenStates:
-        return HiddenStates(self.x[rows], self.residual[rows])
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp_rank: int,
                  tp_size: int):
@@ -52,18 +40,18 @@ class LlamaAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Adds attention over norm(x) to the residual stream x, in place."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv, residual = self.qkv_proj.forward_normed(x, norm, residual)
+        qkv = self.qkv_proj.forward_normed(x, norm)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
                                    meta, self.scale)
-        return self.o_proj(out.reshape(-1, q_size)), residual
+        self.o_proj.forward_add(out.reshape(-1, q_size), x)
 
 
 class LlamaMLP(nn.Module):
@@ -75,10 +63,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv)
         self.act = SiluAndMul(ops.triton)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor,
-                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        act, residual = self.gate_up_proj.forward_normed(x, norm, residual, self.act)
-        return self.down_proj(act), residual
+    def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:
+        """Adds the SwiGLU MLP of norm(x) to the residual stream x, in place."""
+        self.down_proj.forward_add(self.gate_up_proj.forward_normed(x, norm, self.act), x)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,14 +77,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin_cache: torch.Tensor, meta: AttentionMetadata):
-        """x is the previous sublayer's output, not yet added to the residual stream (before
-        the first layer: the embedding, with residual None). Each norm adds it as it
-        normalizes, inside the projection after it when that is a fused one-token kernel."""
-        x, residual = self.self_attn(x, residual, self.input_layernorm, positions,
-                                     cos_sin_cache, meta)
-        return self.mlp(x, residual, self.post_attention_layernorm)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                meta: AttentionMetadata) -> None:
+        """Adds both sublayers to the residual stream x in place: each output projection adds
+        its result inside its GEMM (beta = 1) or GEMV kernel, so the norm after it reads one
+        tensor and writes one instead of adding the two."""
+        self.self_attn(x, self.input_layernorm, positions, cos_sin_cache, meta)
+        self.mlp(x, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,18 +108,17 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> HiddenStates:
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The residual stream after the last layer (the final norm runs with the LM head)."""
         x = self.embed_tokens(input_ids)
-        residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin_cache, meta)
-        return HiddenStates(x, residual)
+            layer(x, positions, self.cos_sin_cache, meta)
+        return x
 
-    def compute_logits(self, hidden: HiddenStates) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of every row of hidden (the final norm runs here, fused into the LM head for
         a single row)."""
-        logits, _ = self.lm_head.forward_normed(hidden.x, self.norm, hidden.residual)
-        return logits
+        return self.lm_head.forward_normed(hidden, self.norm)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies (Hugging Face name, tensor) pairs from liteinfer.loader into the parameters."""

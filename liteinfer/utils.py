@@ -25,6 +25,14 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def ragged_index(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For groups of counts[i] items laid end to end: each item's group and its index within
+    that group (e.g. a step's tokens: their sequence and offset in it)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    group = np.repeat(np.arange(len(counts)), counts)
+    return group, np.arange(len(group)) - (np.cumsum(counts) - counts)[group]
+
+
 def free_device_memory() -> None:
     """Returns memory of objects just dropped (a model, a KV pool) to the device."""
     gc.collect()

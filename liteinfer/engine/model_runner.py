@@ -9,7 +9,7 @@ from liteinfer.engine.scheduler import ScheduledBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
-from liteinfer.kernels.prefill_tiles import decode_entries, prefill_tile_tokens
+from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
@@ -131,7 +131,7 @@ class ModelRunner:
             meta.tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
                                                    self.query_group_size)
             meta.tile_map = as_tensor(step.attention_tile_map(
-                meta.tile_tokens, d, decode_entries(d), self.max_decode_splits), torch.int32)
+                meta.tile_tokens, d, self.max_decode_splits), torch.int32)
             meta.workspace = self.decode_workspace
         elif self.use_triton:
             self.set_split_k(meta, step.num_decodes, rows_may_split(step.context_lens))

@@ -143,8 +143,7 @@ class PromptStepLayout:
                                                         samples - d + d_size)
         num_tiles = self._tiles(d_size, p_size)
         view("tiles", 2 * num_tiles)[:] = step.attention_tile_map(
-            self._tile_tokens(p_size), d_size, decode_entries(d_size), self.max_decode_splits,
-            num_tiles).reshape(-1)
+            self._tile_tokens(p_size), d_size, self.max_decode_splits, num_tiles).reshape(-1)
         return self.offsets["block_tables"] + (d_size + n_seqs - d) * self.width
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from liteinfer.engine.scheduler import ScheduledBatch
-from liteinfer.kernels.prefill_tiles import decode_split_counts, prefill_tile_map
+from liteinfer.kernels.prefill_tiles import decode_entries, decode_split_counts, prefill_tile_map
+from liteinfer.utils import ragged_index
 
 
 @dataclass
@@ -34,13 +35,15 @@ class StepInputs:
     def has_pending(self) -> bool:
         return bool((self.pending_rows >= 0).any())
 
-    def attention_tile_map(self, tile_tokens: int, first_seq: int, decode_entries: int,
-                           max_decode_splits: int, num_tiles: int | None = None) -> np.ndarray:
-        """Prefill attention's tile map (kernels/prefill_tiles.py): the decoding rows in at most
-        `decode_entries` programs (each row in at most max_decode_splits), then the prompt
-        sequences' query tiles, those sequences numbered from `first_seq`."""
+    def attention_tile_map(self, tile_tokens: int, first_seq: int, max_decode_splits: int,
+                           num_tiles: int | None = None) -> np.ndarray:
+        """Prefill attention's tile map (kernels/prefill_tiles.py): the decoding rows in the
+        entries reserved for `first_seq` decoding slots (`decode_entries`; each row in at most
+        max_decode_splits programs), then the prompt sequences' query tiles, those sequences
+        numbered from `first_seq`."""
         d = self.num_decodes
-        splits = decode_split_counts(self.context_lens[:d], decode_entries, max_decode_splits)
+        splits = decode_split_counts(self.context_lens[:d], decode_entries(first_seq),
+                                     max_decode_splits)
         return prefill_tile_map(self.query_lens[d:], self.context_lens[d:], tile_tokens,
                                 first_seq, num_tiles, splits)
 
@@ -75,8 +78,7 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, table_width: int,
     tables = np.zeros((len(seqs), table_width), dtype=np.int64)
     for row, seq in zip(tables, seqs):
         row[:len(seq.block_table)] = seq.block_table
-    seq_of = np.repeat(np.arange(len(seqs)), query_lens)
-    offset = np.arange(cu_seqlens[-1]) - cu_seqlens[seq_of]
+    seq_of, offset = ragged_index(query_lens)
     real = offset < num_tokens[seq_of]
     positions = starts[seq_of] + np.minimum(offset, num_tokens[seq_of] - 1)
     slots = np.where(real, tables[seq_of, positions // block_size] * block_size

@@ -104,7 +104,7 @@ def _prompt_tile(q_ptr, k_cache, v_cache, cu_seqlens_q, out_ptr, b, m0, q_start,
     for start_n in range(0, full_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
-                        stride_pool_row, BLOCK_SIZE, False, ctx)
+                            stride_pool_row, BLOCK_SIZE, False, ctx)
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, None, qk_scale,
                                      False, DOT_PRECISION)
     # Tiles crossing the diagonal. Position 0 is visible to every row (padding rows too), so
@@ -113,7 +113,7 @@ def _prompt_tile(q_ptr, k_cache, v_cache, cu_seqlens_q, out_ptr, b, m0, q_start,
     for start_n in range(full_end, causal_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
-                        stride_pool_row, BLOCK_SIZE, True, ctx)
+                            stride_pool_row, BLOCK_SIZE, True, ctx)
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < ctx)[None, :]
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, visible, qk_scale,
                                      True, DOT_PRECISION)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from liteinfer.utils import next_power_of_2
+from liteinfer.utils import next_power_of_2, ragged_index
 
 MAX_TILE_ROWS = 128
 # A decoding row's programs in the prefill launch each take at least this many KV tokens. Beside
@@ -79,13 +79,11 @@ def prefill_tile_map(query_lens: np.ndarray, context_lens: np.ndarray, tile_toke
     beside the compute-bound prompt tiles. num_tiles: at least the entry count (default:
     exactly it)."""
     splits = np.asarray(decode_splits, dtype=np.int64)
-    dec_seq = np.repeat(np.arange(len(splits)), splits)
-    dec_split = np.arange(len(dec_seq)) - np.repeat(np.cumsum(splits) - splits, splits)
+    dec_seq, dec_split = ragged_index(splits)
     decodes = len(dec_seq)
     query_lens = np.asarray(query_lens, dtype=np.int64)
-    per_seq = -(-query_lens // tile_tokens)
-    seq = np.repeat(np.arange(len(query_lens)), per_seq)
-    m0 = (np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * tile_tokens
+    seq, tile = ragged_index(-(-query_lens // tile_tokens))
+    m0 = tile * tile_tokens
     # Work of a tile: the KV positions its last row sees.
     work = np.asarray(context_lens, dtype=np.int64)[seq] - query_lens[seq] + m0
     order = np.argsort(-work, kind="stable")

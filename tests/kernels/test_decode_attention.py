@@ -122,10 +122,9 @@ def _kernel_split_counts(PagedKV, contexts, max_splits, num_kv_heads, device,
 def test_decode_engine_policy(PagedKV, attention_ref, assert_close, device, full, batch):
     """The engine's path: grid width from the host policy, per-row splits chosen in the kernel."""
     num_kv_heads = 8 if full else 2
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if full else 8
     if not full:
         batch = min(batch, 5)
-    max_splits = max_splits_for(batch, num_kv_heads, num_sms)
+    max_splits = max_splits_for(batch, num_kv_heads, num_sms(torch.device(device)))
     contexts = torch.randint(1, 16385 if full else 400, (batch,)).tolist()
     dtype = torch.bfloat16 if full else torch.float16
     _check(PagedKV, attention_ref, assert_close, contexts, 4 * num_kv_heads, num_kv_heads, 64,

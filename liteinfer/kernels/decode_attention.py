@@ -55,15 +55,17 @@ def dot_precision(dtype: torch.dtype) -> str:
 def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
                  APPLY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over a K/V tile. Scores are in base 2; every row must have a
-    visible key in its first tile so that m_i is finite from then on."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    visible key in its first tile so that m_i is finite from then on. The scale multiplies the
+    row maxima and enters the exponent through one FMA a score, instead of a pass of its own
+    over the raw scores; the rescaled accumulator is the second product's addend."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if APPLY_MASK:
         s = tl.where(mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 

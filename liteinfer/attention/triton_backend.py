@@ -42,7 +42,7 @@ class TritonBackend(AttentionBackend):
         return packed_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q,
                                         meta.context_lens, meta.block_tables, meta.tile_map,
                                         meta.tile_tokens, scale, torch.empty_like(q),
-                                        meta.workspace)
+                                        meta.workspace, with_decodes=meta.num_decodes > 0)
 
     def _lone_fresh_prompt(self, meta: AttentionMetadata) -> bool:
         if len(meta.query_lens_host) != 1:  # several sequences, or a captured step

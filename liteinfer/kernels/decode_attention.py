@@ -27,7 +27,8 @@ import triton.language as tl
 from liteinfer.kernels import num_sms, supports_pdl
 from liteinfer.kernels.decode_splits import (MAX_SPLITS_CAP, MIN_SPLIT_TOKENS, DecodeWorkspace,
                                              program_slots)
-from liteinfer.kernels.kv_cache import load_kv_tile, pool_strides, slot_offset
+from liteinfer.kernels.kv_cache import (first_tile_blocks, kv_tile_blocks, load_kv_rows,
+                                       pool_strides, slot_offset)
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
 MERGE_TILE = 4096  # fp32 partial elements the merging program loads at once (32 per thread)
@@ -81,15 +82,19 @@ def split_range(ctx, split, n_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d, qk_scale,
                     stride_block, stride_row, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, LOOKAHEAD: tl.constexpr):
     """Online softmax of query rows q over one sequence's KV positions [start, end), read from
-    the pool in BLOCK_N-key tiles through its block table row: (acc, l, m), fp32."""
+    the pool in BLOCK_N-key tiles through its block table row: (acc, l, m), fp32. LOOKAHEAD:
+    see kv_cache.kv_tile_blocks."""
     acc = tl.zeros(q.shape, dtype=tl.float32)
     l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
     m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
+    blocks = first_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, LOOKAHEAD)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_block,
+        tile_blocks, blocks = kv_tile_blocks(bt_row, blocks, offs_n, end, BLOCK_N, BLOCK_SIZE,
+                                             LOOKAHEAD)
+        k, v = load_kv_rows(k_cache, v_cache, tile_blocks, offs_n, d, kv_head_off, stride_block,
                             stride_row, BLOCK_SIZE, True, end)
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, (offs_n < end)[None, :], qk_scale,
                                      True, DOT_PRECISION)
@@ -188,7 +193,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     acc, l_i, m_i = attend_kv_range(q, k_cache, v_cache, bt_row, kvh * stride_pool_head, start,
                                     end, d, qk_scale, stride_pool_block, stride_pool_row, BLOCK_N,
-                                    BLOCK_SIZE, DOT_PRECISION)
+                                    BLOCK_SIZE, DOT_PRECISION, False)
     finish_split(acc, l_i, m_i, out_ptr + b * stride_ob, stride_oh, heads, h_mask, d, b, kvh,
                  split, n_splits, part_out, part_lse, counters, stride_pb, stride_ph, stride_ps,
                  stride_lb, stride_lh, stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)

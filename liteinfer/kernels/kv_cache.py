@@ -14,16 +14,47 @@ import triton.language as tl
 
 
 @triton.jit
-def paged_kv_offsets(block_table_row, offs_n, mask, BLOCK_SIZE: tl.constexpr, stride_block,
-                     stride_row):
-    """Element offsets (int64) of the pool rows holding KV positions `offs_n` of one sequence
-    (add the KV head's offset).
+def kv_block_ids(bt_row, offs_n, end, BLOCK_SIZE: tl.constexpr):
+    """Pool block ids of one sequence's KV positions offs_n (0 from `end` on), through its
+    block table row. Each position's block is looked up separately, so one tile may span
+    several KV blocks."""
+    return tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0)
 
-    Each position's block is looked up separately, so one tile may span several KV blocks.
-    Masked-off positions get undefined offsets: the caller masks its K/V loads with `mask`.
-    """
-    block = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask)
-    return block.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_row
+
+@triton.jit
+def load_kv_rows(k_cache, v_cache, blocks, offs_n, d, kv_head_off, stride_block, stride_row,
+                 BLOCK_SIZE: tl.constexpr, MASK_BOUNDS: tl.constexpr, end):
+    """K and V rows at KV positions offs_n held in pool blocks `blocks` (of the KV head at
+    kv_head_off); with MASK_BOUNDS, positions from `end` on read as zeros."""
+    rows = blocks.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_row + kv_head_off
+    ptrs = rows[:, None] + d[None, :]
+    if MASK_BOUNDS:
+        valid = (offs_n < end)[:, None]
+        return (tl.load(k_cache + ptrs, mask=valid, other=0.0),
+                tl.load(v_cache + ptrs, mask=valid, other=0.0))
+    return tl.load(k_cache + ptrs), tl.load(v_cache + ptrs)
+
+
+@triton.jit
+def kv_tile_blocks(bt_row, blocks, offs_n, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   LOOKAHEAD: tl.constexpr):
+    """Block ids in a loop over BLOCK_N-key tiles: (this tile's ids, the `blocks` to pass with
+    the next tile), starting from first_tile_blocks. Without LOOKAHEAD a tile looks its ids up
+    itself, so its K/V addresses wait on a load of the same iteration and the pipeliner copies
+    one tile at a time. With it each tile looks up the next one's, and the K/V copies of tile
+    i + 1 run during tile i's softmax (with 3 stages), at the cost of a second K/V buffer."""
+    if LOOKAHEAD:
+        return blocks, kv_block_ids(bt_row, offs_n + BLOCK_N, end, BLOCK_SIZE)
+    return kv_block_ids(bt_row, offs_n, end, BLOCK_SIZE), blocks
+
+
+@triton.jit
+def first_tile_blocks(bt_row, start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      LOOKAHEAD: tl.constexpr):
+    """The `blocks` kv_tile_blocks takes with a loop's first tile (at KV position `start`)."""
+    if LOOKAHEAD:
+        return kv_block_ids(bt_row, start + tl.arange(0, BLOCK_N), end, BLOCK_SIZE)
+    return tl.zeros([BLOCK_N], dtype=tl.int32)  # unread
 
 
 @triton.jit
@@ -31,20 +62,9 @@ def load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_block,
                  BLOCK_SIZE: tl.constexpr, MASK_BOUNDS: tl.constexpr, end):
     """One sequence's K and V rows at KV positions offs_n (of the KV head at kv_head_off),
     through its block table row; with MASK_BOUNDS, positions from `end` on read as zeros."""
-    if MASK_BOUNDS:
-        valid = offs_n < end
-        rows = paged_kv_offsets(bt_row, offs_n, valid, BLOCK_SIZE, stride_block,
-                                stride_row) + kv_head_off
-        ptrs = rows[:, None] + d[None, :]
-        k = tl.load(k_cache + ptrs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache + ptrs, mask=valid[:, None], other=0.0)
-    else:
-        rows = paged_kv_offsets(bt_row, offs_n, None, BLOCK_SIZE, stride_block,
-                                stride_row) + kv_head_off
-        ptrs = rows[:, None] + d[None, :]
-        k = tl.load(k_cache + ptrs)
-        v = tl.load(v_cache + ptrs)
-    return k, v
+    blocks = kv_block_ids(bt_row, offs_n, end, BLOCK_SIZE)
+    return load_kv_rows(k_cache, v_cache, blocks, offs_n, d, kv_head_off, stride_block,
+                        stride_row, BLOCK_SIZE, MASK_BOUNDS, end)
 
 
 @triton.jit

@@ -41,7 +41,7 @@ def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads
     for _ in range(2):  # a second launch finds the split counters as the first left them
         packed_prefill_attention(q, kv.k_cache, kv.v_cache, cu, kv.context_lens_t,
                                  kv.block_tables, torch.from_numpy(tiles).to(device),
-                                 tile_tokens, scale, out, workspace)
+                                 tile_tokens, scale, out, workspace, with_decodes=decodes > 0)
     assert (workspace.counters == 0).all()
     start = int(cu[first_seq])
     assert out[decodes:start].isnan().all(), "rows of unmapped sequences were written"

@@ -1,0 +1,107 @@
+"""vLLM on the workloads of benchmarks/WORKLOADS.md, on the GPU liteinfer runs on, so that both
+engines are compared on one machine (H200 machines differ by a few percent; NOTES 55). vLLM is
+driven by liteinfer's own bench loop (`runner.drive`): the same prompts, warm-up, admission and
+token timestamps. Its defaults stay on (offline `LLM` class: torch.compile, CUDA graphs,
+16,384 batched tokens on an H200, prefix caching), except that the prefix cache is emptied
+before each measured run: mixed2048/16 and mixed2048/128 draw the same prompts.
+
+Rows are written in the format of benchmarks/reference/ (`liteinfer report --reference DIR`
+reads a directory of them). Needs vLLM importable (../shared/vllm/ installs it beside the
+machine's torch) and a directory holding the model's config.json (dummy weights):
+
+    python scripts/bench_vllm.py MODEL_DIR --out vllm_rows.jsonl [--runs mixed2048:16:32 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from liteinfer.bench.metrics import summarize
+from liteinfer.bench.registry import DEFAULT, full_matrix
+from liteinfer.bench.runner import drive, staggered_lengths, workload
+from liteinfer.bench.workloads import SEED, WARMUP_SEED, Shape
+from liteinfer.sampling_params import SamplingParams
+
+VOCAB = 128256  # Llama-3.2-1B
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+
+
+class VLLMEngine:
+    """vLLM's LLMEngine behind the three calls `drive` makes of liteinfer's engine."""
+
+    def __init__(self, engine, params_cls, prompt_cls):
+        self.engine, self.params_cls, self.prompt_cls = engine, params_cls, prompt_cls
+        self.seen: dict[str, int] = {}  # tokens already reported per request
+
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        self.seen[rid] = 0
+        self.engine.add_request(rid, self.prompt_cls(prompt_token_ids=prompt), self.params_cls(
+            temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, detokenize=False))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[StepOutput]:
+        outs = []
+        for o in self.engine.step():
+            ids = o.outputs[0].token_ids  # cumulative
+            outs.append(StepOutput(o.request_id, list(ids[self.seen[o.request_id]:]), o.finished))
+            self.seen[o.request_id] = len(ids)
+        return outs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model_dir")
+    p.add_argument("--out", required=True, help="JSON-lines file to append rows to")
+    p.add_argument("--runs", nargs="+", metavar="ISL:OSL:WIDTH",
+                   help="throughput runs (default: every run of the report's tables)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's")
+    args = p.parse_args()
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import vllm
+    from vllm import LLM
+    from vllm import SamplingParams as VLLMParams
+    from vllm.inputs import TokensPrompt
+
+    if args.runs:
+        plan = [("throughput", Shape.parse(*s.split(":")[:2]), int(s.split(":")[2]), 200)
+                for s in args.runs]
+    else:
+        plan = [(r.kind, r.shape, r.width, r.prompts) for r in full_matrix([DEFAULT])]
+    llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=16384, max_num_seqs=128, seed=0,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = VLLMEngine(llm.llm_engine, VLLMParams, TokensPrompt)
+    env = {"engine": "vllm", "version": vllm.__version__, "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name(0),
+           "max_num_batched_tokens": args.max_num_batched_tokens}
+    with open(args.out, "a", encoding="utf-8") as out:
+        for kind, shape, width, n in plan:
+            n_warm = 2 if width == 1 else width
+            warm, _ = workload(shape, n_warm, WARMUP_SEED, VOCAB)
+            drive(engine, warm, staggered_lengths(shape.osl, n_warm), width)
+            prompts, _ = workload(shape, n, SEED, VOCAB)
+            assert llm.reset_prefix_cache()
+            traces = drive(engine, prompts, [shape.osl] * n, width)
+            row = {**env, "kind": kind, "isl": shape.isl, "osl": shape.osl, "prompts": n,
+                   "width": width, "seed": SEED, **summarize(traces, shape.osl), "at": time.time()}
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(f"{kind} {shape.label} W={width}: tok/s {row['tok_s']:.1f}, "
+                  f"ITL p50 {row['itl_p50']:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()

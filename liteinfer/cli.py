@@ -1,4 +1,4 @@
-"""`liteinfer generate | chat | bench | report`."""
+"""`liteinfer generate | chat | serve | bench | report`."""
 from __future__ import annotations
 
 import argparse
@@ -7,13 +7,18 @@ import sys
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF model directory, .gguf file or a known name (default: %(default)s)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """Engine and sampling arguments of the offline commands."""
+    _add_engine_args(p)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -70,6 +75,15 @@ def cmd_chat(args: argparse.Namespace) -> None:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from liteinfer.bench.cli import parse_overrides
+    from liteinfer.entrypoints.openai.api_server import run_server
+
+    run_server(args.model, args.host, args.port, args.served_model_name, args.load_format,
+               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               **parse_overrides(args.overrides))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="liteinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +97,16 @@ def main(argv: list[str] | None = None) -> None:
     _add_model_args(chat)
     chat.add_argument("--system", default=None, help="a system message")
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
+                                         "/v1/chat/completions, /v1/models)")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", help="the model's name in the API (default: the "
+                                                   "model's name or its directory's)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="any engine argument, e.g. max_num_seqs=64")
+    serve.set_defaults(func=cmd_serve)
     from liteinfer.bench.cli import add_bench_parser, add_report_parser
     add_bench_parser(sub)
     add_report_parser(sub)

@@ -18,6 +18,29 @@ Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, str]
 
 
+def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings a model's generation_config.json sets, as SamplingParams fields."""
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    defaults = {k: generation_config[k] for k in keys if generation_config.get(k) is not None}
+    if generation_config.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
+
+
+def apply_chat_template(tokenizer: Any, messages: list[Message],
+                        add_generation_prompt: bool = True) -> list[int]:
+    """A conversation rendered with the tokenizer's chat template, as token ids."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"a chat message needs 'role' and 'content', got {m!r}")
+    # Render, then encode without adding special tokens: the template already has them.
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class LLM:
     """A model with its engine. Keyword arguments are `EngineConfig` fields.
 
@@ -53,12 +76,7 @@ class LLM:
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (as vLLM does)."""
-        gen = self.engine.generation_config
-        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        defaults = {k: gen[k] for k in keys if gen.get(k) is not None}
-        if gen.get("do_sample") is False:
-            defaults["temperature"] = 0.0
-        return SamplingParams(**defaults)
+        return SamplingParams(**generation_defaults(self.engine.generation_config))
 
     def _params_list(self, params: SamplingParams | Seq[SamplingParams] | None,
                      n: int) -> list[SamplingParams]:
@@ -111,15 +129,7 @@ class LLM:
                               for c in conversations], sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"a chat message needs 'role' and 'content', got {m!r}")
-        # Render, then encode without adding special tokens: the template already has them.
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields this request's output each time it gains tokens; the last one is finished.

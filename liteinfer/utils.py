@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,3 +39,8 @@ def free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def model_label(model: str) -> str:
+    """How a model is named to users: a known name as given, a directory or file by its name."""
+    return Path(model).name if Path(model).exists() else model

@@ -1,6 +1,7 @@
 """The engine on CUDA against transformers on the same weights (run with `pytest -m gpu`)."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from fixtures import build_llm
 from fixtures import make_tiny_llama_dir
 from liteinfer import SamplingParams
+from liteinfer.engine.async_llm_engine import AsyncLLMEngine
 from liteinfer.loader.source import load_model_source
 from reference import hf_greedy, random_prompts
 
@@ -79,6 +81,30 @@ def test_fp32_token_for_token(model_dir, prompts, fp32_reference, name):
     assert [o.outputs[0].token_ids for o in outputs] == fp32_reference
     alone = llm.generate(prompts[:1], greedy(20), use_tqdm=False)[0].outputs[0].token_ids
     assert alone == fp32_reference[0]
+
+
+def test_async_engine_matches_offline(model_dir, prompts, fp32_reference):
+    """The server's engine loop on a thread of its own (default config: CUDA graphs, mixed
+    steps, overlap scheduling), with requests arriving while others run."""
+    engine = AsyncLLMEngine.from_args(str(model_dir), dtype="float32", max_model_len=1024,
+                                      max_num_seqs=48)
+
+    async def one(i: int) -> list[int]:
+        await asyncio.sleep(0.002 * i)  # arrivals spread over the first steps
+        async for out in await engine.generate(str(i), prompts[i], greedy(20)):
+            tokens = out.outputs[0].token_ids
+        return tokens
+
+    async def everyone() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+    try:
+        assert asyncio.run(everyone()) == fp32_reference
+        bm = engine.engine.block_manager
+        assert not engine.engine.has_unfinished_requests()
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        engine.shutdown()
 
 
 def test_fp32_lone_prompts_through_sdpa(model_dir, prompts, fp32_reference):

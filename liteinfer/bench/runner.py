@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -16,13 +15,9 @@ from liteinfer.bench.workloads import (SEED, WARMUP_SEED, Shape, fingerprint, fo
                                        make_prompts)
 from liteinfer.llm import LLM
 from liteinfer.sampling_params import SamplingParams
+from liteinfer.utils import model_label
 
 _request_ids: Iterator[int] = itertools.count()
-
-
-def model_label(model: str) -> str:
-    """How rows name the model: a known name as given, a directory by its basename."""
-    return Path(model).name if Path(model).exists() else model
 
 
 def engine_args_for(config: str, overrides: dict[str, Any]) -> dict[str, Any]:

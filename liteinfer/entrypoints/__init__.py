@@ -1,0 +1,1 @@
+"""Ways to serve the engine: an OpenAI-compatible HTTP server (`openai/`)."""

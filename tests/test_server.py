@@ -1,0 +1,250 @@
+"""The OpenAI-compatible server over real HTTP (uvicorn on a local port) against the offline
+LLM on the same tiny model: same tokens under greedy decoding, streamed or whole, alone or
+batched with other requests; bad input answered with a 400 that leaves running requests alone;
+disconnected clients' requests aborted."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from fixtures import ENGINES
+from liteinfer import SamplingParams
+from liteinfer.engine.async_llm_engine import AsyncLLMEngine
+from liteinfer.entrypoints.openai import api_server
+from liteinfer.entrypoints.openai.api_server import build_app
+
+MODEL = "tiny"
+PROMPTS = ["The quick brown fox", "Hello world! How are", "Once upon a time there",
+           "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    """(base URL, AsyncLLMEngine): the tiny model served as the `tiny_llm` fixture is built."""
+    engine = AsyncLLMEngine.from_args(str(tiny_llama_dir), dtype="float32", device="cpu",
+                                      max_model_len=256)
+    ENGINES.append(engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", engine
+    server.should_exit = True
+    thread.join()
+    engine.shutdown()
+    ENGINES.remove(engine)
+
+
+@pytest.fixture
+def client(served):
+    with httpx.Client(base_url=served[0], timeout=60) as c:
+        yield c
+
+
+def offline(llm, prompts, **params):
+    return [o.outputs[0] for o in llm.generate(prompts, SamplingParams(**params), use_tqdm=False)]
+
+
+def events(response: httpx.Response) -> list:
+    """The data payloads of a server-sent event stream, [DONE] included as a string."""
+    out = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return [p if p == "[DONE]" else json.loads(p) for p in out]
+
+
+def test_models_and_health(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 256
+
+
+def test_completions_match_offline_greedy(client, tiny_llm):
+    ref = offline(tiny_llm, PROMPTS, temperature=0.0, max_tokens=12)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPTS, "max_tokens": 12,
+                                              "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert [c["index"] for c in body["choices"]] == list(range(len(PROMPTS)))
+    assert [c["text"] for c in body["choices"]] == [c.text for c in ref]
+    assert [c["finish_reason"] for c in body["choices"]] == [c.finish_reason for c in ref]
+    prompt_tokens = sum(len(tiny_llm.tokenizer.encode(p)) for p in PROMPTS)
+    completion_tokens = sum(len(c.token_ids) for c in ref)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    # A prompt given as token ids is the same request.
+    ids = tiny_llm.tokenizer.encode(PROMPTS[0])
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == ref[0].text
+
+
+def test_chat_matches_offline_greedy(client, tiny_llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    ref = tiny_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                   "max_completion_tokens": 10, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": ref[0].outputs[0].text}
+    assert choice["finish_reason"] == ref[0].outputs[0].finish_reason
+    # Content given as text parts renders the same conversation.
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    r = client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 10,
+                                                   "temperature": 0})
+    assert r.json()["choices"][0]["message"]["content"] == ref[0].outputs[0].text
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_equals_whole_response(client, chat):
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+                  if chat else ("/v1/completions", {"prompt": PROMPTS[:2]}))
+    body.update(max_tokens=16, temperature=0.8, seed=3, n=2, stop=[" the"])
+    whole = client.post(path, json=body).json()
+    with client.stream("POST", path, json={**body, "stream": True,
+                                           "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = events(r)
+    assert chunks[-1] == "[DONE]" and chunks[-2]["usage"] == whole["usage"]
+    texts, reasons = {}, {}
+    for chunk in chunks[:-2]:
+        (choice,) = chunk["choices"]
+        delta = choice["delta"].get("content", "") if chat else choice["text"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + delta
+        reasons[choice["index"]] = choice["finish_reason"] or reasons.get(choice["index"])
+    if chat:
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    for c in whole["choices"]:
+        assert texts[c["index"]] == (c["message"]["content"] if chat else c["text"])
+        assert reasons[c["index"]] == c["finish_reason"]
+
+
+def test_concurrent_requests_each_match_offline(client, tiny_llm):
+    lengths = [5, 17, 9, 30, 12, 24]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))]
+    ref = [offline(tiny_llm, [p], temperature=0.0, max_tokens=n, ignore_eos=True)[0].text
+           for p, n in zip(prompts, lengths)]
+
+    def ask(i: int) -> str:
+        r = client.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": lengths[i],
+                                                  "temperature": 0, "ignore_eos": True})
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        assert list(pool.map(ask, range(len(lengths)))) == ref
+
+
+def test_seeded_choices_are_reproducible(client):
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 3}
+    first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
+    texts = [c["text"] for c in first["choices"]]
+    assert texts == [c["text"] for c in second["choices"]]
+    assert len(set(texts)) > 1  # each choice draws from its own seed
+    greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()
+    assert len({c["text"] for c in greedy["choices"]}) == 1
+
+
+def test_logprobs_match_offline(client, tiny_llm):
+    (ref,) = offline(tiny_llm, [PROMPTS[1]], temperature=0.0, max_tokens=6, logprobs=2)
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 6,
+                                              "temperature": 0, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    sampled = [e[t] for t, e in zip(ref.token_ids, ref.logprobs)]
+    assert lp["token_logprobs"] == pytest.approx(sampled)
+    for served_top, ref_top in zip(lp["top_logprobs"], ref.logprobs, strict=True):
+        assert sorted(served_top.values()) == pytest.approx(sorted(ref_top.values()))
+    tokens = [tiny_llm.tokenizer.decode([t]) for t in ref.token_ids]
+    assert lp["tokens"] == tokens  # the stop token too, though the text leaves it out
+    assert lp["text_offset"] == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["top_logprobs"][0]["logprob"] == pytest.approx(c["logprob"]) for c in content)
+
+
+def test_add_requests_is_all_or_nothing(served):
+    engine = served[1]
+
+    async def add_good_then_bad():
+        with pytest.raises(ValueError, match="empty"):
+            await engine.add_requests([
+                ("good", "fine", SamplingParams(max_tokens=200, ignore_eos=True)),
+                ("bad", "", SamplingParams())])
+        # The loop's thread ran the whole command before the await returned.
+        return engine.engine.has_unfinished_requests(), len(engine.engine.seqs)
+
+    assert asyncio.run(add_good_then_bad()) == (False, 0)
+
+
+BAD = [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, "max_model_len"),
+    ("/v1/completions", {"prompt": [5, 100000]}, "vocabulary"),
+    ("/v1/completions", {"prompt": ["fine", ""]}, "empty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "text content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+     "tools"),
+]
+
+
+def test_bad_requests_get_400_and_leave_others_running(client, served, tiny_llm):
+    ref = offline(tiny_llm, [PROMPTS[2]], temperature=0.0, max_tokens=60, ignore_eos=True)[0]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client.post, "/v1/completions", json={
+            "prompt": PROMPTS[2], "max_tokens": 60, "temperature": 0, "ignore_eos": True})
+        for path, body, needle in BAD:
+            r = client.post(path, json=body)
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["code"] == 400 and needle in error["message"], error
+        r = client.post("/v1/completions", json={"model": "other", "prompt": "x"})
+        assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+        assert running.result().json()["choices"][0]["text"] == ref.text
+    # Nothing of the rejected multi-prompt request was admitted.
+    assert not served[1].engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnected_client_is_aborted(served, stream, monkeypatch):
+    url, engine = served
+    monkeypatch.setattr(api_server, "DISCONNECT_POLL_S", 0.02)  # well within the 240 tokens
+    aborted = []
+    abort = engine.engine.abort
+    engine.engine.abort = lambda rid: aborted.append(abort(rid)) or aborted[-1]
+    try:
+        body = {"prompt": PROMPTS[3], "max_tokens": 240, "ignore_eos": True, "stream": stream}
+        with httpx.Client(base_url=url, timeout=60) as c:
+            if stream:
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.iter_lines()
+                    assert next(lines).startswith("data: ")
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    c.post("/v1/completions", json=body, timeout=0.1)
+        deadline = time.monotonic() + 20
+        while engine.engine.has_unfinished_requests() or not aborted:
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.05)
+        assert aborted == [True]  # aborted while it ran, not after finishing
+    finally:
+        engine.engine.abort = abort

@@ -53,7 +53,7 @@ class OpenAIServing:
             "owned_by": "liteinfer", "max_model_len": self.engine.engine.max_model_len}]}
 
     async def completions(self, body: CompletionRequest, request: Request):
-        return await self._serve(body, request, "cmpl", "text_completion", lambda: body.prompts(),
+        return await self._serve(body, request, "cmpl", "text_completion", body.prompts,
                                  body.max_tokens, body.logprobs)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):

@@ -106,6 +106,9 @@ class EngineConfig:
     # its rows a power of two; steps of up to this many prompt tokens replay CUDA graphs.
     # 0: no cap, prompt steps run eagerly.
     mixed_prompt_tokens: int = 2048
+    # Prompts reuse the KV blocks of prefixes computed before (shared system prompts, earlier
+    # turns of a conversation) instead of computing them again.
+    enable_prefix_caching: bool = False
     seed: int = 0
 
     @property

@@ -36,3 +36,5 @@ class RequestOutput:
     # Token ids produced since the previous output of this request (for streaming).
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0

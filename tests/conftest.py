@@ -27,7 +27,9 @@ def all_blocks_returned():
         assert not engine.has_unfinished_requests(), "a request was left running"
         assert bm.num_free_blocks == bm.num_blocks, \
             f"{bm.num_blocks - bm.num_free_blocks} KV blocks were not returned"
-        assert len(set(bm.free_blocks)) == bm.num_blocks, "a KV block was returned twice"
+        assert sorted(bm.unreferenced_blocks()) == list(range(bm.num_blocks)), \
+            "a KV block was returned twice"
+        assert not any(bm.ref_counts), "a returned KV block is still referenced"
 
 
 @pytest.fixture(scope="session")

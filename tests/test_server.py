@@ -84,7 +84,8 @@ def test_completions_match_offline_greedy(client, tiny_llm):
     prompt_tokens = sum(len(tiny_llm.tokenizer.encode(p)) for p in PROMPTS)
     completion_tokens = sum(len(c.token_ids) for c in ref)
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
+                             "total_tokens": prompt_tokens + completion_tokens,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     # A prompt given as token ids is the same request.
     ids = tiny_llm.tokenizer.encode(PROMPTS[0])
     r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0})

@@ -54,7 +54,8 @@ class LLMEngine:
         self.generation_config = source.generation_config
         self.runner = ModelRunner(self.model_config, config, source, source.load_format,
                                   self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         # Decodes would be padded to the longest prompt chunk in a padded prefill step.
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
@@ -145,6 +146,7 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
         if not sampling:
             return None
         sampled = self.sampler.sample(logits, sampling)
@@ -167,6 +169,7 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
                 now: float) -> RequestOutput:
         seq.append_token(token)
+        self.block_manager.cache_computed_blocks(seq)  # its KV may be computed already
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs)
         m = seq.metrics
@@ -205,4 +208,5 @@ class LLMEngine:
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=seq.finish_reason is not None, metrics=seq.metrics,
-                             new_token_ids=new_tokens, new_text=new_text)
+                             new_token_ids=new_tokens, new_text=new_text,
+                             num_cached_tokens=seq.num_cached_tokens)

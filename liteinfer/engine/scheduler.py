@@ -114,12 +114,14 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted before its last token reached the host: wait for it
+                break
             # Admitted only with room for the whole prompt, so that a prompt being prefilled in
-            # chunks never has to preempt (itself included) to continue.
-            if not self.block_manager.can_allocate(seq, len(seq)):
+            # chunks never has to preempt (itself included) to continue. A cached prefix counts
+            # as computed.
+            if not self.block_manager.admit(seq):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.block_manager.allocate(seq, len(seq))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
@@ -127,7 +129,7 @@ class Scheduler:
             num_tokens.append(n)
             budget -= n
         if len(seqs) == len(decodes):
-            if self.waiting and not self.running:
+            if self.waiting and not self.running and not self.waiting[0].num_pending:
                 raise RuntimeError("KV pool too small for a single request")
             return None
         if decodes and self.mixed_prompt_tokens:

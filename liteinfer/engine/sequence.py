@@ -34,6 +34,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        # Prefix caching: prompt tokens found in the cache at admission, and the hashed keys of
+        # the leading blocks registered or found so far (block_manager.py).
+        self.num_cached_tokens = 0
+        self.block_key_hashes: list[int] = []
         # Tokens sampled on the device whose ids the host has not read yet (overlapped steps),
         # and the row of the newest one in the model runner's sampled-token buffer.
         self.num_pending = 0

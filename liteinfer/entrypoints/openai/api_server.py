@@ -158,7 +158,8 @@ def usage(outs: list[RequestOutput], n: int) -> dict[str, int]:
     prompt = sum(len(o.prompt_token_ids) for o in outs[::n])
     completion = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
 class ChoiceRenderer:

@@ -249,3 +249,27 @@ def test_disconnected_client_is_aborted(served, stream, monkeypatch):
         assert aborted == [True]  # aborted while it ran, not after finishing
     finally:
         engine.engine.abort = abort
+
+
+def test_openai_sdk_client(served, tiny_llm):
+    """The official client library parses every response shape the server sends."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=served[0] + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Hello!"}]
+    ref = tiny_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                           temperature=0)
+    assert reply.choices[0].message.content == ref[0].outputs[0].text
+    assert reply.usage.completion_tokens == len(ref[0].outputs[0].token_ids)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        ref[0].outputs[0].text
+    assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5,
+                                           temperature=0, logprobs=1)
+    assert len(completion.choices[0].logprobs.token_logprobs) == 5
+    with pytest.raises(BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt="x", top_p=0)

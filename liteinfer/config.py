@@ -109,6 +109,8 @@ class EngineConfig:
     # Prompts reuse the KV blocks of prefixes computed before (shared system prompts, earlier
     # turns of a conversation) instead of computing them again.
     enable_prefix_caching: bool = False
+    # Ranks the model is split over, one process (and on CUDA one GPU) each.
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     @property
@@ -124,6 +126,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
         m = self.mixed_prompt_tokens

@@ -162,5 +162,6 @@ class LLM:
     def shutdown(self) -> None:
         """Releases the model and the KV pool (e.g. before loading another model)."""
         from liteinfer.utils import free_device_memory
+        self.engine.shutdown()
         del self.engine
         free_device_memory()

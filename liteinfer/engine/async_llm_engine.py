@@ -110,6 +110,7 @@ class AsyncLLMEngine:
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join()
+        self.engine.shutdown()
 
     # ---- the loop's thread ----------------------------------------------------------------
     def _run(self) -> None:

@@ -13,6 +13,7 @@ from liteinfer.engine.model_runner import ModelRunner
 from liteinfer.engine.sampler import SampledTokens, Sampler
 from liteinfer.engine.scheduler import ScheduledBatch, Scheduler
 from liteinfer.engine.sequence import Sequence
+from liteinfer.engine.tensor_parallel import WorkerGroup
 from liteinfer.loader import load_model_source
 from liteinfer.outputs import CompletionOutput, RequestOutput
 from liteinfer.sampling_params import SamplingParams
@@ -37,6 +38,16 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
     parse_dtype(config.dtype)
     if config.attention_backend == "auto":
         config.attention_backend = "triton" if on_cuda else "torch"
+    tp = config.tensor_parallel_size
+    for what, n in (("attention heads", model_config.num_attention_heads),
+                    ("KV heads", model_config.num_key_value_heads),
+                    ("MLP features", model_config.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"the model's {n} {what} do not split over "
+                             f"tensor_parallel_size={tp}")
+    if on_cuda and tp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; "
+                         f"{torch.cuda.device_count()} are visible")
     max_len = config.max_model_len or min(model_config.max_position_embeddings, 16384)
     if max_len > model_config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_len} exceeds the model's "
@@ -45,15 +56,20 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
 
 
 class LLMEngine:
-    def __init__(self, model: str, config: EngineConfig, load_format: str = "auto"):
+    def __init__(self, model: str, config: EngineConfig, load_format: str = "auto",
+                 tp_rank: int = 0):
         source = load_model_source(model, load_format)
         self.model_config = ModelConfig.from_hf(source.hf_config)
         self.config = config
         self.max_model_len = resolve_config(config, self.model_config)
         self.tokenizer = source.tokenizer
         self.generation_config = source.generation_config
+        # Rank 0 drives the other tensor-parallel ranks' engines (engine/tensor_parallel.py).
+        self.workers: WorkerGroup | None = None
+        if config.tensor_parallel_size > 1 and tp_rank == 0:
+            self.workers = WorkerGroup(model, config, load_format)
         self.runner = ModelRunner(self.model_config, config, source, source.load_format,
-                                  self.max_model_len)
+                                  self.max_model_len, tp_rank)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         # Decodes would be padded to the longest prompt chunk in a padded prefill step.
@@ -98,17 +114,28 @@ class LLMEngine:
         elif len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len={self.max_model_len}")
-        seq = Sequence(request_id, token_ids, params, arrival_time or time.perf_counter(), text)
+        arrival_time = arrival_time or time.perf_counter()
+        if self.workers is not None:
+            self.workers.call("add_request", request_id, token_ids, params, arrival_time)
+        seq = Sequence(request_id, token_ids, params, arrival_time, text)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
+        if self.workers is not None:
+            self.workers.call("abort", request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         return True
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do on one rank)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or (
@@ -123,6 +150,8 @@ class LLMEngine:
         afterwards. Without it (or when penalties need every token on the host) each step is
         launched and read back in turn.
         """
+        if self.workers is not None:
+            self.workers.call("step")
         inflight, self.inflight = self.inflight, None
         if inflight is not None and not self._can_overlap(inflight):
             return self._resolve(inflight)

@@ -20,17 +20,20 @@ class ModelRunner:
     """Owns the model, the KV pool and (on CUDA) the captured decode and prompt graphs."""
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, source: ModelSource,
-                 load_format: str, max_model_len: int):
+                 load_format: str, max_model_len: int, tp_rank: int = 0):
         self.model_config = model_config
         self.config = config
+        self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
+        # This rank's heads (all of them on one rank).
+        self.num_q_heads = model_config.num_attention_heads // self.tp_size
+        self.num_kv_heads = model_config.num_key_value_heads // self.tp_size
         self.device = torch.device(config.device)
         self.dtype: torch.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
-        self.query_group_size = (model_config.num_attention_heads
-                                 // model_config.num_key_value_heads)
+        self.query_group_size = self.num_q_heads // self.num_kv_heads
         self.use_triton = config.attention_backend == "triton"
         self.backend = get_backend(config.attention_backend)
         self.model = self._load_model(source, load_format)
@@ -40,8 +43,8 @@ class ModelRunner:
         if self.use_triton and config.decode_split_k:
             cfg = model_config
             self.decode_workspace = DecodeWorkspace.allocate(
-                config.max_num_seqs, cfg.num_attention_heads, cfg.head_dim,
-                max_splits_for(1, cfg.num_key_value_heads, self.num_sms), self.device)
+                config.max_num_seqs, self.num_q_heads, cfg.head_dim,
+                max_splits_for(1, self.num_kv_heads, self.num_sms), self.device)
         # The newest step's sampled tokens, which feed the next step on the device.
         self.sampled_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32,
                                           device=self.device)
@@ -64,7 +67,8 @@ class ModelRunner:
             with torch.device(self.device):
                 ops = LayerOps(triton=self.use_triton,
                                gemv=self.use_triton and self.config.gemv_decode)
-                model = LlamaForCausalLM(self.model_config, self.backend, ops)
+                model = LlamaForCausalLM(self.model_config, self.backend, ops, self.tp_rank,
+                                         self.tp_size)
         finally:
             torch.set_default_dtype(default_dtype)
         if load_format == "dummy":
@@ -78,7 +82,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         cfg = self.model_config
-        shape = (2, cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (2, cfg.num_hidden_layers, self.block_size, self.num_kv_heads, cfg.head_dim)
         block_bytes = torch.Size(shape).numel() * self.dtype.itemsize
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
@@ -91,13 +95,17 @@ class ModelRunner:
             # More blocks than every sequence at full length could use would sit idle.
             num_blocks = min(int(budget // block_bytes),
                              self.config.max_num_seqs * self.max_blocks_per_seq + 1)
+        if self.tp_size > 1:  # every rank's scheduler must see the same pool
+            agreed = torch.tensor([num_blocks], device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
         if num_blocks < self.max_blocks_per_seq:
             raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}; lower max_model_len or give "
                              f"the pool more memory")
         self.num_kv_blocks = num_blocks
         kv = allocate_kv_pool(2, cfg.num_hidden_layers, num_blocks=num_blocks,
-                              block_size=self.block_size, num_kv_heads=cfg.num_key_value_heads,
+                              block_size=self.block_size, num_kv_heads=self.num_kv_heads,
                               head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0, i], kv[1, i]
@@ -172,8 +180,7 @@ class ModelRunner:
         """The split-K grid width of `num_decodes` decoding rows (1: no split-K)."""
         if self.decode_workspace is None or num_decodes == 0:
             return 1
-        return max_splits_for(num_decodes, self.model_config.num_key_value_heads, self.num_sms,
-                              may_split)
+        return max_splits_for(num_decodes, self.num_kv_heads, self.num_sms, may_split)
 
     def set_split_k(self, meta: AttentionMetadata, num_decodes: int, may_split: bool) -> None:
         """Decode split-K for the step's first `num_decodes` sequences: the grid width is fixed

@@ -1,0 +1,78 @@
+"""Tensor parallelism: one process per rank, each running the whole engine over its shard of the
+model (layers/linear.py splits the projections; the KV pool holds the rank's KV heads).
+
+Every rank runs the same LLMEngine calls in the same order: rank 0, in the caller's process,
+sends each add_request / abort / step to the other ranks before running it itself. Their
+schedulers therefore make the same decisions with the same number of KV blocks, their layers meet
+in the all-reduces of the row-parallel projections, and since the embedding, LM head and sampler
+are replicated, every rank samples the same tokens. Only rank 0's outputs reach the caller.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from liteinfer.config import EngineConfig
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: str) -> None:
+    """Joins the tensor-parallel group: NCCL with one GPU per rank, gloo on CPU."""
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank,
+                            world_size=world_size)
+
+
+class WorkerGroup:
+    """Ranks 1..tp_size-1 in processes of their own; the calling process becomes rank 0."""
+
+    def __init__(self, model: str, config: EngineConfig, load_format: str):
+        if dist.is_initialized():
+            raise ValueError("a tensor-parallel engine is already running in this process; "
+                             "shut it down first")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        ctx = mp.get_context("spawn")  # a fresh interpreter: CUDA cannot be forked
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(1, config.tensor_parallel_size):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, daemon=True, name=f"liteinfer-tp{rank}",
+                               args=(rank, init_method, model, config, load_format, child))
+            proc.start()
+            self.conns.append(conn)
+            self.procs.append(proc)
+        init_distributed(0, config.tensor_parallel_size, init_method, config.device)
+
+    def call(self, method: str, *args: Any) -> None:
+        """Has every other rank's engine run `method(*args)`."""
+        for conn in self.conns:
+            conn.send((method, args))
+
+    def shutdown(self) -> None:
+        self.call("shutdown")
+        for proc in self.procs:
+            proc.join()
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, init_method: str, model: str, config: EngineConfig, load_format: str,
+            conn: Connection) -> None:
+    from liteinfer.engine.llm_engine import LLMEngine
+
+    init_distributed(rank, config.tensor_parallel_size, init_method, config.device)
+    engine = LLMEngine(model, config, load_format, tp_rank=rank)
+    while True:
+        method, args = conn.recv()
+        if method == "shutdown":
+            break
+        getattr(engine, method)(*args)
+    dist.destroy_process_group()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,31 @@ class WorkerGroup:
             proc.start()
             self.conns.append(conn)
             self.procs.append(proc)
-        init_distributed(0, config.tensor_parallel_size, init_method, config.device)
+        self._join_group(config, init_method)
+
+    def _join_group(self, config: EngineConfig, init_method: str) -> None:
+        """Joins the group as rank 0, failing fast if a rank dies before it joins (as a spawned
+        rank does when the script that started it has no `if __name__ == "__main__":` guard)."""
+        errors: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                init_distributed(0, config.tensor_parallel_size, init_method, config.device)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                errors.append(e)
+
+        thread = threading.Thread(target=join, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            for proc in self.procs:
+                if proc.exitcode is not None:
+                    raise RuntimeError(
+                        f"{proc.name} exited (code {proc.exitcode}) before joining the "
+                        "tensor-parallel group; a script that starts a tensor-parallel engine "
+                        "must guard its entry point with `if __name__ == \"__main__\":`")
+        if errors:
+            raise errors[0]
 
     def call(self, method: str, *args: Any) -> None:
         """Has every other rank's engine run `method(*args)`."""

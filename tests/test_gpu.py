@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from fixtures import build_llm
 from fixtures import make_tiny_llama_dir
-from liteinfer import SamplingParams
+from liteinfer import LLM, SamplingParams
 from liteinfer.engine.async_llm_engine import AsyncLLMEngine
 from liteinfer.loader.source import load_model_source
 from reference import hf_greedy, random_prompts
@@ -105,6 +105,18 @@ def test_async_engine_matches_offline(model_dir, prompts, fp32_reference):
         assert bm.num_free_blocks == bm.num_blocks
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_fp32_two_gpus_tensor_parallel(model_dir, prompts, fp32_reference):
+    """Two ranks over NCCL, CUDA graphs capturing the all-reduces."""
+    llm = LLM(str(model_dir), tensor_parallel_size=2, dtype="float32", max_model_len=1024,
+              max_num_seqs=48)
+    try:
+        outputs = llm.generate(prompts, greedy(20), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == fp32_reference
+    finally:
+        llm.shutdown()
 
 
 def test_fp32_lone_prompts_through_sdpa(model_dir, prompts, fp32_reference):

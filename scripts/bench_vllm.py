@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from liteinfer.bench.metrics import summarize
 from liteinfer.bench.registry import DEFAULT, full_matrix
-from liteinfer.bench.runner import drive, staggered_lengths, workload
-from liteinfer.bench.workloads import SEED, WARMUP_SEED, Shape
+from liteinfer.bench.runner import drive, warm_up, workload
+from liteinfer.bench.workloads import SEED, Shape
 from liteinfer.sampling_params import SamplingParams
 
 VOCAB = 128256  # Llama-3.2-1B
@@ -89,9 +89,7 @@ def main() -> None:
            "max_num_batched_tokens": args.max_num_batched_tokens}
     with open(args.out, "a", encoding="utf-8") as out:
         for kind, shape, width, n in plan:
-            n_warm = 2 if width == 1 else width
-            warm, _ = workload(shape, n_warm, WARMUP_SEED, VOCAB)
-            drive(engine, warm, staggered_lengths(shape.osl, n_warm), width)
+            warm_up(engine, shape, width, VOCAB)
             prompts, _ = workload(shape, n, SEED, VOCAB)
             assert llm.reset_prefix_cache()
             traces = drive(engine, prompts, [shape.osl] * n, width)

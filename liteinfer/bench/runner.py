@@ -90,13 +90,20 @@ def progress(run: Run) -> tqdm:
                 desc=f"{run.config} {run.kind} {run.shape.label} W={run.width}")
 
 
+def warm_up(engine: Any, shape: Shape, width: int, vocab_size: int) -> int:
+    """Runs the shape on other prompts than the measured ones, ending one request at a time so
+    every batch size runs (compilation, graphs, allocator); returns how many requests ran."""
+    n_warm = 2 if width == 1 else width
+    warm, _ = workload(shape, n_warm, WARMUP_SEED, vocab_size)
+    drive(engine, warm, staggered_lengths(shape.osl, n_warm), width)
+    return n_warm
+
+
 def measure(llm: Any, run: Run, model: str, engine_args: dict[str, Any]) -> Row:
     """Warms up on other prompts of the same shape, then measures `run`."""
     engine = llm.engine
     vocab = engine.model_config.vocab_size
-    n_warm = 2 if run.width == 1 else run.width
-    warm, _ = workload(run.shape, n_warm, WARMUP_SEED, vocab)
-    drive(engine, warm, staggered_lengths(run.shape.osl, n_warm), run.width)
+    n_warm = warm_up(engine, run.shape, run.width, vocab)
     prompts, fold = workload(run.shape, run.prompts, SEED, vocab)
     with progress(run) as bar:
         traces = drive(engine, prompts, [run.shape.osl] * len(prompts), run.width, bar)

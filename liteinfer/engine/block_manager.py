@@ -60,7 +60,7 @@ class BlockManager:
         """Give a waiting sequence blocks for all its tokens, sharing the cached blocks of its
         longest cached prefix (whose tokens then count as computed). False if the pool cannot
         hold it; then nothing changes."""
-        hits = self._cached_prefix(seq)
+        hits, hashes = self._cached_prefix(seq)
         reused = sum(1 for b in hits if self.ref_counts[b] == 0)  # evictable ones stop being so
         if cdiv(len(seq), self.block_size) - len(hits) > self.num_free_blocks - reused:
             return False
@@ -68,7 +68,7 @@ class BlockManager:
             self._ref(b)
         seq.block_table = hits
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
-        seq.block_key_hashes = [hash(self.block_keys[b]) for b in hits]
+        seq.block_key_hashes = hashes
         self.allocate(seq, len(seq))
         return True
 
@@ -102,21 +102,21 @@ class BlockManager:
     def _key(self, seq: Sequence, i: int, parent: int) -> BlockKey:
         return parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks of seq's leading full blocks, leaving at least its last token to compute
-        (its logits are needed)."""
-        if not self.enable_prefix_caching:
-            return []
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks of seq's leading full blocks, and their keys' hashes, leaving at least
+        its last token to compute (its logits are needed)."""
         hits: list[int] = []
-        parent = 0
+        hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits, hashes
         for i in range((len(seq.token_ids) - 1) // self.block_size):
-            key = self._key(seq, i, parent)
+            key = self._key(seq, i, hashes[-1] if hashes else 0)
             block = self.cached.get(key)
             if block is None:
                 break
             hits.append(block)
-            parent = hash(key)
-        return hits
+            hashes.append(hash(key))
+        return hits, hashes
 
     def _ref(self, block: int) -> None:
         if self.ref_counts[block] == 0:

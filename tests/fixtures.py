@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +167,26 @@ def build_llm(model: str, **kwargs: Any) -> Any:
     llm = LLM(model, **kwargs)
     ENGINES.append(llm)
     return llm
+
+
+@contextmanager
+def serve(engine: Any, model_name: str) -> Iterator[str]:
+    """Serves an AsyncLLMEngine over HTTP (uvicorn on a free local port) for the block; yields
+    the base URL."""
+    import uvicorn
+
+    from liteinfer.entrypoints.openai.api_server import build_app
+    from liteinfer.utils import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join()

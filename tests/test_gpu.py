@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fixtures import build_llm
-from fixtures import make_tiny_llama_dir
+from fixtures import build_llm, make_tiny_llama_dir, serve
 from liteinfer import LLM, SamplingParams
 from liteinfer.engine.async_llm_engine import AsyncLLMEngine
 from liteinfer.loader.source import load_model_source
@@ -68,9 +68,13 @@ def prompts(model_dir):
 
 
 @pytest.fixture(scope="module")
-def fp32_reference(model_dir, prompts):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    return hf_greedy(hf, prompts, 20)
+def hf_fp32(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(hf_fp32, prompts):
+    return hf_greedy(hf_fp32, prompts, 20)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -105,6 +109,58 @@ def test_async_engine_matches_offline(model_dir, prompts, fp32_reference):
         assert bm.num_free_blocks == bm.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_server_on_cuda_matches_offline(model_dir, prompts, fp32_reference):
+    """40 HTTP completions at once (half of them streamed) against a CUDA engine in the default
+    config give the offline engine's text, whose tokens are the reference."""
+    import httpx
+
+    offline = build_llm(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=48)
+    expected = offline.generate(prompts, greedy(20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in expected] == fp32_reference
+    engine = AsyncLLMEngine.from_args(str(model_dir), dtype="float32", max_model_len=1024,
+                                      max_num_seqs=48)
+    body = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
+
+    def ask(client: httpx.Client, i: int) -> str:
+        request = {**body, "prompt": prompts[i], "stream": i % 2 == 1}
+        if not request["stream"]:
+            r = client.post("/v1/completions", json=request)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        with client.stream("POST", "/v1/completions", json=request) as r:
+            chunks = [line[len("data: "):] for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        return "".join(json.loads(c)["choices"][0]["text"] for c in chunks)
+
+    try:
+        with serve(engine, "tiny") as url, httpx.Client(base_url=url, timeout=120) as client, \
+                ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda i: ask(client, i), range(len(prompts))))
+        assert texts == [o.outputs[0].text for o in expected]
+        assert not engine.engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()
+
+
+def test_fp32_prefix_caching(model_dir, prompts, hf_fp32, fp32_reference):
+    """Prefix caching in the default config (graphs, mixed steps, overlap): prompts sharing a
+    long system prefix, then the same prompts again whole, equal the reference."""
+    shared = [prompts[0][:300] + p[:1 + i * 7] for i, p in enumerate(prompts[1:25])]
+    reference = hf_greedy(hf_fp32, shared, 20)
+    llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=48,
+                    enable_prefix_caching=True)
+    first = llm.generate(shared[:1], greedy(20), use_tqdm=False)
+    rest = llm.generate(shared[1:], greedy(20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + rest] == reference
+    assert [o.num_cached_tokens for o in rest] == [300 // 16 * 16] * len(rest)
+    once = llm.generate(prompts, greedy(20), use_tqdm=False)
+    again = llm.generate(prompts, greedy(20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in once] == fp32_reference
+    assert [o.outputs[0].token_ids for o in again] == fp32_reference
+    # Every whole block is found again but the one holding a prompt's last token.
+    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
-from fixtures import ENGINES
+from fixtures import ENGINES, serve
 from liteinfer import SamplingParams
 from liteinfer.engine.async_llm_engine import AsyncLLMEngine
 from liteinfer.entrypoints.openai import api_server
-from liteinfer.entrypoints.openai.api_server import build_app
 
 MODEL = "tiny"
 PROMPTS = ["The quick brown fox", "Hello world! How are", "Once upon a time there",
@@ -32,18 +28,8 @@ def served(tiny_llama_dir):
     engine = AsyncLLMEngine.from_args(str(tiny_llama_dir), dtype="float32", device="cpu",
                                       max_model_len=256)
     ENGINES.append(engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join()
+    with serve(engine, MODEL) as url:
+        yield url, engine
     engine.shutdown()
     ENGINES.remove(engine)
 

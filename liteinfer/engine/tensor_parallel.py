@@ -10,13 +10,14 @@ are replicated, every rank samples the same tokens. Only rank 0's outputs reach 
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from liteinfer.utils import free_port
 
 if TYPE_CHECKING:
     from liteinfer.config import EngineConfig
@@ -38,9 +39,7 @@ class WorkerGroup:
         if dist.is_initialized():
             raise ValueError("a tensor-parallel engine is already running in this process; "
                              "shut it down first")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")  # a fresh interpreter: CUDA cannot be forked
         self.conns: list[Connection] = []
         self.procs = []

@@ -173,6 +173,7 @@ def test_fp32_two_gpus_tensor_parallel(model_dir, prompts, fp32_reference):
         assert [o.outputs[0].token_ids for o in outputs] == fp32_reference
     finally:
         llm.shutdown()
+    assert not torch.distributed.is_initialized()  # the group is gone: another engine can start
 
 
 def test_fp32_lone_prompts_through_sdpa(model_dir, prompts, fp32_reference):

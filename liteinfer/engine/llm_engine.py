@@ -134,6 +134,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks (nothing to do on one rank)."""
         if self.workers is not None:
+            self.runner.release_graphs()
             self.workers.shutdown()
             self.workers = None
 

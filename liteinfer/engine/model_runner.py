@@ -13,7 +13,7 @@ from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
-from liteinfer.utils import cdiv, to_device
+from liteinfer.utils import cdiv, free_device_memory, to_device
 
 
 class ModelRunner:
@@ -56,6 +56,13 @@ class ModelRunner:
             if config.mixed_prompt_tokens and config.packed_prefill:
                 self.prompt_graphs = PromptGraphRunner(self, pool)
             self.graphs = CUDAGraphRunner(self, pool)
+
+    def release_graphs(self) -> None:
+        """Frees the captured graphs. A tensor-parallel rank does so before leaving its group:
+        NCCL's teardown hangs while graphs that captured its collectives live
+        (pytorch/pytorch#115388)."""
+        self.graphs = self.prompt_graphs = None
+        free_device_memory()
 
     @torch.inference_mode()
     def _load_model(self, source: ModelSource, load_format: str) -> LlamaForCausalLM:

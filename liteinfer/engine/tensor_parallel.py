@@ -82,10 +82,12 @@ class WorkerGroup:
             conn.send((method, args))
 
     def shutdown(self) -> None:
+        """Stops the other ranks; the caller has freed its own graphs (ModelRunner.release_graphs).
+        All ranks leave the group at once, as NCCL's teardown waits for every one."""
         self.call("shutdown")
+        dist.destroy_process_group()
         for proc in self.procs:
             proc.join()
-        dist.destroy_process_group()
 
 
 def _worker(rank: int, init_method: str, model: str, config: EngineConfig, load_format: str,
@@ -99,4 +101,5 @@ def _worker(rank: int, init_method: str, model: str, config: EngineConfig, load_
         if method == "shutdown":
             break
         getattr(engine, method)(*args)
+    engine.runner.release_graphs()
     dist.destroy_process_group()

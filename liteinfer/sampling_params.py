@@ -26,6 +26,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Added to the token's logit before penalties and sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -68,6 +70,10 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None and any(
+                not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0
+                for t, b in self.logit_bias.items()):
+            bad("logit_bias maps non-negative token ids to biases in [-100, 100]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
 

@@ -105,6 +105,25 @@ def test_penalties_match_reference(rep, pres, freq):
     torch.testing.assert_close(x[2], reference_penalties(logits[2], [4], [4, 4], 1.0, 0.0, 1.0))
 
 
+def test_logit_bias_is_added_before_penalties():
+    torch.manual_seed(4)
+    vocab = 30
+    logits = torch.randn(3, vocab) * 3
+    bias = {int(logits[1].argmax()): -100.0, 7: 4.5, 11: 2.0}
+    seqs = [make_seq(temperature=0.0),
+            make_seq(temperature=0.0, logit_bias=bias),
+            make_seq(prompt=[7, 11], temperature=0.0, logit_bias=bias, repetition_penalty=1.5)]
+    biased = logits.clone()
+    for t, b in bias.items():
+        biased[1:, t] += b
+    penalized = reference_penalties(biased[2], [7, 11], [], 1.5, 0.0, 0.0)
+    out = Sampler([EOS])(logits, seqs).token_ids
+    assert out == [int(logits[0].argmax()), int(biased[1].argmax()), int(penalized.argmax())]
+    for bad in ({-1: 1.0}, {3: 100.5}, {"3": 1.0}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
 def test_repetition_penalty_changes_greedy_choice():
     logits = torch.tensor([[0.0, 2.0, 1.9, -1.0]])
     assert Sampler([EOS])(logits, [make_seq(prompt=[1], temperature=0.0)]).token_ids == [1]

@@ -133,6 +133,22 @@ def test_concurrent_requests_each_match_offline(client, tiny_llm):
         assert list(pool.map(ask, range(len(lengths)))) == ref
 
 
+def test_logit_bias_matches_offline(client, tiny_llm):
+    """A bias of +100 forces its token; one of -100 bans the greedy choice."""
+    first = offline(tiny_llm, [PROMPTS[0]], temperature=0.0, max_tokens=1)[0].token_ids[0]
+    for bias in ({"7": 100.0}, {str(first): -100.0, "9": 0.5}):
+        ref = offline(tiny_llm, [PROMPTS[0]], temperature=0.0, max_tokens=6, ignore_eos=True,
+                      logit_bias={int(k): v for k, v in bias.items()})[0]
+        r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 6,
+                                                  "temperature": 0, "ignore_eos": True,
+                                                  "logit_bias": bias})
+        assert r.json()["choices"][0]["text"] == ref.text
+    assert ref.token_ids[0] != first
+    forced = offline(tiny_llm, [PROMPTS[0]], temperature=0.0, max_tokens=6, ignore_eos=True,
+                     logit_bias={7: 100.0})[0]
+    assert forced.token_ids == [7] * 6
+
+
 def test_seeded_choices_are_reproducible(client):
     body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 3}
     first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
@@ -182,7 +198,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, "max_model_len"),
     ("/v1/completions", {"prompt": [5, 100000]}, "vocabulary"),
     ("/v1/completions", {"prompt": ["fine", ""]}, "empty"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1.0}}, "vocabulary"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),

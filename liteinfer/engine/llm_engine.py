@@ -106,6 +106,9 @@ class LLMEngine:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the "
+                             f"vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room in "
                              f"max_model_len={self.max_model_len}")

@@ -1,6 +1,7 @@
 """Turns one step's logits into one token per sequence, vectorised across the batch.
 
-Order (vLLM's): fp32 → min_tokens stop-token mask → repetition/presence/frequency penalties →
+Order (vLLM's): fp32 → min_tokens stop-token mask → logit bias → repetition/presence/frequency
+penalties →
 greedy argmax | temperature → top-k → top-p → min-p → exponential-race sample.
 Logprobs come from the raw model logits, before any of that (vLLM's default).
 """
@@ -62,9 +63,10 @@ class Sampler:
         # len(s) counts tokens still pending on the device: they are outputs too.
         min_tok_rows = [i for i, s in enumerate(seqs)
                         if len(s) - s.num_prompt_tokens < s.sampling_params.min_tokens]
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(greedy) and not min_tok_rows and not pen_rows and not want_logprobs:
+        if all(greedy) and not (min_tok_rows or bias_rows or pen_rows or want_logprobs):
             token_ids = logits.argmax(dim=-1)
             return SampledTokens(token_ids, token_ids, params, None)
 
@@ -72,6 +74,8 @@ class Sampler:
         x = logits.to(torch.float32, copy=True)
         if min_tok_rows:
             self._mask_stop_tokens(x, seqs, min_tok_rows)
+        if bias_rows:
+            _add_logit_bias(x, params, bias_rows)
         if pen_rows:
             _apply_penalties(x, seqs, pen_rows)
         token_ids = x.argmax(dim=-1)
@@ -95,6 +99,13 @@ class Sampler:
             r += [i] * len(ids)
             c += ids
         x[to_device(r, torch.long, x.device), to_device(c, torch.long, x.device)] = float("-inf")
+
+
+def _add_logit_bias(x: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:
+    biases = [(i, t, b) for i in rows for t, b in params[i].logit_bias.items()]
+    r, c, v = zip(*biases)
+    x.index_put_((to_device(r, torch.long, x.device), to_device(c, torch.long, x.device)),
+                 to_device(v, torch.float32, x.device), accumulate=True)
 
 
 def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -47,8 +47,8 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        if self.logit_bias and not all(k.isdigit() for k in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids")
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
                         logprobs: int | None, choice: int) -> SamplingParams:
@@ -63,6 +63,7 @@ class SamplingRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             include_stop_str_in_output=self.include_stop_str_in_output)
 
     @property

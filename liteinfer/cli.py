@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -80,7 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from liteinfer.entrypoints.openai.api_server import run_server
 
     run_server(args.model, args.host, args.port, args.served_model_name, args.load_format,
-               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+               args.api_key or os.environ.get("LITEINFER_API_KEY"), device=args.device,
+               dtype=args.dtype, max_model_len=args.max_model_len,
                **parse_overrides(args.overrides))
 
 
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", help="the model's name in the API (default: the "
                                                    "model's name or its directory's)")
+    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 requests "
+                                         "(default: $LITEINFER_API_KEY, if set)")
     serve.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="any engine argument, e.g. max_num_seqs=64")
     serve.set_defaults(func=cmd_serve)

@@ -170,7 +170,7 @@ def build_llm(model: str, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def serve(engine: Any, model_name: str) -> Iterator[str]:
+def serve(engine: Any, model_name: str, api_key: str | None = None) -> Iterator[str]:
     """Serves an AsyncLLMEngine over HTTP (uvicorn on a free local port) for the block; yields
     the base URL."""
     import uvicorn
@@ -179,7 +179,7 @@ def serve(engine: Any, model_name: str) -> Iterator[str]:
     from liteinfer.utils import free_port
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, api_key), host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -149,6 +149,30 @@ def test_logit_bias_matches_offline(client, tiny_llm):
     assert forced.token_ids == [7] * 6
 
 
+def test_api_key_guards_the_api(served):
+    with serve(served[1], MODEL, api_key="s3cret") as url, httpx.Client(base_url=url) as c:
+        body = {"prompt": "x", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = c.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/health").status_code == 200
+        r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_serve_command_takes_the_api_key(monkeypatch):
+    from liteinfer import cli
+
+    calls = []
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **kw: calls.append(a[5]))
+    cli.main(["serve", "--api-key", "k1"])
+    monkeypatch.setenv("LITEINFER_API_KEY", "k2")
+    cli.main(["serve"])
+    cli.main(["serve", "--api-key", "k3"])
+    assert calls == ["k1", "k2", "k3"]
+
+
 def test_seeded_choices_are_reproducible(client):
     body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "seed": 7, "n": 3}
     first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))

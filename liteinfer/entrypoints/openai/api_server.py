@@ -6,12 +6,16 @@ not at all. Bad input is answered with an OpenAI-style 400 before anything reach
 batch, so it never disturbs the requests already running; a client that disconnects has its
 requests aborted and their KV blocks returned.
 
-    liteinfer serve --model DIR_OR_NAME [--port 8000]
+    liteinfer serve --model DIR_OR_NAME [--port 8000] [--api-key KEY]
+
+With an API key, every /v1 request must carry `Authorization: Bearer KEY` (an OpenAI-style 401
+otherwise); /health stays open for load balancers.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -206,9 +210,20 @@ class ChoiceRenderer:
                 "text_offset": offsets}
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
     serving = OpenAIServing(engine, model_name)
     app = FastAPI(title="liteinfer", docs_url=None, redoc_url=None)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            given = request.headers.get("Authorization", "").encode()
+            if request.url.path.startswith("/v1") and not secrets.compare_digest(given,
+                                                                                 expected):
+                return error_response(401, "invalid or missing API key", "AuthenticationError")
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -237,12 +252,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
 def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, load_format: str = "auto",
-               **engine_args: Any) -> None:
+               api_key: str | None = None, **engine_args: Any) -> None:
     import uvicorn
 
     engine = AsyncLLMEngine.from_args(model, load_format, **engine_args)
     try:
-        uvicorn.run(build_app(engine, served_model_name or model_label(model)), host=host,
-                    port=port, log_level="info")
+        uvicorn.run(build_app(engine, served_model_name or model_label(model), api_key),
+                    host=host, port=port, log_level="info")
     finally:
         engine.shutdown()

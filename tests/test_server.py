@@ -149,6 +149,27 @@ def test_logit_bias_matches_offline(client, tiny_llm):
     assert forced.token_ids == [7] * 6
 
 
+def test_tokenize_and_detokenize(client, tiny_llm):
+    text = PROMPTS[1]
+    r = client.post("/tokenize", json={"prompt": text}).json()
+    ids = tiny_llm.tokenizer.encode(text)
+    assert r == {"tokens": ids, "count": len(ids), "max_model_len": 256}
+    used = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1}).json()
+    assert used["usage"]["prompt_tokens"] == r["count"]
+    messages = [{"role": "user", "content": "Hello!"}]
+    r = client.post("/tokenize", json={"messages": messages}).json()
+    assert r["tokens"] == tiny_llm.apply_chat_template(messages)
+    r = client.post("/detokenize", json={"tokens": ids}).json()
+    assert r == {"prompt": tiny_llm.tokenizer.decode(ids)}
+    for path, body, needle in [("/tokenize", {"prompt": "x", "messages": messages}, "either"),
+                               ("/tokenize", {}, "either"),
+                               ("/detokenize", {"tokens": [5, 10 ** 6]}, "vocabulary"),
+                               ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert client.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
 def test_api_key_guards_the_api(served):
     with serve(served[1], MODEL, api_key="s3cret") as url, httpx.Client(base_url=url) as c:
         body = {"prompt": "x", "max_tokens": 2}

@@ -1,5 +1,6 @@
 """An OpenAI-compatible HTTP server: /v1/completions and /v1/chat/completions (streamed as
-server-sent events or whole), /v1/models and /health, over an AsyncLLMEngine.
+server-sent events or whole), /v1/models, /health, and vLLM's /tokenize and /detokenize, over an
+AsyncLLMEngine.
 
 Every HTTP request becomes one engine request per prompt and choice, all admitted together or
 not at all. Bad input is answered with an OpenAI-style 400 before anything reaches the engine's
@@ -27,7 +28,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from liteinfer.engine.async_llm_engine import AsyncLLMEngine, Prompt, RequestStream
 from liteinfer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                   SamplingRequest)
+                                                   DetokenizeRequest, SamplingRequest,
+                                                   TokenizeRequest, conversation)
 from liteinfer.llm import apply_chat_template, generation_defaults
 from liteinfer.outputs import RequestOutput
 from liteinfer.utils import model_label
@@ -68,12 +70,43 @@ class OpenAIServing:
         return await self._serve(body, request, "chatcmpl", "chat.completion", prompts,
                                  body.max_new_tokens, body.num_logprobs)
 
+    def tokenize(self, body: TokenizeRequest):
+        if (error := self._check_model(body.model)) is not None:
+            return error
+        try:
+            if (body.prompt is None) == (body.messages is None):
+                raise ValueError("give either prompt or messages")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer")
+            tokens = (self.tokenizer.encode(body.prompt) if body.prompt is not None else
+                      apply_chat_template(self.tokenizer, conversation(body.messages),
+                                          body.add_generation_prompt))
+        except ValueError as e:
+            return error_response(400, str(e))
+        return {"tokens": tokens, "count": len(tokens),
+                "max_model_len": self.engine.engine.max_model_len}
+
+    def detokenize(self, body: DetokenizeRequest):
+        if (error := self._check_model(body.model)) is not None:
+            return error
+        vocab = self.engine.engine.model_config.vocab_size
+        if self.tokenizer is None:
+            return error_response(400, "this model has no tokenizer")
+        if any(not 0 <= t < vocab for t in body.tokens):
+            return error_response(400, f"tokens must be ids in the vocabulary [0, {vocab})")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def _check_model(self, model: str | None) -> JSONResponse | None:
+        """A 404 for a model name other than the one served."""
+        if model is not None and model != self.model_name:
+            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError")
+        return None
+
     async def _serve(self, body: SamplingRequest, request: Request, prefix: str, kind: str,
                      prompts: Callable[[], list[Prompt]], max_tokens: int | None,
                      logprobs: int | None):
-        if body.model is not None and body.model != self.model_name:
-            return error_response(404, f"The model `{body.model}` does not exist.",
-                                  "NotFoundError")
+        if (error := self._check_model(body.model)) is not None:
+            return error
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             body.check_supported()
@@ -246,6 +279,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return serving.detokenize(body)
 
     return app
 

@@ -149,6 +149,38 @@ def test_logit_bias_matches_offline(client, tiny_llm):
     assert forced.token_ids == [7] * 6
 
 
+def scrape(client) -> dict[str, float]:
+    """The server's liteinfer samples by name and labels (histograms by _count and _sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items())
+                             if k != "model_name"): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples
+            if s.name.startswith("liteinfer:")}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_metrics_count_what_clients_receive(client, stream):
+    before = scrape(client)
+    body = {"prompt": PROMPTS[:2], "max_tokens": 5, "n": 2, "temperature": 0.7, "seed": 1,
+            "ignore_eos": True, "stream": stream, "stream_options": {"include_usage": True}}
+    r = client.post("/v1/completions", json=body)
+    usage = (events(r)[-2] if stream else r.json())["usage"]
+    after = scrape(client)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    # Each of the n choices is an engine request that counts its prompt.
+    assert delta["liteinfer:prompt_tokens_total"] == 2 * usage["prompt_tokens"]
+    assert delta["liteinfer:generation_tokens_total"] == usage["completion_tokens"] == 20
+    assert delta["liteinfer:request_success_total,finished_reason=length"] == 4
+    assert delta["liteinfer:time_to_first_token_seconds_count"] == 4
+    assert delta["liteinfer:e2e_request_latency_seconds_count"] == 4
+    assert 0 < delta["liteinfer:time_to_first_token_seconds_sum"] <= delta[
+        "liteinfer:e2e_request_latency_seconds_sum"]
+    assert after["liteinfer:num_requests_running"] == after["liteinfer:num_requests_waiting"] == 0
+
+
 def test_tokenize_and_detokenize(client, tiny_llm):
     text = PROMPTS[1]
     r = client.post("/tokenize", json={"prompt": text}).json()

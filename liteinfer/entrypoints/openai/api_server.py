@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server: /v1/completions and /v1/chat/completions (streamed as
-server-sent events or whole), /v1/models, /health, and vLLM's /tokenize and /detokenize, over an
-AsyncLLMEngine.
+server-sent events or whole), /v1/models, /health, /metrics (Prometheus), and vLLM's /tokenize
+and /detokenize, over an AsyncLLMEngine.
 
 Every HTTP request becomes one engine request per prompt and choice, all admitted together or
 not at all. Bad input is answered with an OpenAI-style 400 before anything reaches the engine's
@@ -24,12 +24,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from liteinfer.engine.async_llm_engine import AsyncLLMEngine, Prompt, RequestStream
 from liteinfer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, SamplingRequest,
                                                    TokenizeRequest, conversation)
+from liteinfer.entrypoints.openai.metrics import ServerMetrics
 from liteinfer.llm import apply_chat_template, generation_defaults
 from liteinfer.outputs import RequestOutput
 from liteinfer.utils import model_label
@@ -52,6 +53,7 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.defaults = generation_defaults(engine.engine.generation_config)
         self.created = int(time.time())
+        self.metrics = ServerMetrics(engine, model_name)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -131,14 +133,14 @@ class OpenAIServing:
         return {**meta, "object": kind, "choices": [render.final(o) for o in outs],
                 "usage": usage(outs, body.n)}
 
-    @staticmethod
-    async def _collect(stream: RequestStream, request: Request
+    async def _collect(self, stream: RequestStream, request: Request
                        ) -> dict[str, RequestOutput] | Exception | None:
         """Each request's last output; None if the client disconnected first."""
         finals: dict[str, RequestOutput] = {}
 
         async def consume() -> None:
             async for out in stream:
+                self.metrics.observe(out)
                 if out.finished:
                     finals[out.request_id] = out
 
@@ -162,6 +164,7 @@ class OpenAIServing:
                         "index": choice_index(rid), "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}]})
             async for out in stream:
+                self.metrics.observe(out)
                 outs[out.request_id] = out
                 yield sse({**meta, "object": chunk_kind, "choices": [render.delta(out)]})
             if body.include_usage:
@@ -267,6 +270,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=serving.metrics.content_type)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -38,3 +38,5 @@ class RequestOutput:
     new_text: str = ""
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt token, as Sequence.prompt_logprobs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -26,6 +26,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of each prompt token given the tokens before it, with the top-N there (vLLM's).
+    prompt_logprobs: int | None = None
     # Added to the token's logit before penalties and sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
@@ -66,6 +68,9 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad(f"logprobs must be a non-negative integer, got {self.logprobs}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < 0):
+            bad(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

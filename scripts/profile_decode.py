@@ -69,7 +69,7 @@ def main() -> None:
             for _ in range(steps):
                 runner.graphs.run(batch)
             row["graph_run_host_ms"] = (time.perf_counter() - t0) * 1e3 / steps
-        ids, pos, meta, _ = runner.prepare(batch)
+        ids, pos, meta, *_ = runner.prepare(batch)
         with torch.inference_mode():
             forward = lambda: runner.model.compute_logits(runner.model(ids, pos, meta))
             row["eager_forward_ms"] = cuda_ms(forward, 20)

@@ -39,10 +39,10 @@ def instrument(engine) -> list[dict]:
             kind = "prompt-eager"
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        logits = execute(batch)
+        result = execute(batch)
         steps.append({"kind": kind, "decodes": batch.num_decodes, "prompt": prompt_tokens,
                       "events": (start, end)})
-        return logits
+        return result
 
     step = engine.step
 

@@ -122,6 +122,37 @@ def test_logprobs_match_transformers(tiny_llm, hf_model, prompts):
             assert lp == pytest.approx(row[t].item(), abs=1e-4)
 
 
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"packed_prefill": False},
+    {"max_num_batched_tokens": 16},  # prompts scored a chunk at a time, beside decodes
+    {"num_kv_blocks": 12, "enable_prefix_caching": True},  # preemption, cache lookups
+], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default")
+def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_model, prompts, reference,
+                                            engine_args):
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128,
+                    **engine_args)
+    # Half the requests score their prompts (top 2, or only the prompt token), half do not.
+    params = [greedy(prompt_logprobs=(2, None, 0, None)[i % 4]) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == reference
+    if "num_kv_blocks" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, p, out in zip(prompts, params, outs):
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+            continue
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for t in range(1, len(prompt)):
+            entry, row = out.prompt_logprobs[t], ref[t - 1]
+            top = set(row.topk(p.prompt_logprobs).indices.tolist()) if p.prompt_logprobs else set()
+            assert set(entry) == top | {prompt[t]}
+            for tok, lp in entry.items():
+                assert lp == pytest.approx(row[tok].item(), abs=1e-4)
+
+
 def test_streaming_yields_tokens_as_produced(tiny_llm, prompts, reference):
     chunks = list(tiny_llm.stream(prompts[1], greedy()))
     assert [t for c in chunks for t in c.new_token_ids] == reference[1]
@@ -145,6 +176,7 @@ def test_abort_returns_blocks(tiny_llm, prompts):
     ([1, -1], greedy(), "vocabulary"),
     ([0] * 256, greedy(1), "max_model_len"),
     ([1, 2], greedy(logprobs=10**6), "vocabulary size"),
+    ([1, 2], greedy(prompt_logprobs=10**6), "vocabulary size"),
 ])
 def test_bad_requests_raise_and_leave_others_alone(tiny_llm, prompts, reference, prompt, params,
                                                    message):
@@ -164,7 +196,8 @@ def test_bad_requests_raise_and_leave_others_alone(tiny_llm, prompts, reference,
 @pytest.mark.parametrize("kwargs", [
     {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"min_p": 2.0},
     {"max_tokens": 0}, {"repetition_penalty": 0.0}, {"presence_penalty": 3.0},
-    {"min_tokens": 5, "max_tokens": 2}, {"logprobs": -1}, {"stop": [""]},
+    {"min_tokens": 5, "max_tokens": 2}, {"logprobs": -1}, {"prompt_logprobs": -1},
+    {"stop": [""]},
 ])
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(ValueError, match="SamplingParams"):
@@ -348,7 +381,7 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
         buckets.append((step.num_decodes, d, len(step.input_ids) - step.num_decodes, p))
         hidden = forward_bucket(runner, layout, buffer, d, p)
         rows = layout.sample_rows(buffer, len(step.sample_rows))
-        return runner.model.compute_logits(hidden[rows]) if rows.numel() else None
+        return (runner.model.compute_logits(hidden[rows]) if rows.numel() else None), None
 
     runner.execute = through_layout
     lengths = [MAX_NEW - 7 * (i % 3) for i in range(len(prompts))]

@@ -163,6 +163,21 @@ def test_fp32_prefix_caching(model_dir, prompts, hf_fp32, fp32_reference):
     assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
 
 
+def test_fp32_prompt_logprobs(model_dir, prompts, hf_fp32, fp32_reference):
+    """Prompt logprobs in the default config: their prompt steps run eagerly beside captured
+    decodes of the other requests."""
+    llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=48)
+    params = [greedy(20, prompt_logprobs=1 if i % 2 else None) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == fp32_reference
+    for prompt, out in list(zip(prompts, outs))[1::2]:
+        with torch.no_grad():
+            ref = hf_fp32(torch.tensor([prompt], device="cuda")).logits[0].log_softmax(-1)
+        got = [e[t] for t, e in zip(prompt[1:], out.prompt_logprobs[1:])]
+        want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
+        assert got == pytest.approx(want, abs=1e-3)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_fp32_two_gpus_tensor_parallel(model_dir, prompts, fp32_reference):
     """Two ranks over NCCL, CUDA graphs capturing the all-reduces."""

@@ -181,6 +181,33 @@ def test_metrics_count_what_clients_receive(client, stream):
     assert after["liteinfer:num_requests_running"] == after["liteinfer:num_requests_waiting"] == 0
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(client, tiny_llm):
+    """echo with logprobs and max_tokens 1, as evaluation harnesses score a text."""
+    ids = tiny_llm.tokenizer.encode(PROMPTS[3])
+    ref = tiny_llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, logprobs=2,
+                                                  prompt_logprobs=2), use_tqdm=False)[0]
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": True}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    prompt_text = tiny_llm.tokenizer.decode(ids)
+    assert choice["text"] == prompt_text + ref.outputs[0].text
+    lp = choice["logprobs"]
+    token_ids = ids + ref.outputs[0].token_ids
+    assert len(lp["tokens"]) == len(token_ids) and lp["token_logprobs"][0] is None
+    entries = ref.prompt_logprobs[1:] + ref.outputs[0].logprobs
+    assert lp["token_logprobs"][1:] == [e[t] for t, e in zip(token_ids[1:], entries)]
+    assert lp["top_logprobs"][0] is None
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])  # keyed by text
+    # Streamed, the first chunk carries the prompt; without logprobs, text alone is echoed.
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = events(r)[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    plain = client.post("/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 4,
+                                                 "temperature": 0, "echo": True}).json()
+    text = offline(tiny_llm, [PROMPTS[3]], temperature=0.0, max_tokens=4)[0].text
+    assert plain["choices"][0]["text"] == PROMPTS[3] + text
+    assert plain["choices"][0]["logprobs"] is None
+
+
 def test_tokenize_and_detokenize(client, tiny_llm):
     text = PROMPTS[1]
     r = client.post("/tokenize", json={"prompt": text}).json()

@@ -104,10 +104,11 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Cached blocks of seq's leading full blocks, and their keys' hashes, leaving at least
-        its last token to compute (its logits are needed)."""
+        its last token to compute (its logits are needed). None for a sequence that wants its
+        prompt's logprobs: those need every prompt token computed."""
         hits: list[int] = []
         hashes: list[int] = []
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return hits, hashes
         for i in range((len(seq.token_ids) - 1) // self.block_size):
             key = self._key(seq, i, hashes[-1] if hashes else 0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,9 @@ from liteinfer.engine.tensor_parallel import WorkerGroup
 from liteinfer.loader import load_model_source
 from liteinfer.outputs import CompletionOutput, RequestOutput
 from liteinfer.sampling_params import SamplingParams
+
+# Prompt rows scored at once: their fp32 logits over a 128k vocabulary take 256 MiB.
+PROMPT_LOGPROB_ROWS = 512
 
 
 @dataclass
@@ -101,8 +105,10 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size "
+                                 f"{vocab}")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -176,7 +182,9 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
         sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        logits = self.runner.execute(batch)
+        logits, prompt_hidden = self.runner.execute(batch)
+        if prompt_hidden is not None:
+            _record_prompt_logprobs(batch, prompt_hidden, self.runner.prompt_logits)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
@@ -242,4 +250,33 @@ class LLMEngine:
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=seq.finish_reason is not None, metrics=seq.metrics,
                              new_token_ids=new_tokens, new_text=new_text,
-                             num_cached_tokens=seq.num_cached_tokens)
+                             num_cached_tokens=seq.num_cached_tokens,
+                             prompt_logprobs=seq.prompt_logprobs)
+
+
+def _record_prompt_logprobs(batch: ScheduledBatch, hidden: torch.Tensor,
+                            to_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Appends the prompt tokens' logprobs (and each sequence's top-N) that this step's rows
+    scoring prompt tokens give (`batch.prompt_logprob_spans`, in order; their final hidden
+    states). Logits are taken PROMPT_LOGPROB_ROWS rows at a time, so that a long prompt chunk
+    never holds [tokens, vocab] at once, and read back at once: a request asking for prompt
+    logprobs gives up the overlap of its prompt steps."""
+    seqs, targets, tops = [], [], []
+    for i, first, n in batch.prompt_logprob_spans:
+        seq = batch.seqs[i]
+        pos = seq.num_computed_tokens + first
+        seqs += [seq] * n
+        targets += seq.token_ids[pos + 1:pos + 1 + n]
+        tops += [seq.sampling_params.prompt_logprobs] * n
+    k = max(tops)
+    for start in range(0, len(seqs), PROMPT_LOGPROB_ROWS):
+        end = start + PROMPT_LOGPROB_ROWS
+        lp = to_logits(hidden[start:end]).float().log_softmax(dim=-1)
+        chosen = lp.gather(1, torch.tensor(targets[start:end], device=lp.device)[:, None])
+        top = lp.topk(k, dim=-1)
+        rows = zip(seqs[start:end], targets[start:end], chosen[:, 0].tolist(), tops[start:end],
+                   top.indices.tolist(), top.values.tolist())
+        for seq, t, lp_t, n_top, ids, vals in rows:
+            entry = {t: lp_t}
+            entry.update(zip(ids[:n_top], vals[:n_top]))
+            seq.prompt_logprobs.append(entry)

@@ -125,9 +125,11 @@ class ModelRunner:
         width = cfg.hidden_size * 4 + cfg.intermediate_size * 3
         return (tokens * width + self.config.max_num_seqs * cfg.vocab_size * 2) * 4
 
-    def prepare(self, batch: ScheduledBatch
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Token ids, positions, attention metadata and the rows whose logits are sampled."""
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
+                                                      AttentionMetadata, torch.Tensor,
+                                                      torch.Tensor | None]:
+        """Token ids, positions, attention metadata, the rows whose logits are sampled and the
+        rows scoring prompt tokens (`prompt_logprob_spans`; None if there are none)."""
         step = build_step_inputs(batch, self.block_size, self.max_blocks_per_seq,
                                  pad_prompts=not self.config.packed_prefill)
         as_tensor = lambda data, dtype: to_device(data, dtype, self.device)
@@ -155,8 +157,9 @@ class ModelRunner:
             ids = self.with_pending(ids, as_tensor(step.pending_rows, torch.int32))
         # A device index: indexing with a host list would copy it synchronously and stall the
         # host until the whole step has run, instead of letting it prepare the next one.
-        return ids, as_tensor(step.positions, torch.int64), meta, as_tensor(step.sample_rows,
-                                                                            torch.int64)
+        prompt_rows = as_tensor(step.prompt_rows, torch.int64) if len(step.prompt_rows) else None
+        return (ids, as_tensor(step.positions, torch.int64), meta,
+                as_tensor(step.sample_rows, torch.int64), prompt_rows)
 
     def with_pending(self, ids: torch.Tensor, pending_rows: torch.Tensor) -> torch.Tensor:
         """Token ids with pending ones (row >= 0) read from the last sampled tokens."""
@@ -166,16 +169,26 @@ class ModelRunner:
         self.sampled_tokens[:token_ids.shape[0]].copy_(token_ids)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Runs one step; returns logits [rows that sample, vocab], or None if none do."""
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Runs one step; returns the logits of the rows that sample ([rows, vocab], None if
+        none do) and the final hidden states of the rows scoring prompt tokens (None if none
+        do; `prompt_logits` turns them into logits)."""
         if not batch.is_prefill and self.graphs is not None:
-            return self.graphs.run(batch)
-        if self.prompt_graphs is not None and self.prompt_graphs.fits(batch):
+            return self.graphs.run(batch), None
+        prompt_hidden = None
+        if (self.prompt_graphs is not None and not batch.prompt_logprob_spans
+                and self.prompt_graphs.fits(batch)):
             hidden, rows = self.prompt_graphs.run(batch)
         else:
-            input_ids, positions, meta, rows = self.prepare(batch)
+            input_ids, positions, meta, rows, prompt_rows = self.prepare(batch)
             hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[rows]) if rows.numel() else None
+            if prompt_rows is not None:
+                prompt_hidden = hidden[prompt_rows]
+        return (self.model.compute_logits(hidden[rows]) if rows.numel() else None), prompt_hidden
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(prompt_hidden)
 
     @property
     def max_decode_splits(self) -> int:

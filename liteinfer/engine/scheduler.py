@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 
 from liteinfer.config import MIN_PROMPT_PIECE
 from liteinfer.engine.block_manager import BlockManager
@@ -41,6 +42,23 @@ class ScheduledBatch:
         """Whether sequence i reaches its last token this step, so a token is sampled for it."""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_tokens[i] == len(seq)
+
+    @cached_property
+    def prompt_logprob_spans(self) -> list[tuple[int, int, int]]:
+        """(sequence index, first token in its chunk, count) of the tokens whose logits give a
+        prompt token's logprob that sequence asked for and does not have yet (a prompt
+        recomputed after preemption is not scored twice). Token p scores prompt token p + 1."""
+        spans = []
+        for i in range(self.num_decodes, len(self.seqs)):
+            seq = self.seqs[i]
+            if seq.prompt_logprobs is None:
+                continue
+            start = seq.num_computed_tokens
+            first = max(start, len(seq.prompt_logprobs) - 1)
+            end = min(start + self.num_tokens[i], seq.num_prompt_tokens - 1)
+            if end > first:
+                spans.append((i, first - start, end - first))
+        return spans
 
 
 class Scheduler:

@@ -46,6 +46,9 @@ class Sequence:
         # Seeded requests only; the sampler creates it on the logits' device at the first draw.
         self.generator: torch.Generator | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Entry t: prompt token t's logprob (and the top-N) given tokens < t; none for token 0.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # Detokenization state, owned by the detokenizer.

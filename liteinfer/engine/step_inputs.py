@@ -29,6 +29,7 @@ class StepInputs:
     context_lens: np.ndarray  # int64 [B]: KV tokens including this step's
     block_tables: np.ndarray  # int64 [B, table_width]
     sample_rows: np.ndarray   # int64: token rows whose logits are sampled, in sequence order
+    prompt_rows: np.ndarray   # int64: rows of batch.prompt_logprob_spans, in their order
     num_decodes: int
 
     @property
@@ -85,6 +86,9 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, table_width: int,
                      + positions % block_size, -1)
     sample_rows = np.array([cu_seqlens[i] + n - 1 for i, n in enumerate(batch.num_tokens)
                             if batch.samples(i)], dtype=np.int64)
+    prompt_rows = np.array([r for i, first, n in batch.prompt_logprob_spans
+                            for r in range(cu_seqlens[i] + first, cu_seqlens[i] + first + n)],
+                           dtype=np.int64)
     return StepInputs(np.array(input_ids, dtype=np.int64), np.array(pending_rows, dtype=np.int64),
                       positions, slots, query_lens, cu_seqlens, context_lens, tables, sample_rows,
-                      batch.num_decodes)
+                      prompt_rows, batch.num_decodes)

@@ -120,7 +120,8 @@ class OpenAIServing:
         except ValueError as e:
             return error_response(400, str(e))
         meta = {"id": response_id, "created": int(time.time()), "model": self.model_name}
-        render = ChoiceRenderer(self.tokenizer, kind == "chat.completion", logprobs)
+        render = ChoiceRenderer(self.tokenizer, kind == "chat.completion", logprobs,
+                                echo=getattr(body, "echo", False))
         if body.stream:
             return StreamingResponse(self._events(stream, render, meta, kind, body),
                                      media_type="text/event-stream")
@@ -203,29 +204,47 @@ def usage(outs: list[RequestOutput], n: int) -> dict[str, int]:
 
 
 class ChoiceRenderer:
-    """A choice of either endpoint, whole or as a streamed delta, with its logprobs."""
+    """A choice of either endpoint, whole or as a streamed delta, with its logprobs. With echo
+    (completions), the prompt and its tokens' logprobs come first (in a stream's first chunk of
+    each choice)."""
 
-    def __init__(self, tokenizer: Any, chat: bool, logprobs: int | None):
-        self.tokenizer, self.chat, self.logprobs = tokenizer, chat, logprobs
+    def __init__(self, tokenizer: Any, chat: bool, logprobs: int | None, echo: bool = False):
+        self.tokenizer, self.chat, self.logprobs, self.echo = tokenizer, chat, logprobs, echo
 
     def final(self, out: RequestOutput) -> Chunk:
         c = out.outputs[0]
-        body = {"message": {"role": "assistant", "content": c.text}} if self.chat else {
-            "text": c.text}
-        return {"index": choice_index(out), **body,
-                "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                "finish_reason": finish_reason(out)}
+        if self.chat:
+            return {"index": choice_index(out), "message": {"role": "assistant",
+                                                            "content": c.text},
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": finish_reason(out)}
+        return self._completion(out, c.text, c.token_ids, c.logprobs, first=True)
 
     def delta(self, out: RequestOutput) -> Chunk:
         c, n = out.outputs[0], len(out.new_token_ids)
         entries = c.logprobs[len(c.logprobs) - n:] if c.logprobs is not None else None
-        body = {"delta": {"content": out.new_text} if out.new_text else {}} if self.chat else {
-            "text": out.new_text}
-        return {"index": choice_index(out), **body,
+        if not self.chat:
+            return self._completion(out, out.new_text, out.new_token_ids, entries,
+                                    first=len(c.token_ids) == n)
+        return {"index": choice_index(out),
+                "delta": {"content": out.new_text} if out.new_text else {},
                 "logprobs": self._logprobs(out.new_token_ids, entries),
                 "finish_reason": finish_reason(out)}
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None
+    def _completion(self, out: RequestOutput, text: str, token_ids: list[int],
+                    entries: list[dict[int, float]] | None, first: bool) -> Chunk:
+        if self.echo and first:
+            prompt = out.prompt
+            if prompt is None:
+                prompt = self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer else ""
+            text, token_ids = prompt + text, out.prompt_token_ids + token_ids
+            if entries is not None:
+                entries = (out.prompt_logprobs or []) + entries
+        return {"index": choice_index(out), "text": text,
+                "logprobs": self._logprobs(token_ids, entries),
+                "finish_reason": finish_reason(out)}
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None] | None
                   ) -> Chunk | None:
         if self.logprobs is None or entries is None:
             return None
@@ -241,8 +260,11 @@ class ChoiceRenderer:
                 ][:self.logprobs]} for t, e in zip(token_ids, entries)]}
         tokens = [text(t) for t in token_ids]
         offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{text(k): v for k, v in e.items()} for e in entries],
+        # A prompt's first token has no logprob (nothing comes before it).
+        return {"tokens": tokens,
+                "token_logprobs": [None if e is None else e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [None if e is None else {text(k): v for k, v in e.items()}
+                                 for e in entries],
                 "text_offset": offsets}
 
 

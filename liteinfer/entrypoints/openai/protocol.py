@@ -4,6 +4,7 @@ not use are ignored, as vLLM does; fields that would change the answer and are n
 refused with a 400 rather than ignored."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -81,12 +82,18 @@ class CompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
+
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
+                        logprobs: int | None, choice: int) -> SamplingParams:
+        """Echoed prompts with logprobs get their prompt tokens' logprobs too."""
+        params = super().sampling_params(defaults, max_tokens, logprobs, choice)
+        if self.echo and logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=logprobs)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +11,7 @@ from liteinfer.config import EngineConfig, ModelConfig, parse_dtype
 from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.detokenizer import Detokenizer
 from liteinfer.engine.model_runner import ModelRunner
-from liteinfer.engine.sampler import SampledTokens, Sampler
+from liteinfer.engine.sampler import SampledTokens, Sampler, logprob_entries, logprob_table
 from liteinfer.engine.scheduler import ScheduledBatch, Scheduler
 from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import WorkerGroup
@@ -109,12 +109,8 @@ class LLMEngine:
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size "
                                  f"{vocab}")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token id {max(params.logit_bias)} is outside the "
-                             f"vocabulary [0, {vocab})")
+        self.check_token_ids(token_ids, "prompt")
+        self.check_token_ids(params.logit_bias or (), "logit_bias")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens leaves no room in "
                              f"max_model_len={self.max_model_len}")
@@ -129,6 +125,13 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, arrival_time, text)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def check_token_ids(self, token_ids: Iterable[int], what: str) -> None:
+        """A ValueError unless every id is one of the model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
     def abort(self, request_id: str) -> bool:
         if self.workers is not None:
@@ -271,12 +274,7 @@ def _record_prompt_logprobs(batch: ScheduledBatch, hidden: torch.Tensor,
     k = max(tops)
     for start in range(0, len(seqs), PROMPT_LOGPROB_ROWS):
         end = start + PROMPT_LOGPROB_ROWS
-        lp = to_logits(hidden[start:end]).float().log_softmax(dim=-1)
-        chosen = lp.gather(1, torch.tensor(targets[start:end], device=lp.device)[:, None])
-        top = lp.topk(k, dim=-1)
-        rows = zip(seqs[start:end], targets[start:end], chosen[:, 0].tolist(), tops[start:end],
-                   top.indices.tolist(), top.values.tolist())
-        for seq, t, lp_t, n_top, ids, vals in rows:
-            entry = {t: lp_t}
-            entry.update(zip(ids[:n_top], vals[:n_top]))
+        ids = torch.tensor(targets[start:end], device=hidden.device)
+        table = logprob_table(to_logits(hidden[start:end]), ids, k)
+        for seq, entry in zip(seqs[start:end], logprob_entries(table.tolist(), tops[start:end], k)):
             seq.prompt_logprobs.append(entry)

@@ -45,7 +45,9 @@ class SampledTokens:
             self._event.synchronize()
         if self._num_top is None:
             return SamplerOutput(self._host.tolist(), [None] * len(self._params))
-        return _format_logprobs(self._host.tolist(), self._params, self._num_top)
+        rows = self._host.tolist()
+        return SamplerOutput([int(r[0]) for r in rows], logprob_entries(
+            rows, [p.logprobs for p in self._params], self._num_top))
 
 
 class Sampler:
@@ -184,26 +186,31 @@ def _sample(x: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.
 
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
                    params: list[SamplingParams]) -> SampledTokens:
-    """Sampled-token and top-N logprobs of the raw logits, packed for one device→host copy."""
     n = max(p.logprobs or 0 for p in params)
+    return SampledTokens(token_ids, logprob_table(raw, token_ids, n), params, n)
+
+
+def logprob_table(raw: torch.Tensor, token_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Per row of the raw logits: the token's id and logprob, then the top-n ids and their
+    logprobs; float64 [rows, 2 + 2n], packed for one device→host copy."""
     lp = raw.float().log_softmax(dim=-1)
     cols = [token_ids.unsqueeze(-1).double(), lp.gather(-1, token_ids.unsqueeze(-1)).double()]
     if n:
         top = lp.topk(n, dim=-1)
         cols += [top.indices.double(), top.values.double()]
-    return SampledTokens(token_ids, torch.cat(cols, dim=-1), params, n)
+    return torch.cat(cols, dim=-1)
 
 
-def _format_logprobs(rows: list[list[float]], params: list[SamplingParams],
-                     n: int) -> SamplerOutput:
-    ids = [int(r[0]) for r in rows]
-    logprobs: list[dict[int, float] | None] = []
-    for r, p in zip(rows, params):
-        if p.logprobs is None:
-            logprobs.append(None)
+def logprob_entries(rows: list[list[float]], num_top: list[int | None],
+                    n: int) -> list[dict[int, float] | None]:
+    """logprob_table rows on the host as {token: logprob, top ids: logprobs}, each with its own
+    top count (None: that row wants no logprobs)."""
+    entries: list[dict[int, float] | None] = []
+    for r, k in zip(rows, num_top):
+        if k is None:
+            entries.append(None)
             continue
-        k = p.logprobs
         d = {int(r[0]): r[1]}
         d.update((int(t), v) for t, v in zip(r[2:2 + k], r[2 + n:2 + n + k]))
-        logprobs.append(d)
-    return SamplerOutput(ids, logprobs)
+        entries.append(d)
+    return entries

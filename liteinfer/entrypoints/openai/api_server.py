@@ -91,11 +91,12 @@ class OpenAIServing:
     def detokenize(self, body: DetokenizeRequest):
         if (error := self._check_model(body.model)) is not None:
             return error
-        vocab = self.engine.engine.model_config.vocab_size
-        if self.tokenizer is None:
-            return error_response(400, "this model has no tokenizer")
-        if any(not 0 <= t < vocab for t in body.tokens):
-            return error_response(400, f"tokens must be ids in the vocabulary [0, {vocab})")
+        try:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer")
+            self.engine.engine.check_token_ids(body.tokens, "tokens")
+        except ValueError as e:
+            return error_response(400, str(e))
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def _check_model(self, model: str | None) -> JSONResponse | None:

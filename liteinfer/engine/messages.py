@@ -1,0 +1,80 @@
+"""What crosses the boundary between a front end and the engine core: requests in, one message
+of every request's new tokens per step out.
+
+The core runs in the caller's process for the offline `LLM` and in a process of its own behind
+the HTTP server (engine/core_process.py); the same messages are used both ways, encoded with
+msgspec's msgpack when they cross a socket. They carry token ids only: tokenization, chat
+templates, detokenization and stop strings belong to the front end.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from liteinfer.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request, validated and tokenized by the front end (engine/processor.py)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # max_tokens resolved (never None)
+    arrival_time: float
+    # Which front end gets this request's outputs (several may share one core).
+    client_index: int = 0
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One position's logprobs: token_ids[0] is the sampled (or prompt) token, the rest the
+    top-N, best first; `rank` is token_ids[0]'s rank in the vocabulary (1 = most likely)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    # The prompt's logprobs (position 0 has none), in the request's first output.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # "stop" | "length" | "abort" | "error"; None while the request runs.
+    finish_reason: str | None = None
+    stop_reason: int | None = None  # the stop token id, for a stop on a token
+    num_cached_tokens: int = 0
+    error: str | None = None  # why the request failed (finish_reason "error")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The scheduler's state after a step (for /metrics and the periodic stats log)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    num_preemptions: int = 0     # since the engine started
+    prefix_cache_queries: int = 0  # prompt tokens looked up, since the engine started
+    prefix_cache_hits: int = 0     # of those, found in the cache
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One step's message: every request's new tokens, and the scheduler's state."""
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0  # time.monotonic() on the core's host when the step's tokens arrived
+
+
+class EngineCoreInfo(msgspec.Struct, array_like=True):
+    """What a front end needs to know of the core it feeds, sent once when the core is ready."""
+
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int

@@ -104,7 +104,7 @@ def test_async_engine_matches_offline(model_dir, prompts, fp32_reference):
 
     try:
         assert asyncio.run(everyone()) == fp32_reference
-        bm = engine.engine.block_manager
+        bm = engine.engine.core.block_manager
         assert not engine.engine.has_unfinished_requests()
         assert bm.num_free_blocks == bm.num_blocks
     finally:
@@ -193,7 +193,7 @@ def test_fp32_two_gpus_tensor_parallel(model_dir, prompts, fp32_reference):
 
 def test_fp32_lone_prompts_through_sdpa(model_dir, prompts, fp32_reference):
     llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=1)
-    llm.engine.runner.backend.sdpa_min_tokens = 1  # every prompt: prefilled alone, nothing cached
+    llm.engine.core.runner.backend.sdpa_min_tokens = 1  # every prompt: prefilled alone, nothing cached
     outputs = llm.generate(prompts, greedy(20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == fp32_reference
 
@@ -207,7 +207,7 @@ def test_bf16_within_tolerance(model_dir, prompts, name):
     llm = build_llm(str(model_dir), dtype="bfloat16", max_model_len=1024,
                     **({"max_num_seqs": 1} if lone else CONFIGS[name]))
     if lone:
-        llm.engine.runner.backend.sdpa_min_tokens = 1
+        llm.engine.core.runner.backend.sdpa_min_tokens = 1
     outputs = llm.generate(prompts[:16], greedy(24, logprobs=5), use_tqdm=False)
     checked = steps = 0
     for prompt, out in zip(prompts[:16], outputs):
@@ -237,10 +237,10 @@ def test_llama_1b_dummy_at_32_concurrent():
         engine.add_request(str(i), p, greedy(64))
     widest, lengths = 0, {}
     while engine.has_unfinished_requests():
-        widest = max(widest, len(engine.scheduler.running))
+        widest = max(widest, len(engine.core.scheduler.running))
         for out in engine.step():
             if out.finished:
                 lengths[out.request_id] = len(out.outputs[0].token_ids)
     assert widest == 32
     assert sorted(lengths.values()) == [64] * 40
-    print(json.dumps({"kv_blocks": engine.block_manager.num_blocks}))
+    print(json.dumps({"kv_blocks": engine.core.block_manager.num_blocks}))

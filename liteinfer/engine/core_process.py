@@ -156,7 +156,9 @@ class EngineCoreProc:
                                                  outputs.timestamp))
 
     def _send(self, client: int, outputs: EngineCoreOutputs) -> None:
-        self.outputs[client].send(self.encoder.encode(outputs), copy=False)
+        # A PUSH without a peer would block: a front end not connected (yet) has no requests.
+        with contextlib.suppress(zmq.Again):
+            self.outputs[client].send(self.encoder.encode(outputs), zmq.NOBLOCK, copy=False)
 
 
 def run_engine_core(model: str, config: EngineConfig, load_format: str,

@@ -121,7 +121,10 @@ class OpenAIServing:
             "owned_by": "liteinfer", "max_model_len": self.engine.max_model_len}]}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        prompts = body.prompts()
+        try:
+            prompts = body.prompts()
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
         return await self._serve(body, request, "cmpl", "text_completion", lambda: prompts,
                                  len(prompts), body.max_tokens, body.logprobs)
 

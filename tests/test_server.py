@@ -4,7 +4,6 @@ batched with other requests; bad input answered with a 400 that leaves running r
 disconnected clients' requests aborted."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor

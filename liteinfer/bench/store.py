@@ -133,6 +133,13 @@ def load_rows(results: Path | None = RESULTS_DIR,
     return rows
 
 
+def stored_rows(config: str, results: Path = RESULTS_DIR) -> dict[Path, list[Row]]:
+    """The measured rows of one config, by the results file that holds them."""
+    found = {f: [r for r in read_jsonl(f) if r["config"] == config]
+             for f in sorted(results.glob("*.jsonl"))} if results.is_dir() else {}
+    return {f: rows for f, rows in found.items() if rows}
+
+
 def row_key(row: Row) -> tuple[str, str, str, str, int, int]:
     """What a row measures: (model, config, kind, isl, osl, width)."""
     return row["model"], row["config"], row["kind"], str(row["isl"]), row["osl"], row["width"]

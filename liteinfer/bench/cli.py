@@ -15,9 +15,19 @@ from liteinfer.bench import registry, runner
 from liteinfer.bench.registry import TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
 from liteinfer.bench.report_html import render_html
-from liteinfer.bench.store import (REFERENCE_DIR, RESULTS_DIR, Row, append_row, environment,
-                                   latest, load_rows, now_iso, results_file, row_key,
-                                   stored_rows)
+from liteinfer.bench.store import (
+    REFERENCE_DIR,
+    RESULTS_DIR,
+    Row,
+    append_row,
+    environment,
+    latest,
+    load_rows,
+    now_iso,
+    results_file,
+    row_key,
+    stored_rows,
+)
 from liteinfer.bench.tables import build_page, mismatches, ratio
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 from liteinfer.config import EngineConfig
@@ -171,19 +181,21 @@ def summary(rows: list[Row], reference: Path = REFERENCE_DIR) -> str:
         vs = "—"
         if vllm is not None and (v := ratio(r["kind"], r, vllm)) is not None:
             vs = f"{v:.2f}x" + ("~" if mismatches(r, vllm, same_engine=False) else "")
-        lines.append((r["config"], r["kind"], Shape.parse(r["isl"], r["osl"]).label, str(r["width"]),
-                      str(r["prompts"]), fmt(r["itl_p50"]), fmt(r["ttft_p50"]), fmt(r["e2e_p50"]),
-                      fmt(r["tok_s"]), vs))
+        lines.append((r["config"], r["kind"], Shape.parse(r["isl"], r["osl"]).label,
+                      str(r["width"]), str(r["prompts"]), fmt(r["itl_p50"]), fmt(r["ttft_p50"]),
+                      fmt(r["e2e_p50"]), fmt(r["tok_s"]), vs))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(line, widths))) for line in lines)
+                               for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+                     for line in lines)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
     runs = plan(args)
     if args.dry_run:
         for r in runs:
-            print(f"{r.config:14} {r.kind:10} {r.shape.label:14} W={r.width:<4} prompts={r.prompts}")
+            print(f"{r.config:14} {r.kind:10} {r.shape.label:14} W={r.width:<4} "
+                  f"prompts={r.prompts}")
         return
     overrides = parse_overrides(args.overrides)
     out = results_file(args.out, environment()["gpu"], now_iso())

@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from liteinfer.bench.workloads import (HEADLINE, LATENCY_SHAPES, THROUGHPUT_SHAPES, Shape,
-                                       default_prompts)
+from liteinfer.bench.workloads import (
+    HEADLINE,
+    LATENCY_SHAPES,
+    THROUGHPUT_SHAPES,
+    Shape,
+    default_prompts,
+)
 
 RUNNABLE = "runnable"
 REFERENCE = "reference point"

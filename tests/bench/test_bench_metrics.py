@@ -5,8 +5,14 @@ import numpy as np
 import pytest
 
 from liteinfer.bench.metrics import Trace, percentile, summarize
-from liteinfer.bench.workloads import (MIXED, Shape, default_prompts, fingerprint, fold_into_vocab,
-                                       make_prompts)
+from liteinfer.bench.workloads import (
+    MIXED,
+    Shape,
+    default_prompts,
+    fingerprint,
+    fold_into_vocab,
+    make_prompts,
+)
 
 
 def test_percentile_is_numpy_linear():

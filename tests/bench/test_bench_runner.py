@@ -62,7 +62,8 @@ def test_throughput_row_excludes_warmup():
 
 def test_latency_is_one_request_at_a_time():
     llm = FakeLLM()
-    row = runner.run_latency(llm, registry.DEFAULT, Shape(8, 4), prompts=3, model="m", engine_args={})
+    row = runner.run_latency(llm, registry.DEFAULT, Shape(8, 4), prompts=3, model="m",
+                             engine_args={})
     assert llm.engine.max_in_flight == 1
     assert len(llm.engine.added) == 2 + 3 and row["width"] == 1 and row["prompts"] == 3
 

@@ -24,7 +24,8 @@ def row(config, kind="latency", isl=128, osl=256, width=1, **extra):
 
 
 def table(page, kind, isl=128, osl=256):
-    return next(t for t in page.tables if t.kind == kind and (t.shape.isl, t.shape.osl) == (isl, osl))
+    return next(t for t in page.tables
+                if t.kind == kind and (t.shape.isl, t.shape.osl) == (isl, osl))
 
 
 def line(t, label):
@@ -93,7 +94,8 @@ def test_approximate_ratios_say_why():
     assert texts(splitk) == ["1.20x~", "1.20x~", "0.40x"]  # vs vLLM: other engine, same prompts
     assert texts(line(t, "liteinfer-graphs"))[2] == "0.33x~"
     assert t.footnotes == [
-        "liteinfer-graphs vs vllm: different prompts (20 prompts #aaaaaaaa vs 50 prompts #ffffffff)",
+        "liteinfer-graphs vs vllm: different prompts (20 prompts #aaaaaaaa vs 50 prompts "
+        "#ffffffff)",
         "liteinfer-splitk vs liteinfer-graphs: different prompts (50 prompts #ffffffff vs 20 "
         "prompts #aaaaaaaa)"]
     assert splitk.ratios[0].note == splitk.ratios[1].note == 2  # one note serves both ratios

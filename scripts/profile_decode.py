@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: ctx + 512 (the KV pool is sized from it)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="engine arguments, as in `liteinfer bench --set`")
+                    help="engine arguments, as in `liteinfer-bench run --set`")
     args = ap.parse_args()
     overrides = parse_overrides(args.set)
     llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_num_seqs=max(args.batch),

@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=0, help="sequences decoding beside them")
     ap.add_argument("--ctx", type=int, default=1024, help="context of the decoding sequences")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="engine arguments, as in `liteinfer bench --set`")
+                    help="engine arguments, as in `liteinfer-bench run --set`")
     args = ap.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shape]
     budget = max(n * length for n, length in shapes) + args.decodes

@@ -1,5 +1,5 @@
-"""`liteinfer-bench run` (measure and append rows) and `liteinfer-bench report` (render the
-page); also `python -m liteinfer.bench`."""
+"""`liteinfer-bench run` (measure and append rows), `liteinfer-bench serve` (the same against a
+running server) and `liteinfer-bench report` (render the page); also `python -m liteinfer.bench`."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,7 @@ from liteinfer.bench import registry, runner
 from liteinfer.bench.registry import TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
 from liteinfer.bench.report_html import render_html
+from liteinfer.bench.serve import add_serve_parser
 from liteinfer.bench.store import (
     REFERENCE_DIR,
     RESULTS_DIR,
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="liteinfer-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
+    add_serve_parser(sub)
     add_report_parser(sub)
     return parser
 

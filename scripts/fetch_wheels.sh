@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Downloads into .whl/ the wheels that `liteinfer serve` and `liteinfer-bench serve` need and the
+# CUDA machine lacks (it has no package registry): the ASGI stack, pydantic, ZeroMQ, msgspec and
+# orjson, for CPython 3.12 on x86_64 Linux, without their dependencies (those the machine has:
+# anyio, click, h11, httpx, aiohttp, uvloop, prometheus-client, annotated-doc). pydantic needs a
+# newer typing-extensions than the machine's torch image may hold, so that one travels too.
+# On that machine:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PYTHONPATH
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(
+  fastapi==0.165.0 opentelemetry-api==1.45.2 starlette==1.10.0 pydantic==2.14.4
+  pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
+  uvicorn==0.54.0 httptools==0.7.1 pyzmq==27.3.0 msgspec==0.23.0 orjson==3.13.0
+)
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_17_x86_64 \
+         manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64; do
+  platforms+=(--platform "$p")
+done
+rm -rf .whl && mkdir -p .whl
+python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl "${WHEELS[@]}"
+ls .whl

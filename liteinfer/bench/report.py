@@ -1,7 +1,16 @@
 """The benchmark page as Markdown (BENCHMARKS.md)."""
 from __future__ import annotations
 
-from liteinfer.bench.tables import INTRO, MIXED_PROMPTS, RATIOS, Page, Pivot, Table
+from liteinfer.bench.tables import (
+    INTRO,
+    MIXED_PROMPTS,
+    RATIOS,
+    SERVING_COLUMNS,
+    Page,
+    Pivot,
+    ServingTable,
+    Table,
+)
 
 _SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
 
@@ -43,6 +52,21 @@ def _pivot(p: Pivot) -> list[str]:
     return out + [""]
 
 
+def _serving(t: ServingTable) -> list[str]:
+    out = [f"## {t.title}", "", "Streaming /v1/completions; milliseconds but for tok/s. vs vLLM "
+           "serve: tok/s over vLLM serve's in the same run, at the same load.", ""]
+    out.append(_row(["config"] + [name for name, _ in SERVING_COLUMNS] + ["vs vLLM serve"]))
+    out.append(_row(["---"] + ["---:"] * (len(SERVING_COLUMNS) + 1)))
+    for line in t.lines:
+        r = line.row
+        load = str(r["width"]) if r.get("request_rate") is None else (
+            f"{r['request_rate']:g} req/s")
+        values = [load] + [fmt(r.get(key)) for _, key in SERVING_COLUMNS[1:-1]]
+        vs = "—" if line.vs_vllm is None else f"{line.vs_vllm:.2f}x"
+        out.append(_row([r["config"]] + values + [str(r["errors"]), vs]))
+    return out + [""]
+
+
 def render_markdown(page: Page) -> str:
     out = ["# liteinfer benchmarks", "", INTRO, ""]
     out += [f"- **{key}** {value}" for key, value in page.header] + [""]
@@ -50,4 +74,6 @@ def render_markdown(page: Page) -> str:
         out += _table(t)
     for p in page.pivots:
         out += _pivot(p)
+    for s in page.serving:
+        out += _serving(s)
     return "\n".join(out).rstrip() + "\n"

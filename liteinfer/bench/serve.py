@@ -33,12 +33,11 @@ import orjson
 from liteinfer.bench.metrics import percentile
 from liteinfer.bench.registry import LITEINFER, VLLM
 from liteinfer.bench.runner import staggered_lengths, workload
-from liteinfer.bench.store import Row, append_row, environment, now_iso, results_file
+from liteinfer.bench.store import Row, append_row, environment, now_iso, read_jsonl, results_file
+from liteinfer.bench.tables import SERVE, serving_tables
 from liteinfer.bench.workloads import MODEL, SEED, WARMUP_SEED, Shape, default_prompts, fingerprint
 from liteinfer.utils import model_label
 
-SERVE = "serve"
-STATS = ("mean", "p50", "p99")
 # Seconds a stream may stay silent before the request counts as failed.
 READ_TIMEOUT_S = 300.0
 ERROR_SAMPLES = 5  # distinct error messages a row keeps
@@ -315,6 +314,43 @@ def describe(row: Row) -> str:
             f"errors {row['errors']}/{row['requests']}")
 
 
+def offline_row(row: Row, rows: list[Row]) -> Row | None:
+    """The newest offline liteinfer row of the same GPU, model, shape and width."""
+    same = [r for r in rows if r["kind"] in ("latency", "throughput")
+            and r.get("engine") == LITEINFER and r.get("gpu") == row.get("gpu")
+            and (r["model"], str(r["isl"]), r["osl"], r["width"])
+            == (row["model"], str(row["isl"]), row["osl"], row["width"])]
+    return max(same, key=lambda r: r["timestamp"]) if same else None
+
+
+def summary(rows: list[Row]) -> str:
+    """A fixed-width table of the serving rows, each against vLLM serve of the same run and the
+    offline engine at the same width (tok/s ratio; the offline ITL and TTFT p50)."""
+    head = ("config", "ISL/OSL", "streams", "n", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+            "TPOT p99", "ITL p50", "errors", "full", "vs vLLM", "vs offline", "off ITL",
+            "off TTFT")
+    lines = [head]
+    models = sorted({r["model"] for r in rows if r["kind"] == SERVE})
+    for line in [ln for m in models for t in serving_tables(rows, m) for ln in t.lines]:
+        r = line.row
+        off = offline_row(r, rows)
+        lines.append((
+            r["config"], Shape.parse(r["isl"], r["osl"]).label,
+            str(r["width"]) if r.get("request_rate") is None else f"{r['request_rate']:g}/s",
+            str(r["requests"]), f"{r['tok_s']:,.0f}",
+            *(fmt_ms(r.get(k)) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
+                                         "itl_p50")),
+            str(r["errors"]), "yes" if r["all_forced"] else "NO",
+            "—" if line.vs_vllm is None else f"{line.vs_vllm:.2f}x",
+            f"{r['tok_s'] / off['tok_s']:.2f}x" if off and off.get("tok_s") else "—",
+            fmt_ms(off.get("itl_p50") if off else None),
+            fmt_ms(off.get("ttft_p50") if off else None)))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+                     for line in lines)
+
+
 def add_serve_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve", help="measure an OpenAI-compatible server under streaming load",
@@ -343,6 +379,9 @@ def add_serve_parser(subparsers: Any) -> None:
     p.add_argument("--config", help="the row's configuration label (default: '<engine>-serve')")
     p.add_argument("--run-id", help="rows of one run share it; 'vs vLLM serve' compares only "
                                     "those (default: now)")
+    p.add_argument("--summary", type=Path, metavar="ROWS",
+                   help="measure nothing: print the serving rows of this .jsonl file against "
+                        "vLLM serve's and the offline rows in it")
     p.add_argument("--out", type=Path,
                    help="results .jsonl file to append to, or a directory for <date>-<gpu>.jsonl "
                         "(default: benchmarks/results/)")
@@ -374,6 +413,9 @@ def served_models(target: Target) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    if args.summary is not None:
+        print(summary(read_jsonl(args.summary)))
+        return
     shape = Shape.parse(*args.shape.split("/", 1)) if "/" in args.shape else None
     if shape is None:
         raise ValueError(f"--shape {args.shape!r}: expected ISL/OSL, e.g. 128/256")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from liteinfer.bench import registry
 from liteinfer.bench.registry import LITEINFER, REMOVED, VLLM, BenchConfig
@@ -11,6 +12,7 @@ from liteinfer.bench.store import Row, build_of, latest, shape_of
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 
 KINDS = ("latency", "throughput")
+SERVE = "serve"  # rows of `liteinfer-bench serve`: a server under streaming load
 COLUMNS = {"latency": (("ITL p50", "itl_p50"), ("ITL p95", "itl_p95"), ("TTFT p50", "ttft_p50"),
                        ("TTFT p95", "ttft_p95"), ("E2E p50", "e2e_p50")),
            "throughput": (("tok/s", "tok_s"), ("req/s", "req_s"), ("wall (s)", "wall_s"))}
@@ -116,6 +118,64 @@ class Pivot:
         return "tok/s" if self.kind == "throughput" else "ITL p50 (ms)"
 
 
+SERVING_COLUMNS = (("streams", "width"), ("tok/s", "tok_s"), ("TTFT p50", "ttft_p50"),
+                   ("TTFT p99", "ttft_p99"), ("TPOT p50", "tpot_p50"), ("TPOT p99", "tpot_p99"),
+                   ("ITL p50", "itl_p50"), ("errors", "errors"))
+
+
+@dataclass
+class ServingLine:
+    row: Row
+    vs_vllm: float | None  # tok/s over vLLM serve's in the same run, same shape and load
+
+
+@dataclass
+class ServingTable:
+    model: str
+    shape: Shape
+    lines: list[ServingLine]
+
+    @property
+    def title(self) -> str:
+        return f"serving · {self.model} · {self.shape.title}"
+
+
+def serve_key(row: Row) -> tuple[Any, ...]:
+    """What a serving row measures: (engine, config, shape, streams, request rate)."""
+    return (row["engine"], row["config"], str(row["isl"]), row["osl"], row["width"],
+            row.get("request_rate"))
+
+
+def vllm_serve_row(row: Row, rows: list[Row]) -> Row | None:
+    """The vLLM serve row of the same run (run_id, GPU), shape and load, if any."""
+    same = [r for r in rows if r["engine"] == VLLM and r.get("run_id") == row.get("run_id")
+            and r.get("gpu") == row.get("gpu") and serve_key(r)[2:] == serve_key(row)[2:]]
+    return max(same, key=lambda r: r["timestamp"]) if same else None
+
+
+def serving_tables(rows: list[Row], model: str) -> list[ServingTable]:
+    """The newest serve row per (engine, config, shape, load) of `model`, a table per shape;
+    liteinfer rows scored against vLLM serve's tok/s of the same run."""
+    rows = [r for r in rows if r["kind"] == SERVE and r.get("model") == model]
+    newest: dict[tuple[Any, ...], Row] = {}
+    for r in rows:
+        k = serve_key(r)
+        if k not in newest or r["timestamp"] >= newest[k]["timestamp"]:
+            newest[k] = r
+    tables = []
+    for shape in sorted({shape_of(r) for r in newest.values()}, key=lambda s: s.sort_key):
+        of_shape = sorted((r for r in newest.values() if shape_of(r) == shape),
+                          key=lambda r: (r["width"], r.get("request_rate") or 0,
+                                         r["engine"] != LITEINFER, r["config"]))
+        lines = []
+        for r in of_shape:
+            vllm = vllm_serve_row(r, rows) if r["engine"] != VLLM else None
+            vs = r["tok_s"] / vllm["tok_s"] if vllm and vllm.get("tok_s") else None
+            lines.append(ServingLine(r, vs))
+        tables.append(ServingTable(model, shape, lines))
+    return tables
+
+
 @dataclass
 class Page:
     model: str
@@ -123,6 +183,7 @@ class Page:
     header: list[tuple[str, str]]
     tables: list[Table]
     pivots: list[Pivot]
+    serving: list[ServingTable] = field(default_factory=list)
 
 
 def _is_primary(kind: str, config: BenchConfig, width: int) -> bool:
@@ -225,12 +286,14 @@ def _header(model: str, rows: list[Row], headline: Shape) -> list[tuple[str, str
 
 def build_page(rows: list[Row], model: str | None = None) -> Page:
     """The newest row per (config, kind, shape, width) of one model, laid out as the page."""
-    rows = [r for r in latest(rows) if r["config"] in registry.BY_NAME]
+    served = [r for r in rows if r["kind"] == SERVE]
+    rows = [r for r in latest(rows) if r["kind"] != SERVE and r["config"] in registry.BY_NAME]
     if model is None:
         own = [r for r in rows if r.get("engine") == LITEINFER]
         model = max(own, key=lambda r: r["timestamp"])["model"] if own else MODEL
     rows = [r for r in rows if r.get("model") == model]
-    if not rows:
+    serving = serving_tables(served, model)
+    if not rows and not serving:
         raise ValueError(f"no benchmark rows for model {model!r}")
     tables = []
     for kind in KINDS:
@@ -241,5 +304,6 @@ def build_page(rows: list[Row], model: str | None = None) -> Page:
     kinds = {t.kind for t in tables}
     pivots = [_pivot(k, tables) for k in ("throughput", "latency") if k in kinds]
     shapes = [t.shape for t in tables]
-    headline = HEADLINE if HEADLINE in shapes else shapes[0]
-    return Page(model, headline, _header(model, rows, headline), tables, pivots)
+    headline = HEADLINE if HEADLINE in shapes or not shapes else shapes[0]
+    header = _header(model, rows or served, headline)
+    return Page(model, headline, header, tables, pivots, serving)

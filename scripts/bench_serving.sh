@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# On one CUDA machine, in one command of under 10 minutes: liteinfer offline, `liteinfer serve`
+# and `vllm serve` on the Llama-3.2-1B config (dummy bf16 weights), 128/256, greedy, forced
+# length, at 1, 32 and 128 streams, measured by the same load generator (liteinfer-bench serve).
+#
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PYTHONPATH; OUT=... bash scripts/bench_serving.sh
+#
+# .whl/ comes from scripts/fetch_wheels.sh; vLLM from ../shared/vllm/README.md, in $VLLM_SITE
+# (default /tmp/vsite; the vLLM phase is skipped without it). Every phase has a timeout and a
+# log, and a failing phase does not stop the others. Under $OUT: rows.jsonl (every row),
+# bench.log (offline and load-generator output), liteinfer-serve.log, vllm-serve.log, env.txt,
+# summary.txt (printed last).
+#
+# Prompt counts, smaller than WORKLOADS.md's 50 (latency) and 200 (throughput) so that all
+# fits: 16 requests at 1 stream, 128 at 32 (4 per stream), 512 at 128 (4 per stream); the same
+# counts offline. Each run warms up first on other prompts (WORKLOADS.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
+export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+MODEL_DIR="$PWD/benchmarks/models/llama-3.2-1b-instruct"
+NAME=llama-3.2-1b-instruct
+VLLM_SITE="${VLLM_SITE:-/tmp/vsite}"
+BUDGET_S="${BUDGET_S:-570}"        # the whole script; each phase gets what is left, at most its own
+STREAMS=(1 32 128); PROMPTS=(16 128 512)
+ROWS="$OUT/rows.jsonl"; LOG="$OUT/bench.log"
+RUN_ID="serving-$(date -u +%Y-%m-%dT%H:%M:%S)"
+PORT_LITEINFER=8011; PORT_VLLM=8012
+
+left() { echo $(( BUDGET_S - SECONDS )); }
+# cap SECONDS: the smaller of a phase's own limit and the time left (at least 1)
+cap() { local l; l=$(left); (( l < $1 )) && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+say() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  nproc; echo "commit $LITEINFER_COMMIT run $RUN_ID"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# (a) offline: one engine for the three widths, rows like `liteinfer-bench run`'s
+say "offline liteinfer"
+timeout "$(cap 170)" python3 - "$MODEL_DIR" "$ROWS" >> "$LOG" 2>&1 <<'EOF' || say "offline failed ($?)"
+import sys
+from pathlib import Path
+
+from liteinfer.bench import cli, registry
+from liteinfer.bench.workloads import HEADLINE
+
+config = registry.get(registry.DEFAULT)
+runs = [config.run("latency", HEADLINE, 1, 16), config.run("throughput", HEADLINE, 32, 128),
+        config.run("throughput", HEADLINE, 128, 512)]
+cli._measure_group(config, runs, sys.argv[1], {}, Path(sys.argv[2]))
+EOF
+
+# wait_health URL PID SECONDS: 0 once /health answers 200; 1 if the server exits or time runs out
+wait_health() {
+  local deadline=$(( SECONDS + $3 ))
+  while (( SECONDS < deadline )); do
+    kill -0 "$2" 2>/dev/null || return 1
+    python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+      "$1/health" 2>/dev/null && return 0
+    sleep 1
+  done
+  return 1
+}
+
+# stop PID: SIGTERM to the server, then its whole process group once the grace has passed
+stop() {
+  kill -TERM "$1" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL -- "-$1" 2>/dev/null
+  wait "$1" 2>/dev/null
+}
+
+# serve_phase ENGINE PORT START_LIMIT_S SERVER_LOG COMMAND...: start, wait, measure, stop
+serve_phase() {
+  local engine=$1 port=$2 start_s=$3 log=$4; shift 4
+  say "$engine serve: starting"
+  setsid "$@" > "$log" 2>&1 &
+  local pid=$!
+  if wait_health "http://127.0.0.1:$port" "$pid" "$(cap "$start_s")"; then
+    say "$engine serve: up"
+    for i in "${!STREAMS[@]}"; do
+      timeout "$(cap 90)" python3 -m liteinfer.bench serve --base-url "http://127.0.0.1:$port" \
+        --model "$NAME" --engine "$engine" --shape 128/256 --concurrency "${STREAMS[$i]}" \
+        --prompts "${PROMPTS[$i]}" --processes 4 --run-id "$RUN_ID" --out "$ROWS" \
+        >> "$LOG" 2>&1 || say "$engine serve: ${STREAMS[$i]} streams failed ($?)"
+      tail -n 2 "$LOG" | head -n 1
+    done
+  else
+    say "$engine serve: not up (see $(basename "$log"))"
+  fi
+  stop "$pid"
+  say "$engine serve: stopped"
+}
+
+# (b) liteinfer serve
+serve_phase liteinfer "$PORT_LITEINFER" 150 "$OUT/liteinfer-serve.log" \
+  python3 -m liteinfer.cli serve --model "$MODEL_DIR" --load-format dummy --dtype bfloat16 \
+  --port "$PORT_LITEINFER" --served-model-name "$NAME"
+
+# (c) vllm serve: its defaults (prefix caching on; dev mode lets the load generator empty the
+# cache before each measured run, as bench_vllm.py does offline), 128 sequences as liteinfer's
+if [ -d "$VLLM_SITE" ]; then
+  serve_phase vllm "$PORT_VLLM" 240 "$OUT/vllm-serve.log" \
+    env PYTHONPATH="$VLLM_SITE:$VLLM_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" \
+    VLLM_SERVER_DEV_MODE=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+    python3 -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --load-format dummy \
+    --dtype bfloat16 --port "$PORT_VLLM" --served-model-name "$NAME" --max-num-seqs 128 \
+    --max-model-len 16384 --seed 0
+else
+  say "vllm serve: skipped, no $VLLM_SITE"
+fi
+
+# (d) the rows side by side
+python3 -m liteinfer.bench serve --summary "$ROWS" > "$OUT/summary.txt" 2>&1
+say "done"
+cat "$OUT/summary.txt"

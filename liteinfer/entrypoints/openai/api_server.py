@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
+import multiprocessing.connection as mp_connection
+import os
 import secrets
+import shutil
+import signal
+import socket
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -30,14 +37,20 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from liteinfer.engine.async_llm import (AsyncLLM, EngineError, Prompt, RequestStream,
-                                        ServerBusyError)
+from liteinfer.config import EngineConfig
+from liteinfer.engine.async_llm import AsyncLLM, EngineError, Prompt, RequestStream, ServerBusyError
+from liteinfer.engine.core_process import CoreHandle, CoreProcess
+from liteinfer.engine.processor import generation_defaults
 from liteinfer.entrypoints.openai.cli_args import ServerArgs
 from liteinfer.entrypoints.openai.metrics import ServerMetrics
-from liteinfer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                   DetokenizeRequest, SamplingRequest,
-                                                   TokenizeRequest, conversation)
-from liteinfer.engine.processor import generation_defaults
+from liteinfer.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+    conversation,
+)
 from liteinfer.outputs import Logprob, RequestOutput
 from liteinfer.utils import model_label
 
@@ -460,15 +473,18 @@ async def drain(serving: OpenAIServing, grace_s: float) -> None:
 
 class Server:
     """uvicorn serving the app, with a shutdown that drains (SIGTERM, SIGINT, or a dead core)
-    instead of cutting streams off."""
+    instead of cutting streams off. `ignored_signals` are left to the process that started
+    this one (API-server processes leave Ctrl-C to their parent)."""
 
-    def __init__(self, app: FastAPI, config: Any):
+    def __init__(self, app: FastAPI, config: Any, ignored_signals: frozenset[int] = frozenset()):
         import uvicorn
 
         outer = self
 
         class DrainingServer(uvicorn.Server):
             def handle_exit(self, sig: int, frame: Any) -> None:
+                if sig in ignored_signals:
+                    return
                 if outer.draining is not None:  # a second signal: stop now
                     self.force_exit = self.should_exit = True
                     return
@@ -492,12 +508,14 @@ class Server:
         await drain(self.serving, grace_s)
         self.uvicorn.should_exit = True
 
-    async def serve(self) -> None:
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
-        await self.uvicorn.serve()
+        await self.uvicorn.serve(sockets)
 
-    def run(self) -> None:
-        asyncio.run(self.serve())
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serves on uvicorn's event loop (uvloop where installed) until shut down."""
+        with asyncio.Runner(loop_factory=self.uvicorn.config.get_loop_factory()) as runner:
+            runner.run(self.serve(sockets))
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> Any:
@@ -517,11 +535,118 @@ def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, load_format: str = "auto",
                args: ServerArgs | None = None, **engine_args: Any) -> None:
     args = args or ServerArgs()
+    name = served_model_name or model_label(model)
+    if args.api_server_count > 1:
+        run_api_servers(model, host, port, name, load_format, args, **engine_args)
+        return
     engine = AsyncLLM.from_args(model, load_format, args.max_waiting_requests, **engine_args)
     try:
-        app = build_app(engine, served_model_name or model_label(model), args)
+        app = build_app(engine, name, args)
         Server(app, uvicorn_config(app, host, port)).run()
     finally:
         engine.shutdown()
     if engine.dead is not None:
         raise SystemExit(f"error: {engine.dead}")
+
+
+# ---- several API-server processes on one engine core ---------------------------------------
+def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
+    """n listening sockets on one port (SO_REUSEPORT). The kernel spreads new connections
+    evenly over them; processes sharing one socket would not (an event loop that wakes up
+    accepts every connection waiting, so one process takes a burst of them)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]  # port 0: the others join the one the first got
+            sock.listen(2048)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def run_api_server_process(model: str, config: EngineConfig, core: CoreHandle,
+                           load_format: str, client_index: int, sock: socket.socket,
+                           name: str, args: ServerArgs) -> None:
+    """An API-server process: front end `client_index` of the core, serving on `sock`."""
+    engine = AsyncLLM(model, config, core, load_format, client_index,
+                      -(-args.max_waiting_requests // args.api_server_count))
+    try:
+        app = build_app(engine, name, args)
+        host, port = sock.getsockname()[:2]
+        Server(app, uvicorn_config(app, host, port),
+               ignored_signals=frozenset({signal.SIGINT})).run([sock])
+    finally:
+        engine.shutdown()
+    if engine.dead is not None:
+        raise SystemExit(f"error: {engine.dead}")
+
+
+def run_api_servers(model: str, host: str, port: int, name: str, load_format: str,
+                    args: ServerArgs, **engine_args: Any) -> None:
+    """`args.api_server_count` API-server processes, each front end of one engine core and
+    listening on the same port. SIGTERM or SIGINT here drains them all; when the core dies
+    they end their streams with an error and exit, and so does this process. /metrics counts
+    every process's requests (prometheus_client's multiprocess mode)."""
+    n = args.api_server_count
+    config = EngineConfig(**engine_args)
+    socks = listening_sockets(host, port, n)  # before loading: a port in use fails at once
+    metrics_dir = tempfile.mkdtemp(prefix="liteinfer-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the children's imports
+    ctx = multiprocessing.get_context("spawn")
+    procs: list[multiprocessing.process.BaseProcess] = []
+    stopping = False
+
+    def stop(sig: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for proc in procs:  # a second signal reaches them too: they stop at once
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    core = None
+    try:
+        core = CoreProcess(model, config, load_format, num_clients=n)
+        for i, sock in enumerate(socks):
+            proc = ctx.Process(target=run_api_server_process, name=f"liteinfer-api-server-{i}",
+                               args=(model, config, core.handle, load_format, i, sock, name,
+                                     args))
+            proc.start()
+            procs.append(proc)
+        for sock in socks:  # each child holds its own
+            sock.close()
+        # Until a child exits (drained after a signal, or after the core died) or the core does.
+        mp_connection.wait([p.sentinel for p in procs] + [core.proc.sentinel])
+        core_died = not core.proc.is_alive()
+        failed = [p.name for p in procs if p.exitcode] if not stopping else []
+        if not core_died and not stopping:  # a child ended by itself: the others drain
+            stop(signal.SIGTERM, None)
+        deadline = time.monotonic() + args.shutdown_grace_s + 10
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sock in socks:
+            sock.close()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        if core is not None:
+            core.shutdown()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    if core_died:
+        raise SystemExit("error: the engine core process died")
+    if failed:
+        raise SystemExit(f"error: {', '.join(failed)} failed")

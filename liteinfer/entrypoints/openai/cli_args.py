@@ -19,6 +19,15 @@ class ServerArgs:
     # Requests beyond a full batch that may wait for a slot; past them, a 503.
     max_waiting_requests: int = 1024
     shutdown_grace_s: float = 5.0
+    # API-server processes sharing one engine core (a process can stream only so many events).
+    api_server_count: int = 1
+
+
+def default_api_server_count() -> int:
+    """One front-end process per four cores, up to four: enough to stream 128 requests at a
+    step every couple of milliseconds (one event per request per step), leaving cores for the
+    engine core and the clients."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +52,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s,
                    help="seconds streams in flight may run after SIGTERM (default: %(default)s)")
+    p.add_argument("--api-server-count", type=int, default=default_api_server_count(),
+                   help="API-server processes on one port, sharing one engine core (default: "
+                        "one per four cores, at most four: %(default)s here)")
 
 
 def server_args(args: argparse.Namespace) -> ServerArgs:
@@ -52,4 +64,5 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
                       max_prompts_per_request=args.max_prompts_per_request,
                       max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
                       max_waiting_requests=args.max_waiting_requests,
-                      shutdown_grace_s=args.shutdown_grace)
+                      shutdown_grace_s=args.shutdown_grace,
+                      api_server_count=args.api_server_count)

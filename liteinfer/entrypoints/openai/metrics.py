@@ -2,11 +2,25 @@
 request counters, time to first token and end-to-end latency, the scheduler's queue sizes and
 the KV pool's use.
 
-Each server owns its registry, so several apps in one process (tests) do not collide."""
+Each server owns its registry, so several apps in one process (tests) do not collide. Several
+API-server processes (`--api-server-count`) run prometheus_client's multiprocess mode: counters
+and histograms live in files under PROMETHEUS_MULTIPROC_DIR, and any process's /metrics adds up
+all of them; the scheduler gauges are read live from the core's latest step message."""
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+import os
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.outputs import RequestOutput
@@ -37,13 +51,14 @@ class ServerMetrics:
         self.e2e = metric(Histogram, "e2e_request_latency_seconds",
                           "From a request's arrival to its last token.",
                           buckets=LATENCY_BUCKETS_S)
-        # The scheduler's state as the core's latest step message reported it.
-        metric(Gauge, "num_requests_running", "Requests holding KV blocks.").set_function(
-            lambda: engine.scheduler_stats.num_running)
-        metric(Gauge, "num_requests_waiting", "Requests queued for admission.").set_function(
-            lambda: engine.scheduler_stats.num_waiting)
-        metric(Gauge, "kv_cache_usage_perc", "Fraction of KV blocks in use.").set_function(
-            lambda: engine.scheduler_stats.kv_cache_usage)
+        scheduler = SchedulerGauges(engine, model_name)
+        self.registry.register(scheduler)
+        # One process's registry holds its own counts only; the files hold every process's.
+        self.exposed = self.registry
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed)
+            self.exposed.register(scheduler)
 
     def observe(self, out: RequestOutput) -> None:
         """Counts one output of a request as a client receives it."""
@@ -60,4 +75,21 @@ class ServerMetrics:
                 self.e2e.observe(m.finished_time - m.arrival_time)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
+
+
+class SchedulerGauges(Collector):
+    """The scheduler's state as the core's latest step message reported it."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.scheduler_stats
+        for name, doc, value in (
+                ("num_requests_running", "Requests holding KV blocks.", stats.num_running),
+                ("num_requests_waiting", "Requests queued for admission.", stats.num_waiting),
+                ("kv_cache_usage_perc", "Fraction of KV blocks in use.", stats.kv_cache_usage)):
+            gauge = GaugeMetricFamily(f"liteinfer:{name}", doc, labels=("model_name",))
+            gauge.add_metric((self.model_name,), value)
+            yield gauge

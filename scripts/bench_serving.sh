@@ -23,7 +23,7 @@ export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null ||
 MODEL_DIR="$PWD/benchmarks/models/llama-3.2-1b-instruct"
 NAME=llama-3.2-1b-instruct
 VLLM_SITE="${VLLM_SITE:-/tmp/vsite}"
-BUDGET_S="${BUDGET_S:-570}"        # the whole script; each phase gets what is left, at most its own
+BUDGET_S="${BUDGET_S:-570}"  # the whole script; each phase gets what is left, at most its own
 STREAMS=(1 32 128); PROMPTS=(16 128 512)
 ROWS="$OUT/rows.jsonl"; LOG="$OUT/bench.log"
 RUN_ID="serving-$(date -u +%Y-%m-%dT%H:%M:%S)"
@@ -97,10 +97,10 @@ serve_phase() {
   say "$engine serve: stopped"
 }
 
-# (b) liteinfer serve
+# (b) liteinfer serve: four API-server processes (its default on 16 cores) on one engine core
 serve_phase liteinfer "$PORT_LITEINFER" 150 "$OUT/liteinfer-serve.log" \
   python3 -m liteinfer.cli serve --model "$MODEL_DIR" --load-format dummy --dtype bfloat16 \
-  --port "$PORT_LITEINFER" --served-model-name "$NAME"
+  --port "$PORT_LITEINFER" --served-model-name "$NAME" --api-server-count "${API_SERVERS:-4}"
 
 # (c) vllm serve: its defaults (prefix caching on; dev mode lets the load generator empty the
 # cache before each measured run, as bench_vllm.py does offline), 128 sequences as liteinfer's

@@ -197,3 +197,28 @@ def test_core_death_ends_every_api_server(tiny_llama_dir):
     finally:
         proc.kill()
         proc.wait()
+
+
+def serve_row(engine: str, run_id: str, width: int, tok_s: float, **extra) -> dict:
+    return {"kind": "serve", "engine": engine, "config": f"{engine}-serve", "model": "m",
+            "isl": 128, "osl": 256, "width": width, "request_rate": None, "tok_s": tok_s,
+            "ttft_p50": 2.0, "ttft_p99": 3.0, "tpot_p50": 1.0, "tpot_p99": 1.5, "itl_p50": 0.9,
+            "errors": 0, "requests": 16, "all_forced": True, "run_id": run_id, "gpu": "g",
+            "timestamp": "2026-12-01T00:00:00+00:00", **extra}
+
+
+def test_serving_table_compares_with_vllm_serve_of_the_same_run():
+    from liteinfer.bench.report import render_markdown
+    from liteinfer.bench.tables import build_page
+
+    rows = [serve_row("liteinfer", "a", 32, 30_000.0), serve_row("vllm", "a", 32, 20_000.0),
+            serve_row("liteinfer", "a", 128, 50_000.0),
+            # vLLM at 128 streams only in another run: no ratio for liteinfer's row of run a.
+            serve_row("vllm", "b", 128, 25_000.0)]
+    (table,) = build_page(rows, "m").serving
+    ratios = {(line.row["engine"], line.row["width"]): line.vs_vllm for line in table.lines}
+    assert ratios == {("liteinfer", 32): pytest.approx(1.5), ("vllm", 32): None,
+                      ("liteinfer", 128): None, ("vllm", 128): None}
+    page = render_markdown(build_page(rows, "m"))
+    assert "## serving · m · ISL=128 OSL=256" in page
+    assert "| liteinfer-serve | 32 | 30,000.0 | 2.0 | 3.0 | 1.0 | 1.5 | 0.9 | 0 | 1.50x |" in page

@@ -271,10 +271,27 @@ class ServeRun:
     warmup: bool = True
 
 
+def client_environment() -> Row:
+    """store.environment(), read in a child process: it asks torch for the GPU's name, which
+    initializes CUDA, after which this process could no longer fork clients safely."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+
+    def report() -> None:
+        child.send(environment())
+
+    proc = ctx.Process(target=report)
+    proc.start()
+    try:
+        return parent.recv()
+    finally:
+        proc.join()
+
+
 def measure_serve(target: Target, run: ServeRun, engine: str, config: str, run_id: str,
-                  model: str = MODEL) -> Row:
+                  env: Row, model: str = MODEL) -> Row:
     """Warms up on other prompts of the same shape (every batch size once, as offline), then
-    measures `run`; returns its row."""
+    measures `run`; returns its row, with the client's environment `env`."""
     width = run.concurrency or run.prompts
     warmup_requests = 0
     if run.warmup:
@@ -299,7 +316,7 @@ def measure_serve(target: Target, run: ServeRun, engine: str, config: str, run_i
             "vocab_fold": fold, "client_processes": min(run.processes, width),
             "warmup_requests": warmup_requests, "prefix_cache_reset": prefix_cache_reset,
             "run_id": run_id, "served_model": target.model,
-            **({"version": version} if version else {}), **environment(),
+            **({"version": version} if version else {}), **env,
             "timestamp": now_iso()}
 
 
@@ -425,10 +442,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         target = dataclasses.replace(target, model=served_models(target)[0])
     config = args.config or f"{args.engine}-serve"
     run_id = args.run_id or now_iso()
-    out: Path | None = None
+    env = client_environment()
+    out = results_file(args.out, env["gpu"], now_iso())
     for run in runs:
-        row = measure_serve(target, run, args.engine, config, run_id, model_label(target.model))
-        out = out or results_file(args.out, row["gpu"], now_iso())
+        row = measure_serve(target, run, args.engine, config, run_id, env,
+                            model_label(target.model))
         append_row(row, out)
         print(describe(row), flush=True)
     print(f"{len(runs)} row(s) appended to {out}")

@@ -616,6 +616,8 @@ def run_api_servers(model: str, host: str, port: int, name: str, load_format: st
     try:
         core = CoreProcess(model, config, load_format, num_clients=n)
         for i, sock in enumerate(socks):
+            if stopping:  # a signal while the model loaded
+                break
             proc = ctx.Process(target=run_api_server_process, name=f"liteinfer-api-server-{i}",
                                args=(model, config, core.handle, load_format, i, sock, name,
                                      args))
@@ -624,9 +626,11 @@ def run_api_servers(model: str, host: str, port: int, name: str, load_format: st
         for sock in socks:  # each child holds its own
             sock.close()
         # Until a child exits (drained after a signal, or after the core died) or the core does.
-        mp_connection.wait([p.sentinel for p in procs] + [core.proc.sentinel])
-        core_died = not core.proc.is_alive()
-        failed = [p.name for p in procs if p.exitcode] if not stopping else []
+        # (Its sentinel, not is_alive(): a process closes its pipes before it can be reaped.)
+        ended = [] if stopping else mp_connection.wait([p.sentinel for p in procs]
+                                                        + [core.proc.sentinel])
+        core_died = core.proc.sentinel in ended
+        failed = [p.name for p in procs if p.sentinel in ended] if not stopping else []
         if not core_died and not stopping:  # a child ended by itself: the others drain
             stop(signal.SIGTERM, None)
         deadline = time.monotonic() + args.shutdown_grace_s + 10

@@ -79,7 +79,7 @@ def test_prefill_reads_fp8_pool(PagedKV, attention_ref, assert_close, needs_dot,
     else:
         seqs, num_kv_heads = [(1, 300), (1, 40), (150, 150), (20, 37), (3, 70)], 1
     _check(PagedKV, attention_ref, assert_close, seqs, num_kv_heads * group, num_kv_heads, 128,
-           16, dtype, device, decode_splits=(3, 1), kv_dtype=torch.float8_e4m3fn)
+           16, dtype, device, first_seq=2, decode_splits=(3, 1), kv_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(9, 3), (6, 1)])

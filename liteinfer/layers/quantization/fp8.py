@@ -7,8 +7,9 @@ RMSNorm in front of qkv and gate/up, the SwiGLU in front of down (kernels/norm.p
 kernels/activation.py); only o_proj's input, the attention output, takes a pass of its own.
 On CUDA the product is `torch._scaled_mm` (cuBLASLt FP8 with row-wise scales) and a one-token
 step the GEMV kernel, which streams the e4m3 weight and keeps the activation in the model dtype.
-Elsewhere (the CPU) the same quantized operands are multiplied in fp32 by torch, so CPU tests
-check the numbers the GPU computes.
+Elsewhere (the CPU) the weight is dequantized once loaded, and each activation is quantized and
+dequantized per token before a plain matmul: the same operands the GPU multiplies, so CPU tests
+check the numbers it computes, at the speed of an unquantized model.
 
 A bf16/fp16/fp32 checkpoint is quantized after loading (`process_weights_after_loading`); an FP8
 checkpoint (compressed-tensors) loads e4m3 weights and their scales as they are, per-tensor
@@ -67,12 +68,15 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.data, q.scale.reshape(-1)
 
 
+def dequantize(x: Fp8Activation, dtype: torch.dtype) -> torch.Tensor:
+    return (x.data.float() * x.scale).to(dtype)
+
+
 def fp8_matmul(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
     """(x.data weight^T) * x.scale * weight_scale as out_dtype. cuBLASLt's row-wise scaling
-    writes bf16 only; other dtypes (tests in fp32) and the CPU multiply the e4m3 values in
-    fp32."""
-    if weight.is_cuda and out_dtype == torch.bfloat16:
+    writes bf16 only; other dtypes (GPU tests in fp32) multiply the e4m3 values in fp32."""
+    if out_dtype == torch.bfloat16:
         return torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
                                 scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype)
     y = x.data.float() @ weight.float().t()
@@ -110,11 +114,14 @@ class Fp8LinearMethod(LinearMethod):
         return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if self.config.serialized:
-            return
-        weight, scale = quantize_weight(layer.weight.data)
-        layer.weight = nn.Parameter(weight, requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if not self.config.serialized:
+            weight, scale = quantize_weight(layer.weight.data)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if not layer.weight.is_cuda:
+            deq = layer.weight.data.float() * layer.weight_scale.data[:, None]
+            layer.weight = nn.Parameter(deq.to(self.out_dtype), requires_grad=False)
+            layer.weight_scale = None
 
     def _input_scale(self, layer: nn.Module) -> torch.Tensor | None:
         return layer.input_scale if self.config.static_input else None
@@ -125,13 +132,17 @@ class Fp8LinearMethod(LinearMethod):
             return Fp8Activation(*per_token_quant_fp8(x, self._input_scale(layer)))
         return quantize_per_token(x, self._input_scale(layer))
 
+    def _matmul(self, layer: nn.Module, x: Fp8Activation) -> torch.Tensor:
+        if layer.weight_scale is None:  # dequantized (off CUDA)
+            return nn.functional.linear(dequantize(x, self.out_dtype), layer.weight)
+        return fp8_matmul(x, layer.weight, layer.weight_scale, self.out_dtype)
+
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         if layer.one_token(x):
             from liteinfer.kernels.gemv import gemv
             return gemv(x, layer.weight, weight_scale=layer.weight_scale, residual=residual)
-        xq = x if isinstance(x, Fp8Activation) else self._quantize(layer, x)
-        y = fp8_matmul(xq, layer.weight, layer.weight_scale, self.out_dtype)
+        y = self._matmul(layer, x if isinstance(x, Fp8Activation) else self._quantize(layer, x))
         return y if residual is None else residual.add_(y)
 
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
@@ -146,7 +157,7 @@ class Fp8LinearMethod(LinearMethod):
             xq = Fp8Activation(*rms_norm_fp8(x, norm.weight, norm.eps, static))
         else:
             xq = quantize_per_token(rms_norm_torch(x, norm.weight, norm.eps), static)
-        y = fp8_matmul(xq, layer.weight, layer.weight_scale, self.out_dtype)
+        y = self._matmul(layer, xq)
         if act is None:
             return y
         if self.config.static_input:  # down_proj quantizes it over its own static scale

@@ -31,10 +31,11 @@ def assert_agree(reference, outputs, margin: float = MARGIN,
         ref, out = ref.outputs[0], out.outputs[0]
         total += len(ref.token_ids)
         for step, (want, got) in enumerate(zip(ref.token_ids, out.token_ids, strict=True)):
-            top = sorted(ref.logprobs[step].items(), key=lambda kv: -kv[1])[:5]
+            top = sorted(((t, e.logprob) for t, e in ref.logprobs[step].items()),
+                         key=lambda kv: -kv[1])[:5]
             common = [(t, lp) for t, lp in top if t in out.logprobs[step]]
             assert common and common[0][0] == top[0][0], "the reference's top token is missing"
-            worst = max(abs(out.logprobs[step][t] - lp) for t, lp in common)
+            worst = max(abs(out.logprobs[step][t].logprob - lp) for t, lp in common)
             assert worst <= logprob_tol, f"step {step}: logprob off by {worst:.3g}"
             compared += 1
             if got != want:

@@ -91,7 +91,7 @@ def test_channel_dynamic_checkpoint_runs_as_quantized_at_load(tiny_llama_dir, tm
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
             assert got.keys() == want.keys()
-            assert all(abs(got[t] - want[t]) < 1e-5 for t in want)
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in want)
 
 
 def _fake_quantized_hf(ckpt: Path, src: Path) -> torch.nn.Module:
@@ -127,8 +127,8 @@ def test_tensor_static_checkpoint_matches_its_transformers_model(tiny_llama_dir,
         logprobs = logits.double().log_softmax(-1)
         for step, token in enumerate(tokens):
             assert logprobs[step].max() - logprobs[step, token] < 1e-3
-            for t, lp in out.outputs[0].logprobs[step].items():
-                assert abs(lp - logprobs[step, t].item()) < 1e-3
+            for t, entry in out.outputs[0].logprobs[step].items():
+                assert abs(entry.logprob - logprobs[step, t].item()) < 1e-3
 
 
 @pytest.mark.parametrize("change, message", [

@@ -73,6 +73,7 @@ FACTS = {"What is the capital of France?": ["Paris"],
              ["Mercury", "Venus", "Earth", "Mars"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{"kv_cache_dtype": "fp8"},
                                     {"quantization": "fp8", "kv_cache_dtype": "fp8"}],
                          ids=["fp8-kv", "fp8-both"])

@@ -5,7 +5,7 @@ y = (x_q W_q^T) * s_x * s_w, where W_q holds each output row divided by its scal
 checkpoint's `input_scale`). The activation is quantized by the kernel that produces it: the
 RMSNorm in front of qkv and gate/up, the SwiGLU in front of down (kernels/norm.py,
 kernels/activation.py); only o_proj's input, the attention output, takes a pass of its own.
-On CUDA the product is `torch._scaled_mm` (cuBLASLt FP8 with row-wise scales) and a one-token
+On CUDA the product is `torch._scaled_mm` (an FP8 GEMM with row-wise scales) and a one-token
 step the GEMV kernel, which streams the e4m3 weight and keeps the activation in the model dtype.
 Elsewhere (the CPU) the weight is dequantized once loaded, and each activation is quantized and
 dequantized per token before a plain matmul: the same operands the GPU multiplies, so CPU tests
@@ -74,8 +74,9 @@ def dequantize(x: Fp8Activation, dtype: torch.dtype) -> torch.Tensor:
 
 def fp8_matmul(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
-    """(x.data weight^T) * x.scale * weight_scale as out_dtype. cuBLASLt's row-wise scaling
-    writes bf16 only; other dtypes (GPU tests in fp32) multiply the e4m3 values in fp32."""
+    """(x.data weight^T) * x.scale * weight_scale as out_dtype, on CUDA. `torch._scaled_mm`
+    with row-wise scales writes bf16 only; other dtypes (GPU tests in fp32) multiply the e4m3
+    values in fp32."""
     if out_dtype == torch.bfloat16:
         return torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
                                 scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype)

@@ -87,9 +87,9 @@ def test_channel_dynamic_checkpoint_runs_as_quantized_at_load(tiny_llama_dir, tm
                         quantization="fp8")
     outs = loaded.generate(prompts, GREEDY, use_tqdm=False)
     refs = at_load.generate(prompts, GREEDY, use_tqdm=False)
-    for out, ref in zip(outs, refs):
+    for out, ref in zip(outs, refs, strict=True):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+        for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
             assert got.keys() == want.keys()
             assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in want)
 
@@ -120,7 +120,7 @@ def test_tensor_static_checkpoint_matches_its_transformers_model(tiny_llama_dir,
     ckpt = write_checkpoint(tiny_llama_dir, tmp_path / "fp8-static", "FP8")
     hf = _fake_quantized_hf(ckpt, tiny_llama_dir)
     llm = build_llm(str(ckpt), dtype="float32", device="cpu", max_model_len=256)
-    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False), strict=True):
         tokens = out.outputs[0].token_ids
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]

@@ -36,6 +36,9 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features))
         layer.weight.weight_loader = layer.weight_loader
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing to convert: the weight is used as loaded."""
+
     def apply(self, layer: nn.Module, x: torch.Tensor,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         if layer.one_token(x):

@@ -23,6 +23,7 @@ class LinearMethod(ABC):
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         """Registers the layer's parameters for this rank's [out_features, in_features]."""
 
+    @abstractmethod
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turns the loaded (or dummy-initialized) parameters into the form `apply` reads."""
 

@@ -52,7 +52,7 @@ def engine_rows(model: str) -> list[dict[str, Any]]:
             tput = run_throughput(llm, "prompt-graphs", SHAPE, width, prompts, model,
                                   engine_args)
             row[f"tok_s_w{width}"] = tput["tok_s"]
-        row["kv_blocks"] = llm.engine.block_manager.num_blocks
+        row["kv_blocks"] = llm.engine.core.block_manager.num_blocks
         print(row, flush=True)
         rows.append(row)
         del llm

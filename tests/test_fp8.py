@@ -127,3 +127,14 @@ def test_fp8_agrees_with_bf16_on_cuda(tiny_llama_dir, prompts, kwargs):
     one = prompts[:1]
     assert_agree(reference.generate(one, GREEDY, use_tqdm=False),
                  llm.generate(one, GREEDY, use_tqdm=False), **bounds)
+
+
+def test_fp8_kv_pool_holds_more_tokens(tiny_llama_dir):
+    """The same KV budget holds 4x the blocks of an fp32 pool (2x those of bf16) in e4m3."""
+    args = {"dtype": "float32", "device": "cpu", "max_model_len": 256, "cpu_kv_cache_gb": 2e-3}
+    auto = build_llm(str(tiny_llama_dir), **args)
+    fp8 = build_llm(str(tiny_llama_dir), kv_cache_dtype="fp8", **args)
+    assert fp8.engine.core.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert auto.engine.core.runner.kv_cache.dtype == torch.float32
+    blocks = [llm.engine.core.block_manager.num_blocks for llm in (auto, fp8)]
+    assert blocks[1] == 4 * blocks[0]

@@ -47,3 +47,24 @@ def test_a_bad_request_reaches_no_rank(tp_llm, tiny_llm):
 def test_a_model_that_does_not_split_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="KV heads do not split over tensor_parallel_size=4"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=4, device="cpu")
+
+
+def test_a_rank_that_dies_stops_the_engine_in_bounded_time(tiny_llama_dir):
+    """Rank 1 killed mid-generation: generate() raises RankDiedError within seconds (rank 0
+    does not wait in a collective forever), and no rank process is left behind."""
+    import threading
+    import time
+
+    from liteinfer.engine.tensor_parallel import RankDiedError
+
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", device="cpu",
+              max_model_len=256)
+    procs = list(llm.engine.core.workers.procs)
+    threading.Timer(1.0, procs[0].kill).start()
+    start = time.monotonic()
+    with pytest.raises(RankDiedError, match="liteinfer-tp1 exited"):
+        llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=200,
+                                                     ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    assert all(p.exitcode is not None for p in procs)
+    llm.shutdown()

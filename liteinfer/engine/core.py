@@ -81,7 +81,7 @@ class EngineCore:
     requests need every earlier token on the host (penalties) is read back before the next.
 
     A step that raises fails its own requests (finish reason "error", blocks returned); the
-    others, and the core, go on.
+    others, and the core, go on. A tensor-parallel rank that exits is fatal (RankDiedError).
     """
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto",
@@ -189,6 +189,8 @@ class EngineCore:
             return self._fail(inflight.scheduled.seqs, e)
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[EngineCoreOutput]:
+        if self.workers is not None:
+            self.workers.check()  # a dead rank is fatal: every later step would fail too
         logger.error("a step failed; its %d requests are finished with an error:\n%s",
                      len(seqs), "".join(traceback.format_exception(error)))
         return self.scheduler.fail(seqs, f"{type(error).__name__}: {error}")

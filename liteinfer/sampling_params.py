@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from liteinfer.structured_output import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -32,6 +34,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The output must match this JSON schema, regex, choice or grammar (vLLM's).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

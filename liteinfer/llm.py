@@ -28,8 +28,10 @@ def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[Message],
-                        add_generation_prompt: bool = True) -> list[int]:
-    """A conversation rendered with the tokenizer's chat template, as token ids."""
+                        add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """A conversation rendered with the tokenizer's chat template, as token ids (with the
+    function `tools` the model may call, for templates that render them)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
     for m in messages:
@@ -37,7 +39,7 @@ def apply_chat_template(tokenizer: Any, messages: list[Message],
             raise ValueError(f"a chat message needs 'role' and 'content', got {m!r}")
     # Render, then encode without adding special tokens: the template already has them.
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
+                                         tokenize=False, tools=tools)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

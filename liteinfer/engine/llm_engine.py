@@ -18,6 +18,8 @@ from liteinfer.engine.tensor_parallel import WorkerGroup
 from liteinfer.loader import load_model_source
 from liteinfer.outputs import CompletionOutput, RequestOutput
 from liteinfer.sampling_params import SamplingParams
+from liteinfer.structured_output.backend import build_grammar
+from liteinfer.structured_output.manager import StructuredOutputManager
 
 # Prompt rows scored at once: their fp32 logits over a 128k vocabulary take 256 MiB.
 PROMPT_LOGPROB_ROWS = 512
@@ -29,6 +31,8 @@ class InFlight:
 
     seqs: list[Sequence]
     sampled: SampledTokens
+    # Set once the step's tokens are read (early when the next step's grammar needs them).
+    outputs: list[RequestOutput] | None = None
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -88,6 +92,10 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.seqs: dict[str, Sequence] = {}
         self.inflight: InFlight | None = None
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        # Constrained requests whose grammar is still compiling; queued once it is ready.
+        self.compiling: list[Sequence] = []
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -119,12 +127,25 @@ class LLMEngine:
         elif len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len={self.max_model_len}")
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
         arrival_time = arrival_time or time.perf_counter()
         if self.workers is not None:
             self.workers.call("add_request", request_id, token_ids, params, arrival_time)
         seq = Sequence(request_id, token_ids, params, arrival_time, text)
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured_outputs is None:
+            self.scheduler.add(seq)
+        else:
+            self.structured_output.add_request(request_id, params.structured_outputs)
+            self.compiling.append(seq)
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("structured outputs are not supported with tensor parallelism")
+        build_grammar(params.structured_outputs)
 
     def check_token_ids(self, token_ids: Iterable[int], what: str) -> None:
         """A ValueError unless every id is one of the model's vocabulary."""
@@ -141,6 +162,7 @@ class LLMEngine:
             return False
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
+        self.structured_output.finish_request(request_id)
         return True
 
     def shutdown(self) -> None:
@@ -149,9 +171,10 @@ class LLMEngine:
             self.runner.release_graphs()
             self.workers.shutdown()
             self.workers = None
+        self.structured_output.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or (
+        return self.scheduler.has_unfinished() or bool(self.compiling) or (
             self.inflight is not None and not all(s.is_finished for s in self.inflight.seqs))
 
     # ---- the step -------------------------------------------------------------------------
@@ -168,18 +191,40 @@ class LLMEngine:
         inflight, self.inflight = self.inflight, None
         if inflight is not None and not self._can_overlap(inflight):
             return self._resolve(inflight)
+        failed = self._queue_compiled()
         batch = self.scheduler.schedule()
         if batch is not None:
-            self.inflight = self._launch(batch)
+            self.inflight = self._launch(batch, inflight)
         if not self.config.overlap_scheduling and self.inflight is not None:
             inflight, self.inflight = self.inflight, None
-        return self._resolve(inflight) if inflight is not None else []
+        return failed + (self._resolve(inflight) if inflight is not None else [])
+
+    def _queue_compiled(self) -> list[RequestOutput]:
+        """Queues the constrained requests whose grammar is ready; finishes those whose grammar
+        failed to compile with "error"."""
+        failed = []
+        for seq in [s for s in self.compiling if self.structured_output.is_ready(s.request_id)]:
+            self.compiling.remove(seq)
+            if seq.is_finished:  # aborted while compiling
+                continue
+            if self.structured_output.error(seq.request_id) is None:
+                self.scheduler.add(seq)
+                continue
+            seq.finish_reason = "error"
+            self.scheduler.finish(seq)
+            self.structured_output.finish_request(seq.request_id)
+            del self.seqs[seq.request_id]
+            failed.append(self._output(seq, [], ""))
+        return failed
 
     def _can_overlap(self, inflight: InFlight) -> bool:
         return self.config.overlap_scheduling and not any(
             s.sampling_params.needs_penalties for s in inflight.seqs)
 
-    def _launch(self, batch: ScheduledBatch) -> InFlight | None:
+    def _launch(self, batch: ScheduledBatch, previous: InFlight | None) -> InFlight | None:
+        """Runs the model on the batch, then samples. A constrained request's next bitmask
+        needs its previous token, so a step with constrained rows reads the previous step's
+        tokens first (while the device runs this step's forward pass) and then samples."""
         now = time.perf_counter()
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
@@ -193,7 +238,13 @@ class LLMEngine:
             self.block_manager.cache_computed_blocks(seq)
         if not sampling:
             return None
-        sampled = self.sampler.sample(logits, sampling)
+        grammar_bitmask = None
+        if any(self.structured_output.is_constrained(s.request_id) for s in sampling):
+            if previous is not None:
+                self._resolve(previous)
+            grammar_bitmask = self.structured_output.grammar_bitmask(
+                [s.request_id for s in sampling])
+        sampled = self.sampler.sample(logits, sampling, grammar_bitmask)
         self.runner.keep_sampled(sampled.token_ids)
         for row, seq in enumerate(sampling):
             seq.num_pending += 1
@@ -201,6 +252,8 @@ class LLMEngine:
         return InFlight(sampling, sampled)
 
     def _resolve(self, inflight: InFlight) -> list[RequestOutput]:
+        if inflight.outputs is not None:
+            return inflight.outputs
         out = inflight.sampled.result()
         now = time.perf_counter()
         outputs = []
@@ -208,6 +261,7 @@ class LLMEngine:
             seq.num_pending -= 1
             if not seq.is_finished:  # else finished or aborted while this step ran
                 outputs.append(self._append(seq, token, logprobs, now))
+        inflight.outputs = outputs
         return outputs
 
     def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
@@ -221,6 +275,8 @@ class LLMEngine:
             m.first_token_time = now
         m.last_token_time = now
         self._check_stop_token(seq, token)
+        if self.structured_output.is_constrained(seq.request_id):
+            self._check_grammar(seq, token)
         new_text = ""
         if self.detokenizer is not None:
             new_text = self.detokenizer.decode_new(seq, finished=seq.finish_reason is not None)
@@ -230,8 +286,17 @@ class LLMEngine:
         if seq.finish_reason is not None:
             m.finished_time = now
             self.scheduler.finish(seq)
+            self.structured_output.finish_request(seq.request_id)
             del self.seqs[seq.request_id]
         return self._output(seq, [token], new_text)
+
+    def _check_grammar(self, seq: Sequence, token: int) -> None:
+        """A token the grammar forbids (none can be sampled, unless min_tokens held back the
+        only allowed stop token) fails the request; a grammar at its end stops it."""
+        if not self.structured_output.accept_tokens(seq.request_id, [token]):
+            seq.finish_reason = "error"
+        elif self.structured_output.is_terminated(seq.request_id):
+            seq.finish_reason = "stop"
 
     def _check_stop_token(self, seq: Sequence, token: int) -> None:
         params = seq.sampling_params

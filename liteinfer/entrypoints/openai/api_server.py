@@ -31,6 +31,7 @@ from liteinfer.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                                    DetokenizeRequest, SamplingRequest,
                                                    TokenizeRequest, conversation)
 from liteinfer.entrypoints.openai.metrics import ServerMetrics
+from liteinfer.entrypoints.openai.structured import ToolCalls
 from liteinfer.llm import apply_chat_template, generation_defaults
 from liteinfer.outputs import RequestOutput
 from liteinfer.utils import model_label
@@ -47,8 +48,10 @@ def error_response(status: int, message: str, kind: str = "BadRequestError") -> 
 class OpenAIServing:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str,
+                 tool_call_parser: str | None = "llama3_json"):
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
         self.defaults = generation_defaults(engine.engine.generation_config)
@@ -62,15 +65,19 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, request: Request):
         return await self._serve(body, request, "cmpl", "text_completion", body.prompts,
-                                 body.max_tokens, body.logprobs)
+                                 body.max_tokens, body.logprobs, None)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         def prompts() -> list[Prompt]:
             return [apply_chat_template(self.tokenizer, body.conversation(),
-                                        body.add_generation_prompt)]
+                                        body.add_generation_prompt, body.tool_dicts())]
 
+        try:
+            tools = ToolCalls(body.tools, body.tool_choice, self.tool_call_parser)
+        except ValueError as e:
+            return error_response(400, str(e))
         return await self._serve(body, request, "chatcmpl", "chat.completion", prompts,
-                                 body.max_new_tokens, body.num_logprobs)
+                                 body.max_new_tokens, body.num_logprobs, tools)
 
     def tokenize(self, body: TokenizeRequest):
         if (error := self._check_model(body.model)) is not None:
@@ -107,7 +114,7 @@ class OpenAIServing:
 
     async def _serve(self, body: SamplingRequest, request: Request, prefix: str, kind: str,
                      prompts: Callable[[], list[Prompt]], max_tokens: int | None,
-                     logprobs: int | None):
+                     logprobs: int | None, tools: ToolCalls | None):
         if (error := self._check_model(body.model)) is not None:
             return error
         response_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -122,7 +129,8 @@ class OpenAIServing:
             return error_response(400, str(e))
         meta = {"id": response_id, "created": int(time.time()), "model": self.model_name}
         render = ChoiceRenderer(self.tokenizer, kind == "chat.completion", logprobs,
-                                echo=getattr(body, "echo", False))
+                                echo=getattr(body, "echo", False),
+                                tools=tools if tools is not None and tools.active else None)
         if body.stream:
             return StreamingResponse(self._events(stream, render, meta, kind, body),
                                      media_type="text/event-stream")
@@ -209,11 +217,21 @@ class ChoiceRenderer:
     (completions), the prompt and its tokens' logprobs come first (in a stream's first chunk of
     each choice)."""
 
-    def __init__(self, tokenizer: Any, chat: bool, logprobs: int | None, echo: bool = False):
+    def __init__(self, tokenizer: Any, chat: bool, logprobs: int | None, echo: bool = False,
+                 tools: ToolCalls | None = None):
         self.tokenizer, self.chat, self.logprobs, self.echo = tokenizer, chat, logprobs, echo
+        self.tools = tools  # chat choices that may hold tool calls
 
     def final(self, out: RequestOutput) -> Chunk:
         c = out.outputs[0]
+        if self.chat and self.tools is not None:
+            content, calls = self.tools.final(c.text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            return {"index": choice_index(out), "message": message,
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": self.tools.finish_reason(bool(calls), finish_reason(out))}
         if self.chat:
             return {"index": choice_index(out), "message": {"role": "assistant",
                                                             "content": c.text},
@@ -227,6 +245,12 @@ class ChoiceRenderer:
         if not self.chat:
             return self._completion(out, out.new_text, out.new_token_ids, entries,
                                     first=len(c.token_ids) == n)
+        if self.tools is not None:
+            delta, calls = self.tools.delta(choice_index(out), out.new_text, out.finished)
+            reason = finish_reason(out)
+            return {"index": choice_index(out), "delta": delta,
+                    "logprobs": self._logprobs(out.new_token_ids, entries),
+                    "finish_reason": reason and self.tools.finish_reason(calls, reason)}
         return {"index": choice_index(out),
                 "delta": {"content": out.new_text} if out.new_text else {},
                 "logprobs": self._logprobs(out.new_token_ids, entries),
@@ -269,8 +293,9 @@ class ChoiceRenderer:
                 "text_offset": offsets}
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, model_name)
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
+              tool_call_parser: str | None = "llama3_json") -> FastAPI:
+    serving = OpenAIServing(engine, model_name, tool_call_parser)
     app = FastAPI(title="liteinfer", docs_url=None, redoc_url=None)
 
     if api_key:

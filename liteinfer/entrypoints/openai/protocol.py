@@ -9,7 +9,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from liteinfer.entrypoints.openai.structured import (ResponseFormat, StructuredOutputsRequest,
+                                                     Tool, ToolChoice, check_tools,
+                                                     forced_tool_schema, structured_outputs_params,
+                                                     template_message)
 from liteinfer.sampling_params import SamplingParams
+from liteinfer.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
@@ -46,10 +51,22 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's, vLLM's and vLLM's older fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias and not all(k.isdigit() for k in self.logit_bias):
             raise ValueError("logit_bias keys must be token ids")
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        return structured_outputs_params(self.response_format, self.structured_outputs,
+                                         self.guided_json, self.guided_regex,
+                                         self.guided_choice, self.guided_grammar)
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
                         logprobs: int | None, choice: int) -> SamplingParams:
@@ -65,7 +82,8 @@ class SamplingRequest(BaseModel):
             min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.output_constraint())
 
     @property
     def include_usage(self) -> bool:
@@ -110,6 +128,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # which call a tool message answers
 
     def text(self) -> str:
         """The message's text; a list of content parts may hold text parts only."""
@@ -123,9 +144,12 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    return [template_message({"role": m.role, "content": m.text(),
+                              **m.model_dump(include={"name", "tool_calls", "tool_call_id"},
+                                             exclude_none=True)})
+            for m in messages]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -135,14 +159,35 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise ValueError("tools are not supported")
+        check_tools(self.tools, self.tool_choice)
+        if self.reasoning_effort is not None:
+            raise ValueError("reasoning_effort is not supported: liteinfer serves no "
+                             "reasoning models")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """A forced tool call's schema (a constraint of its own beside none other)."""
+        schema = (forced_tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+                  if self.tools and self.tool_choice is not None else None)
+        constraint = super().output_constraint()
+        if schema is None:
+            return constraint
+        if constraint is not None:
+            raise ValueError("a forced tool call cannot be combined with response_format or "
+                             "structured outputs")
+        return StructuredOutputsParams(json=schema)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -5,13 +5,13 @@ that output becomes the response's tool calls."""
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from liteinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
+from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import tool_call
 from liteinfer.structured_output import StructuredOutputsParams
-from liteinfer.structured_output.backend import build_grammar
 
 
 class JsonSchemaFormat(BaseModel):
@@ -72,30 +72,29 @@ def structured_outputs_params(
         guided_json: str | dict[str, Any] | None = None, guided_regex: str | None = None,
         guided_choice: list[str] | None = None, guided_grammar: str | None = None,
 ) -> StructuredOutputsParams | None:
-    """The request's one constraint, checked (ValueError with the compiler's message), or
-    None."""
-    given: list[StructuredOutputsParams] = []
+    """The request's one constraint, or None. `structured_outputs` may also carry options
+    alone (disable_any_whitespace) for a constraint given as response_format or guided_*."""
+    constraints: list[dict[str, Any]] = []
     if response_format is not None and response_format.type == "json_object":
-        given.append(StructuredOutputsParams(json_object=True))
+        constraints.append({"json_object": True})
     elif response_format is not None and response_format.type == "json_schema":
         if response_format.json_schema is None:
             raise ValueError("response_format of type json_schema needs a json_schema")
-        given.append(StructuredOutputsParams(json=response_format.json_schema.json_schema))
+        constraints.append({"json": response_format.json_schema.json_schema})
+    options: dict[str, Any] = {}
     if structured_outputs is not None:
-        fields = structured_outputs.model_dump(exclude_none=True)
-        fields["json"] = fields.pop("json_", None)
-        given.append(StructuredOutputsParams(**fields))
+        fields = structured_outputs.model_dump(exclude_none=True, by_alias=True)
+        options["disable_any_whitespace"] = fields.pop("disable_any_whitespace")
+        if fields:
+            constraints.append(fields)
     guided = {"json": guided_json, "regex": guided_regex, "choice": guided_choice,
               "grammar": guided_grammar}
     if any(v is not None for v in guided.values()):
-        given.append(StructuredOutputsParams(**guided))
-    if len(given) > 1:
-        raise ValueError("give at most one of response_format, structured_outputs and the "
-                         "guided_* fields")
-    if not given:
-        return None
-    build_grammar(given[0])
-    return given[0]
+        constraints.append({k: v for k, v in guided.items() if v is not None})
+    if len(constraints) > 1:
+        raise ValueError("give one constraint: response_format, structured_outputs or "
+                         "guided_*")
+    return StructuredOutputsParams(**constraints[0], **options) if constraints else None
 
 
 def check_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> None:
@@ -140,21 +139,13 @@ def forced_tool_schema(tools: list[Tool], tool_choice: ToolChoice,
     return schema
 
 
-def tool_call(name: str, arguments: Any) -> dict[str, Any]:
-    """An OpenAI tool call; `arguments` as a JSON text."""
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                   ensure_ascii=False)
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": text}}
-
-
 def forced_tool_calls(text: str, tool_choice: ToolChoice) -> list[dict[str, Any]]:
-    """The tool calls of an output held to `forced_tool_schema`; a ValueError if the output
-    is not complete (it stopped at its length limit)."""
+    """The tool calls of an output held to `forced_tool_schema`; none if the output is not
+    complete (it stopped at its length limit)."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"the forced tool call is incomplete: {e}") from None
+    except json.JSONDecodeError:
+        return []
     if isinstance(tool_choice, NamedToolChoice):
         return [tool_call(tool_choice.function.name, value)]
     return [tool_call(c["name"], c["parameters"]) for c in value]
@@ -177,3 +168,59 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"tool call arguments are not JSON: {arguments!r}") from None
         converted.append({**call, "function": function})
     return {**message, "tool_calls": converted}
+
+
+class ToolCalls:
+    """How the choices of one chat request turn their text into tool calls: held to a schema
+    when forced (named function or "required"), parsed from what the model wrote with "auto",
+    left as text with "none" or no tools."""
+
+    def __init__(self, tools: list[Tool] | None, tool_choice: ToolChoice | None,
+                 parser_name: str | None):
+        if tool_choice is None:
+            tool_choice = "auto" if tools else "none"
+        self.tool_choice = tool_choice
+        self.forced = tool_choice not in ("auto", "none")
+        self._parser: type[ToolParser] | None = None
+        if tools and tool_choice == "auto":
+            if parser_name is None:
+                raise ValueError('tool_choice "auto" needs a tool-call parser for this model')
+            self._parser = TOOL_PARSERS[parser_name]
+        self._streams: dict[int, ToolParser] = {}
+        self._forced_text: dict[int, str] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.forced or self._parser is not None
+
+    def final(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool calls) of a whole choice."""
+        if self.forced:
+            calls = forced_tool_calls(text, self.tool_choice)
+            return (None, calls) if calls else (text, [])
+        if self._parser is None:
+            return text, []
+        return self._parser().extract_tool_calls(text)
+
+    def finish_reason(self, calls: bool, reason: str) -> str:
+        """OpenAI's: "tool_calls" when the model chose to call tools (auto, required); a
+        named function's call finishes "stop"."""
+        if calls and reason == "stop" and not isinstance(self.tool_choice, NamedToolChoice):
+            return "tool_calls"
+        return reason
+
+    def delta(self, choice: int, text: str, finished: bool) -> tuple[dict[str, Any], bool]:
+        """A streamed choice's delta for its next text, and whether it has sent tool calls.
+        Forced calls are sent whole when the choice finishes."""
+        if self.forced:
+            self._forced_text[choice] = self._forced_text.get(choice, "") + text
+            if not finished:
+                return {}, False
+            text = self._forced_text.pop(choice)
+            calls = forced_tool_calls(text, self.tool_choice)
+            if not calls:
+                return {"content": text}, False
+            return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, True
+        parser = self._streams.setdefault(choice, self._parser())
+        delta = parser.extract_tool_calls_streaming(text, finished)
+        return delta, parser.saw_tool_calls

@@ -2,11 +2,20 @@
 whole or streamed. A parser object serves one choice of one request (streaming keeps state)."""
 from __future__ import annotations
 
+import json
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from liteinfer.entrypoints.openai.structured import tool_call
+
+
+def tool_call(name: str, arguments: Any) -> dict[str, Any]:
+    """An OpenAI tool call; `arguments` as a JSON text."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments,
+                                                                   ensure_ascii=False)
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": text}}
 
 
 @dataclass

@@ -127,16 +127,43 @@ def forced_tool_schema(tools: list[Tool], tool_choice: ToolChoice,
         return _parameters(tool)
     if tool_choice != "required":
         return None
-    calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                             "parameters": _parameters(t)},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for t in tools]
+    calls, defs = [], {}
+    for i, t in enumerate(tools):
+        parameters, tool_defs = _hoist_defs(_parameters(t), f"tool{i}_")
+        defs.update(tool_defs)
+        calls.append({"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if defs:
+        schema["$defs"] = defs
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return schema
+
+
+def _hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[Any, dict[str, Any]]:
+    """A tool's parameters without their `$defs` (or `definitions`), which move to the root of
+    the schema they are embedded in, renamed with `prefix` (references follow)."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    schema = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+
+    def rename(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rename(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rename(v) for k, v in node.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str):
+            for root in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(root):
+                    out["$ref"] = "#/$defs/" + prefix + ref[len(root):]
+        return out
+
+    return rename(schema), {prefix + k: rename(v) for k, v in defs.items()}
 
 
 def forced_tool_calls(text: str, tool_choice: ToolChoice) -> list[dict[str, Any]]:

@@ -178,10 +178,10 @@ def test_manager_bitmask_equals_xgrammar(tiny_llm):
 
 
 @pytest.mark.parametrize("constraint, message", [
-    (dict(regex="a(b"), "invalid regex for structured outputs: Regex parsing error"),
-    (dict(json='{"type": '), "invalid JSON schema for structured outputs"),
-    (dict(json={"type": "objectx"}), 'Unsupported type "objectx"'),
-    (dict(grammar='root ::= "a" |'), "invalid grammar for structured outputs: EBNF parser"),
+    ({"regex": "a(b"}, "invalid regex for structured outputs: Regex parsing error"),
+    ({"json": '{"type": '}, "invalid JSON schema for structured outputs"),
+    ({"json": {"type": "objectx"}}, 'Unsupported type "objectx"'),
+    ({"grammar": 'root ::= "a" |'}, "invalid grammar for structured outputs: EBNF parser"),
 ])
 def test_invalid_constraints_are_value_errors(tiny_llm, constraint, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -189,8 +189,30 @@ def test_invalid_constraints_are_value_errors(tiny_llm, constraint, message):
             structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
 
 
-@pytest.mark.parametrize("fields", [{}, dict(regex="a", choice=["b"]), dict(choice=[]),
-                                    dict(choice=["a", 1]), dict(json=3)])
+@pytest.mark.parametrize("fields", [{}, {"regex": "a", "choice": ["b"]}, {"choice": []},
+                                    {"choice": ["a", 1]}, {"json": 3}])
 def test_params_take_exactly_one_valid_constraint(fields):
     with pytest.raises(ValueError, match="structured outputs"):
         StructuredOutputsParams(**fields)
+
+
+@pytest.mark.gpu
+def test_constrained_generation_on_cuda(tiny_llama_dir):
+    """The bitmask copied from pinned memory and applied by xgrammar's Triton kernel, with
+    overlap scheduling and CUDA graphs: outputs validate, every token is one the grammar
+    allows, unconstrained rows beside them keep their tokens."""
+    from fixtures import build_llm
+
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cuda", max_model_len=256)
+    prompts = ["The quick brown fox", "Hello world! How are", "Once upon a time there"]
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
+    constraint = StructuredOutputsParams(json=Order.model_json_schema(),
+                                         disable_any_whitespace=True)
+    held = SamplingParams(temperature=1.0, seed=7, max_tokens=150,
+                          structured_outputs=constraint)
+    mixed = llm.generate(prompts + prompts, [free] * 3 + [held] * 3, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+    for o in mixed[3:]:
+        Order.model_validate_json(o.outputs[0].text)
+        assert replay(llm, constraint, o.outputs[0].token_ids).is_terminated()

@@ -11,11 +11,11 @@ import re
 
 import openai
 import pytest
-from pydantic import BaseModel, Field
-
 from fixtures import ENGINES, serve
-from liteinfer.engine.async_llm_engine import AsyncLLMEngine
+from pydantic import BaseModel, Field
 from test_structured_output import Color, Order, Path
+
+from liteinfer.engine.async_llm_engine import AsyncLLMEngine
 
 # Small models emit runs of whitespace where JSON allows it; the tiny one is held to none.
 TIGHT = {"structured_outputs": {"disable_any_whitespace": True}}
@@ -107,7 +107,7 @@ def test_bad_constraints_are_400s(client, body, message):
 
 def check_calls(calls, names):
     assert [c.function.name for c in calls] and all(c.type == "function" for c in calls)
-    assert set(c.function.name for c in calls) <= set(names)
+    assert {c.function.name for c in calls} <= set(names)
     for c in calls:
         PARAMETERS[c.function.name].model_validate_json(c.function.arguments)
 
@@ -134,8 +134,8 @@ def test_forced_tool_calls(client, stream):
     named = {"type": "function", "function": {"name": "get_weather"}}
     for tool_choice, names, reason in ((named, ["get_weather"], "stop"),
                                        ("required", ["get_weather", "get_stock"], "tool_calls")):
-        kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
-                      max_tokens=200, temperature=1.0, seed=4, extra_body=TIGHT)
+        kwargs = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice,
+                      "max_tokens": 200, "temperature": 1.0, "seed": 4, "extra_body": TIGHT}
         if stream:
             calls, finish = streamed_calls(client.chat.completions.create(stream=True,
                                                                           **kwargs))

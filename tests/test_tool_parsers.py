@@ -17,8 +17,8 @@ CALLS = [
      [("get_user_info", {"user_id": 7, "special": "black"})]),
     ('{"name": "f", "parameters": {"s": "a } ; { \\" b"}}; {"name": "g", "parameters": {}}\n',
      [("f", {"s": 'a } ; { " b'}), ("g", {})]),
-    ('\n\n{"name": "search", "parameters": {"q": ["x", {"y": null}]}} ; '
-     '{"name": "search", "parameters": {"q": []}};',
+    (('\n\n{"name": "search", "parameters": {"q": ["x", {"y": null}]}} ; '
+     '{"name": "search", "parameters": {"q": []}};'),
      [("search", {"q": ["x", {"y": None}]}), ("search", {"q": []})]),
 ]
 TEXTS = [

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 
-
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:
     """An OpenAI tool call; `arguments` as a JSON text."""
     text = arguments if isinstance(arguments, str) else json.dumps(arguments,

@@ -1,0 +1,79 @@
+"""Structured outputs' cost on the GPU: Llama-3.2-1B-Instruct (dummy weights, the Llama-3
+tokenizer of benchmarks/models/), 128-token prompts, 256 output tokens, 32 in flight, greedy.
+Run A: every request unconstrained. Run B: every other request held to a simple JSON schema.
+Each half's tok/s (its tokens over the time until its last request finished) is compared
+with the same half of run A; targets: unconstrained -5% at most, constrained -20% at most.
+
+    python scripts/bench_structured.py [--requests 64] [--out $OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+from liteinfer import LLM, SamplingParams
+from liteinfer.structured_output import StructuredOutputsParams
+
+MODEL_DIR = Path(__file__).resolve().parent.parent / "benchmarks/models/llama-3.2-1b-instruct"
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"},
+                                           "score": {"type": "integer"}},
+          "required": ["answer", "score"]}
+ISL, OSL, WIDTH = 128, 256, 32
+
+
+def run(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, float]:
+    """Runs every prompt (at most WIDTH in flight), the odd ones held to SCHEMA if
+    `constrain_odd`; each half's tok/s: its tokens over the time until its last one ended."""
+    engine = llm.engine
+    free = SamplingParams(temperature=0.0, max_tokens=OSL, ignore_eos=True)
+    held = SamplingParams(temperature=0.0, max_tokens=OSL, ignore_eos=True,
+                          structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, held if constrain_odd and i % 2 else free)
+    tokens = {"even": 0, "odd": 0}
+    last = dict.fromkeys(tokens, start)
+    stops = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                half = "odd" if int(out.request_id[1:]) % 2 else "even"
+                tokens[half] += len(out.outputs[0].token_ids)
+                last[half] = time.perf_counter()
+                stops += out.outputs[0].finish_reason == "stop"
+    return {**{f"tok_s_{h}": tokens[h] / (last[h] - start) for h in tokens},
+            **{f"tokens_{h}": tokens[h] for h in tokens},
+            "grammar_stops": stops, "seconds": max(last.values()) - start}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    llm = LLM(str(MODEL_DIR), load_format="dummy", dtype="bfloat16", max_num_seqs=WIDTH)
+    rng = random.Random(0)
+    vocab = 128000  # the Llama-3 vocabulary's ordinary tokens
+    prompts = [[rng.randrange(vocab) for _ in range(ISL)] for _ in range(args.requests)]
+    run(llm, prompts[:WIDTH], True)  # warm-up: graphs, the tokenizer info, the grammar
+    base = run(llm, prompts, False)
+    mixed = run(llm, prompts, True)
+    result = {
+        "model": "llama-3.2-1b-instruct (dummy)", "isl": ISL, "osl": OSL, "width": WIDTH,
+        "requests": args.requests, "schema": SCHEMA, "all_unconstrained": base,
+        "odd_constrained": mixed,
+        "unconstrained_loss": 1 - mixed["tok_s_even"] / base["tok_s_even"],
+        "constrained_loss": 1 - mixed["tok_s_odd"] / base["tok_s_odd"],
+        "targets": {"unconstrained_loss": 0.05, "constrained_loss": 0.20},
+    }
+    out = Path(args.out) / "structured-outputs.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

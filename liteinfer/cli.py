@@ -81,7 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from liteinfer.entrypoints.openai.api_server import run_server
 
     run_server(args.model, args.host, args.port, args.served_model_name, args.load_format,
-               args.api_key or os.environ.get("LITEINFER_API_KEY"), device=args.device,
+               args.api_key or os.environ.get("LITEINFER_API_KEY"), args.tool_call_parser,
+               device=args.device,
                dtype=args.dtype, max_model_len=args.max_model_len,
                **parse_overrides(args.overrides))
 
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
                                                    "model's name or its directory's)")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 requests "
                                          "(default: $LITEINFER_API_KEY, if set)")
+    from liteinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    serve.add_argument("--tool-call-parser", default="llama3_json", choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are read from outputs with tool_choice auto")
     serve.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="any engine argument, e.g. max_num_seqs=64")
     serve.set_defaults(func=cmd_serve)

@@ -149,6 +149,26 @@ def test_forced_tool_calls(client, stream):
             assert len(calls) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_are_parsed(client, stream):
+    """tool_choice "auto": an output in the Llama-3 JSON call format (here held to it by a
+    schema, as the random model would not write one) comes back as tool calls."""
+    call = {"type": "object", "properties": {"name": {"enum": ["get_stock"]},
+                                             "parameters": Stock.model_json_schema()},
+            "required": ["name", "parameters"], "additionalProperties": False}
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=100,
+                  extra_body={"structured_outputs": {"json": call,
+                                                     "disable_any_whitespace": True}})
+    if stream:
+        calls, finish = streamed_calls(client.chat.completions.create(stream=True, **kwargs))
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+        assert choice.message.content is None
+    check_calls(calls, ["get_stock"])
+    assert len(calls) == 1 and finish == "tool_calls"
+
+
 def test_tool_results_turn(client):
     first = client.chat.completions.create(
         model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200,

@@ -1,13 +1,17 @@
-"""The llama3_json tool-call parser on Llama 3.1/3.2 outputs in their model cards' JSON
-format: whole outputs and the same outputs streamed in pieces of every size give the same
-calls; malformed calls stay text."""
+"""Tool-call parsers: llama3_json on Llama 3.1/3.2 outputs in their model cards' JSON format,
+hermes on Qwen2.5-style outputs. Whole outputs and the same outputs streamed in pieces of
+several sizes give the same content and calls; malformed calls stay text."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from liteinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS, Llama3JsonToolParser
+from liteinfer.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    Llama3JsonToolParser,
+)
 
 WEATHER = '{"name": "get_current_weather", "parameters": {"location": "San Francisco, CA", ' \
           '"unit": "celsius"}}'
@@ -41,8 +45,8 @@ def calls_of(tool_calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls]
 
 
-def stream(text: str, piece: int):
-    parser = Llama3JsonToolParser()
+def stream(text: str, piece: int, parser_cls=Llama3JsonToolParser):
+    parser = parser_cls()
     content, calls = "", []
     pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
     for i, p in enumerate(pieces):
@@ -57,6 +61,7 @@ def stream(text: str, piece: int):
 
 def test_registry():
     assert TOOL_PARSERS["llama3_json"] is Llama3JsonToolParser
+    assert TOOL_PARSERS["hermes"] is HermesToolParser
 
 
 @pytest.mark.parametrize("text, expected", CALLS)
@@ -94,3 +99,45 @@ def test_streamed_text_is_not_held_back():
     tagged = Llama3JsonToolParser()
     assert tagged.extract_tool_calls_streaming("<|python", False) == {}
     assert tagged.extract_tool_calls_streaming("_tag|>{\"na", False) == {}
+
+
+QWEN_CALL = ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": '
+             '"San Francisco, CA, USA", "unit": "celsius"}}\n</tool_call>')
+HERMES_CALLS = [
+    (QWEN_CALL, None,
+     [("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"})]),
+    ("Let me check both.\n" + QWEN_CALL + "\n" + QWEN_CALL.replace("San Francisco", "Paris"),
+     "Let me check both.\n",
+     [("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}),
+      ("get_current_temperature", {"location": "Paris, CA, USA", "unit": "celsius"})]),
+    ('<tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}</tool_call>\n', None,
+     [("f", {"s": "</tool_call>"})]),
+]
+HERMES_TEXTS = [
+    "No tools needed: 2 < 3 and <tool is not a tag.",
+    QWEN_CALL[:-5],  # cut off in the closing tag
+    '<tool_call>\n{"name": "f"}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_cal>',
+    QWEN_CALL + " and a trailing remark",
+]
+
+
+@pytest.mark.parametrize("text, content, expected", HERMES_CALLS)
+def test_hermes_calls_whole_and_streamed(text, content, expected):
+    whole_content, tool_calls = HermesToolParser().extract_tool_calls(text)
+    assert whole_content == content and calls_of(tool_calls) == expected
+    for piece in (1, 2, 5, len(text)):
+        streamed, calls, saw = stream(text, piece, HermesToolParser)
+        assert streamed == (content or "") and saw
+        assert calls_of(calls) == expected
+
+
+@pytest.mark.parametrize("text", HERMES_TEXTS)
+def test_hermes_malformed_calls_stay_text(text):
+    assert HermesToolParser().extract_tool_calls(text) == (text, [])
+    for piece in (1, 3, len(text)):
+        content, calls, _ = stream(text, piece, HermesToolParser)
+        if not calls:
+            assert content == text
+        else:  # the complete call was sent before the remark came
+            assert text.startswith(QWEN_CALL) and content == text[len(QWEN_CALL):]

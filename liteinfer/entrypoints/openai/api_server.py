@@ -348,12 +348,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
 def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, load_format: str = "auto",
-               api_key: str | None = None, **engine_args: Any) -> None:
+               api_key: str | None = None, tool_call_parser: str | None = "llama3_json",
+               **engine_args: Any) -> None:
     import uvicorn
 
     engine = AsyncLLMEngine.from_args(model, load_format, **engine_args)
     try:
-        uvicorn.run(build_app(engine, served_model_name or model_label(model), api_key),
-                    host=host, port=port, log_level="info")
+        uvicorn.run(build_app(engine, served_model_name or model_label(model), api_key,
+                              tool_call_parser), host=host, port=port, log_level="info")
     finally:
         engine.shutdown()

@@ -1,83 +1,47 @@
-"""Llama 3.1/3.2/3.3 JSON tool calls (their model cards' custom-tool format):
+"""Llama 3.1/3.2/3.3 JSON tool calls (their model cards' custom-tool format): the output is
 `{"name": "f", "parameters": {...}}` (or "arguments"), possibly after `<|python_tag|>`, several
 separated by ";"."""
 from __future__ import annotations
 
-import json
-
-from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCall, ToolParser
+from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCalls, ToolParser
+from liteinfer.entrypoints.openai.tool_parsers.json_calls import WHITESPACE, skip, take_call
 
 PYTHON_TAG = "<|python_tag|>"
-_WHITESPACE = " \t\n\r"
 
 
 class Llama3JsonToolParser(ToolParser):
-    def call_start(self, text: str) -> bool | None:
-        s = text.lstrip(_WHITESPACE)
-        if not s or (PYTHON_TAG.startswith(s) and s != PYTHON_TAG):
-            return None
-        s = s.removeprefix(PYTHON_TAG).lstrip(_WHITESPACE)
-        return None if not s else s.startswith("{")
+    def find_calls(self, text: str) -> int | None:
+        """Calls are the whole output or nothing: they begin where it does."""
+        s = text.lstrip(WHITESPACE).removeprefix(PYTHON_TAG).lstrip(WHITESPACE)
+        return 0 if s.startswith("{") else None
 
-    def parse_calls(self, text: str) -> tuple[list[ParsedCall], bool] | None:
-        decoder = json.JSONDecoder()
-        pos = len(text) - len(text.lstrip(_WHITESPACE))
-        if text.startswith(PYTHON_TAG, pos):
-            pos += len(PYTHON_TAG)
-        calls: list[ParsedCall] = []
+    def holdback(self, text: str) -> int:
+        """All of an output that may still become calls: whitespace and the python tag."""
+        s = text.lstrip(WHITESPACE)
+        if PYTHON_TAG.startswith(s) or (s.startswith(PYTHON_TAG)
+                                        and not s[len(PYTHON_TAG):].strip(WHITESPACE)):
+            return len(text)
+        return 0
+
+    def parse_calls(self, text: str) -> ParsedCalls | None:
+        done = skip(text, 0)  # the end of what is parsed
+        if text.startswith(PYTHON_TAG, done):
+            done += len(PYTHON_TAG)
+        calls = []
         while True:
-            pos = _skip(text, pos, _WHITESPACE)
+            pos = skip(text, done)
             if pos == len(text):
-                return calls, True
-            if text[pos] != "{":
+                return ParsedCalls(calls, done, False)
+            taken = take_call(text, pos)
+            if taken is None:
                 return None
-            try:
-                value, end = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError:
-                # Unfinished if the rest is a prefix of some JSON text; malformed otherwise
-                # (only the end of the text can tell, so an error before it is malformed).
-                return (calls, True) if _unfinished(text[pos:]) else None
-            call = _call(value, end)
-            if call is None:
-                return None
+            call, end = taken
+            if call is None:  # the rest is the beginning of a call
+                return ParsedCalls(calls, done, True)
             calls.append(call)
-            pos = _skip(text, end, _WHITESPACE)
+            done = end
+            pos = skip(text, end)
             if pos < len(text):
                 if text[pos] != ";":
                     return None
-                pos += 1
-
-
-def _skip(text: str, pos: int, chars: str) -> int:
-    while pos < len(text) and text[pos] in chars:
-        pos += 1
-    return pos
-
-
-def _call(value: object, end: int) -> ParsedCall | None:
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("parameters", value.get("arguments"))
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(value["name"], arguments, end)
-
-
-def _unfinished(text: str) -> bool:
-    """Whether `text`, which failed to parse as one JSON object, never closes its first brace
-    (so more text may complete it); a closed but invalid object is malformed."""
-    depth, in_string, escaped = 0, False, False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif in_string:
-            escaped, in_string = ch == "\\", ch != '"'
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return False
-    return True
+                done = pos + 1

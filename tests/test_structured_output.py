@@ -216,3 +216,19 @@ def test_constrained_generation_on_cuda(tiny_llama_dir):
     for o in mixed[3:]:
         Order.model_validate_json(o.outputs[0].text)
         assert replay(llm, constraint, o.outputs[0].token_ids).is_terminated()
+
+
+def test_params_cross_the_engine_core_boundary():
+    """The constraint travels inside SamplingParams in msgspec-encoded engine-core requests."""
+    import msgspec
+
+    from liteinfer.engine.messages import EngineCoreRequest
+
+    for constraint in (StructuredOutputsParams(json=Order.model_json_schema()),
+                       StructuredOutputsParams(choice=["a", "b"], disable_any_whitespace=True),
+                       StructuredOutputsParams(json_object=True)):
+        request = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=constraint),
+                                    0.0)
+        decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
+        assert decoded.sampling_params.structured_outputs == constraint
+        assert decoded.sampling_params.structured_outputs.key == constraint.key

@@ -134,10 +134,12 @@ class LLMEngine:
             self.workers.call("add_request", request_id, token_ids, params, arrival_time)
         seq = Sequence(request_id, token_ids, params, arrival_time, text)
         self.seqs[request_id] = seq
-        if params.structured_outputs is None:
+        if params.structured_outputs is not None:
+            self.structured_output.add_request(request_id, params.structured_outputs)
+        # A grammar compiled before (cached) is ready at once and keeps the request's place.
+        if params.structured_outputs is None or self.structured_output.is_ready(request_id):
             self.scheduler.add(seq)
         else:
-            self.structured_output.add_request(request_id, params.structured_outputs)
             self.compiling.append(seq)
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -79,12 +78,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from liteinfer.bench.cli import parse_overrides
     from liteinfer.entrypoints.openai.api_server import run_server
+    from liteinfer.entrypoints.openai.cli_args import server_args
 
     run_server(args.model, args.host, args.port, args.served_model_name, args.load_format,
-               args.api_key or os.environ.get("LITEINFER_API_KEY"), args.tool_call_parser,
-               device=args.device,
-               dtype=args.dtype, max_model_len=args.max_model_len,
-               **parse_overrides(args.overrides))
+               server_args(args), device=args.device, dtype=args.dtype,
+               max_model_len=args.max_model_len, **parse_overrides(args.overrides))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,15 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                                          "/v1/chat/completions, /v1/models)")
     _add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", help="the model's name in the API (default: the "
-                                                   "model's name or its directory's)")
-    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 requests "
-                                         "(default: $LITEINFER_API_KEY, if set)")
-    from liteinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS
-    serve.add_argument("--tool-call-parser", default="llama3_json", choices=sorted(TOOL_PARSERS),
-                       help="how tool calls are read from outputs with tool_choice auto")
+    from liteinfer.entrypoints.openai.cli_args import add_server_args
+    add_server_args(serve)
     serve.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="any engine argument, e.g. max_num_seqs=64")
     serve.set_defaults(func=cmd_serve)

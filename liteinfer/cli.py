@@ -1,4 +1,4 @@
-"""`liteinfer generate | chat | serve | bench | report`."""
+"""`liteinfer generate | chat | serve` (benchmarks: `liteinfer-bench`)."""
 from __future__ import annotations
 
 import argparse
@@ -106,9 +106,6 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="any engine argument, e.g. max_num_seqs=64")
     serve.set_defaults(func=cmd_serve)
-    from liteinfer.bench.cli import add_bench_parser, add_report_parser
-    add_bench_parser(sub)
-    add_report_parser(sub)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: ctx + 512 (the KV pool is sized from it)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="engine arguments, as in `liteinfer bench --set`")
+                    help="engine arguments, as in `liteinfer-bench run --set`")
     args = ap.parse_args()
     overrides = parse_overrides(args.set)
     llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_num_seqs=max(args.batch),
@@ -47,7 +47,8 @@ def main() -> None:
         for i in range(bs):
             engine.add_request(f"p{bs}-{i}", [(7 * i + j) % 1000 + 100 for j in range(args.ctx)],
                                SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
-        while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        scheduler = engine.scheduler
+        while any(s.num_output_tokens == 0 for s in scheduler.running) or scheduler.waiting:
             engine.step()
         for _ in range(5):
             engine.step()
@@ -71,7 +72,9 @@ def main() -> None:
             row["graph_run_host_ms"] = (time.perf_counter() - t0) * 1e3 / steps
         ids, pos, meta, *_ = runner.prepare(batch)
         with torch.inference_mode():
-            forward = lambda: runner.model.compute_logits(runner.model(ids, pos, meta))
+            def forward() -> torch.Tensor:
+                return runner.model.compute_logits(runner.model(ids, pos, meta))
+
             row["eager_forward_ms"] = cuda_ms(forward, 20)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 forward()

@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import os
 import pstats
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+from profile_decode import cuda_ms
 from torch.profiler import ProfilerActivity, profile
 
 from liteinfer import LLM, SamplingParams
 from liteinfer.bench.cli import parse_overrides
-from profile_decode import cuda_ms
 
 # Attention first: SDPA's kernels (flash, cuDNN, cutlass fmha) would otherwise count as matmuls.
 CATEGORIES = (("attention", ("_prefill_kernel", "flash", "fmha", "sdpa", "attention")),
@@ -58,7 +59,7 @@ def timeline(prof: profile, top: int) -> dict:
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
                      key=lambda e: e.time_range.start)
     idle: Counter[tuple[str, str]] = Counter()
-    for a, b in zip(kernels, kernels[1:]):
+    for a, b in itertools.pairwise(kernels):
         idle[(a.name[:40], b.name[:40])] += max(0, b.time_range.start - a.time_range.end)
     for (a, b), us in idle.most_common(top):
         print(f"  {us:7.1f} us idle between {a} -> {b}")
@@ -79,7 +80,7 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=0, help="sequences decoding beside them")
     ap.add_argument("--ctx", type=int, default=1024, help="context of the decoding sequences")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="engine arguments, as in `liteinfer bench --set`")
+                    help="engine arguments, as in `liteinfer-bench run --set`")
     args = ap.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shape]
     budget = max(n * length for n, length in shapes) + args.decodes

@@ -218,7 +218,7 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, tiny_llm):
     token_ids = ids + ref.outputs[0].token_ids
     assert len(lp["tokens"]) == len(token_ids) and lp["token_logprobs"][0] is None
     entries = ref.prompt_logprobs[1:] + ref.outputs[0].logprobs
-    assert lp["token_logprobs"][1:] == [e[t] for t, e in zip(token_ids[1:], entries)]
+    assert lp["token_logprobs"][1:] == [e[t].logprob for t, e in zip(token_ids[1:], entries)]
     assert lp["top_logprobs"][0] is None
     assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])  # keyed by text
     # Streamed, the first chunk carries the prompt; without logprobs, text alone is echoed.
@@ -307,10 +307,10 @@ def test_logprobs_match_offline(client, tiny_llm):
     r = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 6,
                                               "temperature": 0, "logprobs": 2}).json()
     lp = r["choices"][0]["logprobs"]
-    sampled = [e[t] for t, e in zip(ref.token_ids, ref.logprobs)]
+    sampled = [e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs)]
     assert lp["token_logprobs"] == pytest.approx(sampled)
     for served_top, ref_top in zip(lp["top_logprobs"], ref.logprobs, strict=True):
-        assert sorted(served_top.values()) == pytest.approx(sorted(ref_top.values()))
+        assert sorted(served_top.values()) == pytest.approx(sorted(v.logprob for v in ref_top.values()))
     tokens = [tiny_llm.tokenizer.decode([t]) for t in ref.token_ids]
     assert lp["tokens"] == tokens  # the stop token too, though the text leaves it out
     assert lp["text_offset"] == [sum(map(len, tokens[:i])) for i in range(len(tokens))]

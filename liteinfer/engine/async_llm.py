@@ -106,8 +106,7 @@ class AsyncLLM:
         self.core_handle = core
         self.info = core.info
         self.max_model_len = core.info.max_model_len
-        self.processor = InputProcessor(self.model_config, self.tokenizer, self.max_model_len,
-                                        self.generation_config)
+        self.processor = InputProcessor(self.model_config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client_index = client_index
         # Requests of this front end the engine may hold: a full batch, then the waiting queue.

@@ -77,12 +77,12 @@ class OutputProcessor:
                 if finish_reason is None:
                     processed.requests_to_abort.append(out.request_id)
                 finish_reason, stop_reason = "stop", detok.stop_string
-            processed.request_outputs.append(
-                self._output(state, out.new_token_ids, new_text, finish_reason, stop_reason,
-                             out.error))
             if finish_reason is not None:
                 state.metrics.finished_time = now
                 del self.requests[out.request_id]
+            processed.request_outputs.append(
+                self._output(state, out.new_token_ids, new_text, finish_reason, stop_reason,
+                             out.error))
         return processed
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:

@@ -38,8 +38,8 @@ from liteinfer.entrypoints.openai.structured import ToolCalls
 from liteinfer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, SamplingRequest,
                                                    TokenizeRequest, conversation)
-from liteinfer.llm import generation_defaults
-from liteinfer.outputs import RequestOutput
+from liteinfer.engine.processor import generation_defaults
+from liteinfer.outputs import Logprob, RequestOutput
 from liteinfer.utils import model_label
 
 Chunk = dict[str, Any]
@@ -355,26 +355,34 @@ class ChoiceRenderer:
                 "logprobs": self._logprobs(token_ids, entries),
                 "finish_reason": finish_reason(out)}
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None] | None
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None] | None
                   ) -> Chunk | None:
         if self.logprobs is None or entries is None:
             return None
-        text = lambda t: self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
+
+        def text(t: int, e: dict[int, Logprob] | None = None) -> str:
+            lp = None if e is None else e.get(t)
+            if lp is not None and lp.decoded_token is not None:
+                return lp.decoded_token
+            return self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
+
         if self.chat:
-            def item(t: int, lp: float) -> Chunk:
-                s = text(t)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            def item(t: int, e: dict[int, Logprob]) -> Chunk:
+                s = text(t, e)
+                return {"token": s, "logprob": e[t].logprob, "bytes": list(s.encode())}
 
             return {"content": [
-                {**item(t, e[t]), "top_logprobs": [
-                    item(k, v) for k, v in sorted(e.items(), key=lambda kv: -kv[1])
-                ][:self.logprobs]} for t, e in zip(token_ids, entries)]}
-        tokens = [text(t) for t in token_ids]
+                {**item(t, e), "top_logprobs": [
+                    item(k, e) for k in sorted(e, key=lambda k: -e[k].logprob)
+                ][:self.logprobs]} for t, e in zip(token_ids, entries, strict=True)]}
+        tokens = [text(t, e) for t, e in zip(token_ids, entries, strict=True)]
         offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
         # A prompt's first token has no logprob (nothing comes before it).
         return {"tokens": tokens,
-                "token_logprobs": [None if e is None else e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [None if e is None else {text(k): v for k, v in e.items()}
+                "token_logprobs": [None if e is None else e[t].logprob
+                                   for t, e in zip(token_ids, entries, strict=True)],
+                "top_logprobs": [None if e is None else {text(k, e): v.logprob
+                                                         for k, v in e.items()}
                                  for e in entries],
                 "text_offset": offsets}
 

@@ -8,7 +8,6 @@ import json
 import pytest
 import xgrammar as xgr
 from pydantic import BaseModel
-from test_structured_output import Color, Point
 
 from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest
 from liteinfer.entrypoints.openai.structured import (
@@ -17,9 +16,9 @@ from liteinfer.entrypoints.openai.structured import (
     forced_tool_calls,
     forced_tool_schema,
 )
-from liteinfer.llm import apply_chat_template
 from liteinfer.structured_output import StructuredOutputsParams
 from liteinfer.structured_output.backend import XgrammarBackend
+from test_structured_output import Color, Point
 
 # Llama 3.1's way of rendering tools and tool turns, cut down.
 TOOLS_TEMPLATE = (
@@ -77,7 +76,7 @@ def test_required_schema_hoists_defs(tiny_llm, parallel):
     assert ("maxItems" in schema) != parallel
     engine = tiny_llm.engine
     backend = XgrammarBackend(engine.tokenizer, engine.model_config.vocab_size,
-                              engine.eos_token_ids)
+                              engine.core.eos_token_ids)
     # Every reference resolves, and the grammar takes the calls and nothing else.
     grammar = backend.compile(StructuredOutputsParams(json=schema))
 
@@ -101,7 +100,8 @@ def test_required_schema_hoists_defs(tiny_llm, parallel):
 
 
 def test_tool_turns_render_through_the_template(tiny_llm):
-    tokenizer = tiny_llm.tokenizer
+    processor = tiny_llm.engine.processor
+    tokenizer = processor.tokenizer
     tokenizer.chat_template, saved = TOOLS_TEMPLATE, tokenizer.chat_template
     try:
         body = ChatCompletionRequest.model_validate({"tools": [t.model_dump() for t in TOOLS],
@@ -111,7 +111,7 @@ def test_tool_turns_render_through_the_template(tiny_llm):
                 "id": "call-1", "type": "function",
                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": "call-1", "content": "sunny"}]})
-        ids = apply_chat_template(tokenizer, body.conversation(), True, body.tool_dicts())
+        ids = processor.apply_chat_template(body.conversation(), True, tools=body.tool_dicts())
     finally:
         tokenizer.chat_template = saved
     text = tokenizer.decode(ids)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from enum import Enum
+from enum import StrEnum
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ from liteinfer.structured_output.backend import XgrammarBackend
 from liteinfer.structured_output.manager import StructuredOutputManager
 
 
-class Color(str, Enum):
+class Color(StrEnum):
     red = "red"
     green = "green"
     blue = "blue"

@@ -11,11 +11,12 @@ import re
 
 import openai
 import pytest
-from fixtures import ENGINES, serve
 from pydantic import BaseModel, Field
-from test_structured_output import Color, Order, Path
 
-from liteinfer.engine.async_llm_engine import AsyncLLMEngine
+from fixtures import serve
+from liteinfer.engine.async_llm import AsyncLLM
+from test_server import assert_engine_idle
+from test_structured_output import Color, Order, Path
 
 # Small models emit runs of whitespace where JSON allows it; the tiny one is held to none.
 TIGHT = {"structured_outputs": {"disable_any_whitespace": True}}
@@ -43,13 +44,12 @@ PARAMETERS = {"get_weather": Weather, "get_stock": Stock}
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_dir):
-    engine = AsyncLLMEngine.from_args(str(tiny_llama_dir), dtype="float32", device="cpu",
-                                      max_model_len=512)
-    ENGINES.append(engine)
+    engine = AsyncLLM.from_args(str(tiny_llama_dir), dtype="float32", device="cpu",
+                                max_model_len=512)
     with serve(engine, "tiny") as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert_engine_idle(url)
     engine.shutdown()
-    ENGINES.remove(engine)
 
 
 @pytest.mark.parametrize("model", [Order, Path])
@@ -191,9 +191,8 @@ class Person(BaseModel):
 
 
 def test_smollm2_parse(smollm2_path):
-    engine = AsyncLLMEngine.from_args(str(smollm2_path), dtype="float32", device="cpu",
-                                      max_model_len=512)
-    ENGINES.append(engine)
+    engine = AsyncLLM.from_args(str(smollm2_path), dtype="float32", device="cpu",
+                                max_model_len=512)
     try:
         with serve(engine, "smollm2") as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -203,6 +202,6 @@ def test_smollm2_parse(smollm2_path):
                                                        "JSON: Alice is 30 years old."}])
             person = completion.choices[0].message.parsed
             assert isinstance(person, Person) and person.age == 30, completion
+            assert_engine_idle(url)
     finally:
         engine.shutdown()
-        ENGINES.remove(engine)

@@ -21,6 +21,7 @@ import xgrammar as xgr
 
 from liteinfer.structured_output.backend import XgrammarBackend
 from liteinfer.structured_output.params import StructuredOutputsParams
+from liteinfer.utils import to_device
 
 
 @dataclass
@@ -35,10 +36,10 @@ class GrammarBitmask:
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> None:
     """Sets the logits of the tokens the grammar forbids to -inf, in place, in the constrained
     rows only (on CUDA one Triton kernel; the bitmask is copied asynchronously from pinned
-    memory)."""
+    memory, as are the rows)."""
     bitmask = grammar.bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
-                                    indices=grammar.rows)
+    rows = to_device(grammar.rows, torch.int32, logits.device)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
 
 @dataclass
@@ -50,17 +51,18 @@ class _Request:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 cache_size: int = 256, num_threads: int = 2):
+                 cache_size: int = 256, compile_threads: int = 2):
         self._backend_args = (tokenizer, vocab_size, sorted(stop_token_ids))
         self.vocab_size = vocab_size
         self.cache_size = cache_size
-        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
+        self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar")
         # Built on the first constrained request (reading a 128k vocabulary takes a while).
         self._backend: Future[XgrammarBackend] | None = None
         self._compiled: OrderedDict[tuple[str, str, bool], Future[xgr.CompiledGrammar]] = (
             OrderedDict())
         self._requests: dict[str, _Request] = {}
-        self._batch_matcher = xgr.BatchGrammarMatcher(num_threads)
+        # Filling a step's rows is on the step's path: half the host's cores (xgrammar's auto).
+        self._batch_matcher = xgr.BatchGrammarMatcher("auto")
         self._pin = torch.cuda.is_available()
 
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
@@ -91,7 +93,7 @@ class StructuredOutputManager:
             return False
         try:
             req.matcher = xgr.GrammarMatcher(req.grammar.result())
-        except Exception as e:  # noqa: BLE001 - reported as this request's error
+        except Exception as e:  # reported as this request's error
             req.error = f"structured outputs: {e}"
         return True
 

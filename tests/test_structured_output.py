@@ -178,6 +178,25 @@ def test_manager_bitmask_equals_xgrammar(tiny_llm):
     manager.shutdown()
 
 
+def test_compiled_grammars_are_evicted_least_recently_used_first(tiny_llm):
+    engine = tiny_llm.engine
+    manager = StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size,
+                                      engine.core.eos_token_ids, cache_size=2)
+    keys = [StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+")]
+    manager.add_request("1", keys[0])
+    manager.add_request("2", keys[1])
+    manager.add_request("3", keys[0])  # a hit: "a+" is now the most recent
+    manager.add_request("4", keys[2])  # evicts "b+"
+    assert list(manager._compiled) == [keys[0].key, keys[2].key]
+    deadline = time.monotonic() + 60
+    while not all(manager.is_ready(r) for r in "1234"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # An evicted grammar's request keeps its matcher.
+    assert manager.grammar_bitmask(["2"]).rows == [0]
+    manager.shutdown()
+
+
 @pytest.mark.parametrize("constraint, message", [
     ({"regex": "a(b"}, "invalid regex for structured outputs: Regex parsing error"),
     ({"json": '{"type": '}, "invalid JSON schema for structured outputs"),

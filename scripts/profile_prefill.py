@@ -86,7 +86,7 @@ def main() -> None:
     budget = max(n * length for n, length in shapes) + args.decodes
     llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_model_len=16384,
               max_num_batched_tokens=budget, **parse_overrides(args.set))
-    engine, runner, cfg = llm.engine, llm.engine.runner, llm.engine.model_config
+    engine, runner, cfg = llm.engine, llm.engine.core.runner, llm.engine.model_config
     # Matmul FLOPs per prompt token (q/k/v/o, gate/up/down); the LM head runs on last tokens.
     per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * (
         (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
@@ -94,8 +94,8 @@ def main() -> None:
     for i in range(args.decodes):
         engine.add_request(f"decode-{i}", [(3 * i + j) % 1000 + 100 for j in range(args.ctx)],
                            SamplingParams(max_tokens=10_000, ignore_eos=True))
-    while engine.scheduler.waiting or any(s.num_output_tokens == 0
-                                          for s in engine.scheduler.running):
+    while engine.core.scheduler.waiting or any(s.num_output_tokens == 0
+                                          for s in engine.core.scheduler.running):
         engine.step()
     report = {}
     for nseq, length in shapes:
@@ -103,7 +103,7 @@ def main() -> None:
             engine.add_request(f"{nseq}x{length}-{i}", [(7 * i + j) % 1000 + 100
                                                         for j in range(length)],
                                SamplingParams(max_tokens=1, ignore_eos=True))
-        batch = engine.scheduler.schedule()
+        batch = engine.core.scheduler.schedule()
         assert batch is not None and batch.is_prefill and batch.num_decodes == args.decodes
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
         with torch.inference_mode():

@@ -26,7 +26,7 @@ from liteinfer.bench.workloads import SEED, WARMUP_SEED, Shape
 
 def instrument(engine) -> list[dict]:
     """Wraps the runner's execute so each step appends a record; returns the record list."""
-    runner, steps = engine.runner, []
+    runner, steps = engine.core.runner, []
     execute = runner.execute
 
     def timed_execute(batch):

@@ -21,23 +21,19 @@ pytestmark = [pytest.mark.gpu,
 CONFIGS = {
     "torch": {"attention_backend": "torch", "enforce_eager": True},
     "sdpa": {"attention_backend": "sdpa", "enforce_eager": True},
-    "paged-attn": {"attention_backend": "triton", "enforce_eager": True, "decode_split_k": False},
-    "eager-splitk": {"attention_backend": "triton", "enforce_eager": True},
-    "graphs": {"attention_backend": "triton", "decode_split_k": False, "mixed_prompt_tokens": 0},
-    "splitk": {"gemv_decode": False, "mixed_steps": False, "mixed_prompt_tokens": 0},
-    # One-sequence steps through the fused GEMV.
-    "gemv": {"mixed_steps": False, "mixed_prompt_tokens": 0},
-    # As gemv, decodes sharing (eager) steps with prompt chunks.
-    "mixed": {"mixed_prompt_tokens": 0},
-    # The default: steps of up to 2,048 prompt tokens (here, after the first) replay graphs.
-    "prompt-graphs": {},
+    # The Triton kernels eagerly: paged and split-K decode attention, packed and mixed prefill,
+    # the one-sequence GEMV steps.
+    "eager": {"attention_backend": "triton", "enforce_eager": True},
+    # The default: decode steps and steps of up to 2,048 prompt tokens (here, after the first)
+    # replay graphs.
+    "default": {},
     # Graphs for every step: a first step of prompts alone, then prompt pieces of captured sizes
     # beside decodes; and a decode bucket that is not a power of two (12).
     "prompt-graphs-chunked": {"max_num_batched_tokens": 200, "mixed_prompt_tokens": 256},
     "prompt-graphs-narrow": {"max_num_seqs": 12, "max_num_batched_tokens": 100,
                              "mixed_prompt_tokens": 64},
-    "padded": {"packed_prefill": False},
     "chunked": {"max_num_batched_tokens": 64},  # prompt chunks over cached prefixes, captured
+    "no-prefix-cache": {"enable_prefix_caching": False},
 }
 # bf16 rule: our top logprobs within BF16_TOL of transformers' (same weights, same dtype), and the
 # same greedy token wherever transformers' top-2 margin exceeds BF16_TOL.
@@ -178,7 +174,7 @@ def test_fp32_prompt_logprobs(model_dir, prompts, hf_fp32, fp32_reference):
     for prompt, out in list(zip(prompts, outs))[1::2]:
         with torch.no_grad():
             ref = hf_fp32(torch.tensor([prompt], device="cuda")).logits[0].log_softmax(-1)
-        got = [e[t] for t, e in zip(prompt[1:], out.prompt_logprobs[1:])]
+        got = [e[t].logprob for t, e in zip(prompt[1:], out.prompt_logprobs[1:])]
         want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
         assert got == pytest.approx(want, abs=1e-3)
 
@@ -198,14 +194,15 @@ def test_fp32_two_gpus_tensor_parallel(model_dir, prompts, fp32_reference):
 
 def test_fp32_lone_prompts_through_sdpa(model_dir, prompts, fp32_reference):
     llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=1)
-    llm.engine.core.runner.backend.sdpa_min_tokens = 1  # every prompt: prefilled alone, nothing cached
+    # Every prompt prefilled alone, nothing cached.
+    llm.engine.core.runner.backend.sdpa_min_tokens = 1
     outputs = llm.generate(prompts, greedy(20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == fp32_reference
 
 
 # chunked continues prompts over their cached prefix through the packed Triton kernel.
-@pytest.mark.parametrize("name", ["sdpa", "paged-attn", "splitk", "gemv", "mixed", "padded",
-                                  "chunked", "prompt-graphs-chunked", "lone-sdpa"])
+@pytest.mark.parametrize("name", ["sdpa", "eager", "default", "chunked", "prompt-graphs-chunked",
+                                  "lone-sdpa"])
 def test_bf16_within_tolerance(model_dir, prompts, name):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     lone = name == "lone-sdpa"
@@ -224,8 +221,8 @@ def test_bf16_within_tolerance(model_dir, prompts, name):
             row = ref[step]
             steps += 1
             for t, lp in lps.items():
-                assert abs(lp - row[t].item()) <= BF16_TOL, (name, len(prompt), step, t, lp,
-                                                             row[t].item())
+                assert abs(lp.logprob - row[t].item()) <= BF16_TOL, (
+                    name, len(prompt), step, t, lp, row[t].item())
             top2 = row.topk(2).values
             if top2[0] - top2[1] > BF16_TOL:
                 assert tok == row.argmax().item(), (name, step)

@@ -1,6 +1,7 @@
 """Per-request sampling settings, validated before a request reaches the engine."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -9,6 +10,16 @@ from liteinfer.structured_output import StructuredOutputsParams
 # What torch.Generator.manual_seed takes: signed or unsigned 64-bit.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_N = 128
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a request's outputs hold while it runs (vLLM's): everything so far (CUMULATIVE),
+    only what is new (DELTA: streaming, at no cost per token for the tokens before), or
+    nothing until it finishes (FINAL_ONLY)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -40,6 +51,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The output must match this JSON schema, regex, choice or grammar (vLLM's).
     structured_outputs: StructuredOutputsParams | None = None
 

@@ -12,15 +12,18 @@ from liteinfer.config import ModelConfig
 from liteinfer.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                      QKVParallelLinear, RowParallelLinear)
 from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
+from liteinfer.layers.quantization import QuantConfig
 
 
 @dataclass(frozen=True)
 class LayerOps:
     """Which kernels the layers run: `triton` for RMSNorm and SiLU-and-mul (else plain torch),
-    `gemv` for one-token projections with the norms and SwiGLU fused in (kernels/gemv.py)."""
+    `gemv` for one-token projections with the norms and SwiGLU fused in (kernels/gemv.py),
+    `quant` for the decoder layers' linears (the LM head stays in the model dtype)."""
 
     triton: bool = False
     gemv: bool = False
+    quant: QuantConfig | None = None
 
 
 class LlamaAttention(nn.Module):
@@ -32,9 +35,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv)
+                                          cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv,
+                                          ops.quant)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        tp_rank, tp_size, ops.gemv)
+                                        tp_rank, tp_size, ops.gemv, ops.quant)
         self.backend = backend
         # Views into the engine's KV pool, bound by the model runner.
         self.k_cache = torch.empty(0)
@@ -59,8 +63,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": size, "up": size},
-                                                       tp_rank, tp_size, ops.gemv)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv)
+                                                       tp_rank, tp_size, ops.gemv, ops.quant)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv,
+                                           ops.quant)
         self.act = SiluAndMul(ops.triton)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:

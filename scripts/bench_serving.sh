@@ -6,8 +6,9 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PYTHONPATH; OUT=... bash scripts/bench_serving.sh
 #
-# .whl/ comes from scripts/fetch_wheels.sh; vLLM from ../shared/vllm/README.md, in $VLLM_SITE
-# (default /tmp/vsite; the vLLM phase is skipped without it). Every phase has a timeout and a
+# .whl/ comes from scripts/fetch_wheels.sh and the model's tokenizer.json (which vllm serve needs;
+# it is ignored by git, so carry it) from scripts/fetch_llama3_tokenizer.sh; vLLM from
+# ../shared/vllm/README.md, in $VLLM_SITE (default /tmp/vsite; the vLLM phase is skipped without). Every phase has a timeout and a
 # log, and a failing phase does not stop the others. Under $OUT: rows.jsonl (every row),
 # bench.log (offline and load-generator output), liteinfer-serve.log, vllm-serve.log, env.txt,
 # summary.txt (printed last).
@@ -39,6 +40,8 @@ say() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
   nproc; echo "commit $LITEINFER_COMMIT run $RUN_ID"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+[ -f "$MODEL_DIR/tokenizer.json" ] \
+  || say "warning: no $MODEL_DIR/tokenizer.json (scripts/fetch_llama3_tokenizer.sh); vllm serve needs it"
 
 # (a) offline: one engine for the three widths, rows like `liteinfer-bench run`'s
 say "offline liteinfer"

@@ -19,6 +19,8 @@ class ServerArgs:
     # Requests beyond a full batch that may wait for a slot; past them, a 503.
     max_waiting_requests: int = 1024
     shutdown_grace_s: float = 5.0
+    # How tool calls are read from outputs under tool_choice "auto" (tool_parsers/).
+    tool_call_parser: str = "llama3_json"
     # API-server processes sharing one engine core (a process can stream only so many events).
     api_server_count: int = 1
 
@@ -50,6 +52,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests,
                    help="requests that may wait beyond a full batch; more get a 503 "
                         "(default: %(default)s)")
+    p.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
+                   choices=["hermes", "llama3_json"],
+                   help="how tool calls are read from outputs (default: %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s,
                    help="seconds streams in flight may run after SIGTERM (default: %(default)s)")
     p.add_argument("--api-server-count", type=int, default=default_api_server_count(),
@@ -65,4 +70,5 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
                       max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
                       max_waiting_requests=args.max_waiting_requests,
                       shutdown_grace_s=args.shutdown_grace,
+                      tool_call_parser=args.tool_call_parser,
                       api_server_count=args.api_server_count)

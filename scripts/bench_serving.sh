@@ -8,10 +8,10 @@
 #
 # .whl/ comes from scripts/fetch_wheels.sh and the model's tokenizer.json (which vllm serve needs;
 # it is ignored by git, so carry it) from scripts/fetch_llama3_tokenizer.sh; vLLM from
-# ../shared/vllm/README.md, in $VLLM_SITE (default /tmp/vsite; the vLLM phase is skipped without). Every phase has a timeout and a
-# log, and a failing phase does not stop the others. Under $OUT: rows.jsonl (every row),
-# bench.log (offline and load-generator output), liteinfer-serve.log, vllm-serve.log, env.txt,
-# summary.txt (printed last).
+# ../shared/vllm/README.md, in $VLLM_SITE (default /tmp/vsite; the vLLM phase is skipped
+# without it). Every phase has a timeout and a log, and a failing phase does not stop the
+# others. Under $OUT: rows.jsonl (every row), bench.log (offline and load-generator output),
+# liteinfer-serve.log, vllm-serve.log, env.txt, summary.txt (printed last).
 #
 # Prompt counts, smaller than WORKLOADS.md's 50 (latency) and 200 (throughput) so that all
 # fits: 16 requests at 1 stream, 128 at 32 (4 per stream), 512 at 128 (4 per stream); the same
@@ -36,16 +36,18 @@ cap() { local l; l=$(left); (( l < $1 )) && echo $(( l > 1 ? l : 1 )) || echo "$
 say() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__,
+    t.__version__)"
   nproc; echo "commit $LITEINFER_COMMIT run $RUN_ID"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 [ -f "$MODEL_DIR/tokenizer.json" ] \
-  || say "warning: no $MODEL_DIR/tokenizer.json (scripts/fetch_llama3_tokenizer.sh); vllm serve needs it"
+  || say "warning: no tokenizer.json in $MODEL_DIR (scripts/fetch_llama3_tokenizer.sh)"
 
 # (a) offline: one engine for the three widths, rows like `liteinfer-bench run`'s
 say "offline liteinfer"
-timeout "$(cap 170)" python3 - "$MODEL_DIR" "$ROWS" >> "$LOG" 2>&1 <<'EOF' || say "offline failed ($?)"
+timeout "$(cap 170)" python3 - "$MODEL_DIR" "$ROWS" >> "$LOG" 2>&1 <<'EOF' \
+  || say "offline failed ($?)"
 import sys
 from pathlib import Path
 

@@ -52,10 +52,8 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
     if on_cuda and tp > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; "
                          f"{torch.cuda.device_count()} are visible")
-    max_len = config.max_model_len or min(model_config.max_position_embeddings, 16384)
-    if max_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_len} exceeds the model's "
-                         f"{model_config.max_position_embeddings} positions")
+    max_len = config.max_model_len or model_config.max_context
+    model_config.check_max_model_len(max_len)
     return max_len
 
 
@@ -74,6 +72,7 @@ class LLMEngine:
             self.workers = WorkerGroup(model, config, load_format)
         self.runner = ModelRunner(self.model_config, config, source, source.load_format,
                                   self.max_model_len, tp_rank)
+        self.max_model_len = self.runner.max_model_len  # within what its KV pool holds
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         # Decodes would be padded to the longest prompt chunk in a padded prefill step.

@@ -60,21 +60,32 @@ class ColumnParallelLinear(_ShardedLinear):
     """y = x W^T with W's output rows split across tensor-parallel ranks."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
-                 use_gemv: bool = False):
+                 use_gemv: bool = False, bias: bool = False):
         super().__init__(in_features, out_features, tp_rank, tp_size, dim=0, use_gemv=use_gemv)
+        # Split like the weight's rows (Qwen2's q/k/v biases).
+        self.bias = nn.Parameter(torch.empty(self.weight.shape[0])) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x)
+        return self._add_bias(self._matmul(x))
 
     def forward_normed(self, x: torch.Tensor, norm: RMSNorm,
                        act: SiluAndMul | None = None) -> torch.Tensor:
-        """act(norm(x) W^T): the pre-norm projection of a Llama block. act, when given, is the
-        SwiGLU over this layer's [gate; up] output."""
+        """act(norm(x) W^T + b): the pre-norm projection of a Llama block. act, when given, is
+        the SwiGLU over this layer's [gate; up] output."""
         if self._one_token(x):
             from liteinfer.kernels.gemv import gemv
-            return gemv(x, self.weight, norm_weight=norm.weight, eps=norm.eps,
-                        gated=act is not None)
-        y = self._matmul(norm(x))
+            fuse_act = act is not None and self.bias is None
+            y = gemv(x, self.weight, norm_weight=norm.weight, eps=norm.eps, gated=fuse_act)
+            if fuse_act:
+                return y
+        else:
+            y = self._matmul(norm(x))
+        y = self._add_bias(y)
         return y if act is None else act(y)
 
 
@@ -82,8 +93,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stacked into one matmul (gate and up)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], tp_rank: int = 0,
-                 tp_size: int = 1, use_gemv: bool = False):
-        super().__init__(in_features, sum(shard_sizes.values()), tp_rank, tp_size, use_gemv)
+                 tp_size: int = 1, use_gemv: bool = False, bias: bool = False):
+        super().__init__(in_features, sum(shard_sizes.values()), tp_rank, tp_size, use_gemv,
+                         bias)
         self.offsets: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in shard_sizes.items():
@@ -98,12 +110,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp_rank: int = 0, tp_size: int = 1, use_gemv: bool = False):
+                 tp_rank: int = 0, tp_size: int = 1, use_gemv: bool = False,
+                 bias: bool = False):
         if num_kv_heads % tp_size:
             raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
         super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
                                        "v": num_kv_heads * head_dim}, tp_rank, tp_size,
-                         use_gemv)
+                         use_gemv, bias)
 
 
 class RowParallelLinear(_ShardedLinear):

@@ -1,4 +1,6 @@
-"""The Llama architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP."""
+"""The Llama architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP; and the families
+built on it (config.MODEL_FAMILIES): Mistral as it is, Qwen2 with q/k/v biases, Qwen3 with an
+RMSNorm over each query and key head before RoPE."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -32,9 +34,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv)
+                                          cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv,
+                                          bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         tp_rank, tp_size, ops.gemv)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton)
         self.backend = backend
         # Views into the engine's KV pool, bound by the model runner.
         self.k_cache = torch.empty(0)
@@ -49,6 +56,9 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # before the backend rotates q and k
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         out = self.backend.forward(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
                                    meta, self.scale)
         self.o_proj.forward_add(out.reshape(-1, q_size), x)
@@ -133,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
                     name, shard = name.replace(ckpt, fused), shard_id
                     break
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the Llama model")
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the "
+                                 f"{self.config.model_type} model")
             param = params[name]
             with torch.no_grad():
                 loader = getattr(param, "weight_loader", None)

@@ -1,6 +1,8 @@
 """Engine and model configuration."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -164,9 +166,9 @@ class EngineConfig:
     dtype: str = "auto"                   # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"                  # auto: cuda if available, else cpu
     max_model_len: int | None = None      # default: the model's context, as the KV pool allows
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 16384
-    block_size: int = 16
+    max_num_seqs: int = 128               # most sequences running at once
+    max_num_batched_tokens: int = 16384   # most tokens a step computes; prompts are chunked
+    block_size: int = 16                  # tokens a KV block holds (a power of two)
     gpu_memory_utilization: float = 0.85  # fraction of free device memory given to the KV pool
     num_kv_blocks: int | None = None      # explicit pool size; overrides the memory budget
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU
@@ -183,10 +185,10 @@ class EngineConfig:
     mixed_prompt_tokens: int = 2048
     # Prompts reuse the KV blocks of prefixes computed before (shared system prompts, earlier
     # turns of a conversation) instead of computing them again.
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     # Ranks the model is split over, one process (and on CUDA one GPU) each.
     tensor_parallel_size: int = 1
-    seed: int = 0
+    seed: int = 0                         # dummy weights' seed (and sampling's in the CLI)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -209,3 +211,19 @@ class EngineConfig:
         if m and (m < MIN_PROMPT_PIECE or m & (m - 1)):
             raise ValueError(f"mixed_prompt_tokens must be 0 or a power of two >= "
                              f"{MIN_PROMPT_PIECE}, got {m}")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """EngineConfig fields from KEY=VALUE pairs (`--set`); values are JSON where they parse
+    (true, 4096, null), else strings."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

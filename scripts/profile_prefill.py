@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from liteinfer import LLM, SamplingParams
-from liteinfer.bench.cli import parse_overrides
+from liteinfer.config import parse_overrides
 from profile_decode import cuda_ms
 
 # Attention first: SDPA's kernels (flash, cuDNN, cutlass fmha) would otherwise count as matmuls.

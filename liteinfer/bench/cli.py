@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import sys
 import traceback
 from pathlib import Path
@@ -18,7 +17,7 @@ from liteinfer.bench.store import (REFERENCE_DIR, RESULTS_DIR, Row, append_row, 
                                    environment, latest, load_rows, now_iso, row_key)
 from liteinfer.bench.tables import build_page, mismatches, ratio
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
-from liteinfer.config import EngineConfig
+from liteinfer.config import parse_overrides
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -68,21 +67,6 @@ def add_report_parser(subparsers: Any) -> None:
                    help="default: %(default)s")
     p.add_argument("--model", help="model whose rows to show (default: the newest row's)")
     p.set_defaults(func=cmd_report)
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """KEY=VALUE pairs; values are JSON where they parse (true, 4096, null), else strings."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def plan(args: argparse.Namespace) -> list[Run]:

@@ -32,6 +32,7 @@ from liteinfer.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
                                                    TokenizeRequest, conversation)
 from liteinfer.entrypoints.openai.metrics import ServerMetrics
 from liteinfer.llm import apply_chat_template, generation_defaults
+from liteinfer.loader.overrides import apply_model_overrides
 from liteinfer.outputs import RequestOutput
 from liteinfer.utils import model_label
 
@@ -323,10 +324,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
 def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, load_format: str = "auto",
-               api_key: str | None = None, **engine_args: Any) -> None:
+               api_key: str | None = None, chat_template: str | None = None,
+               generation_config: dict[str, Any] | None = None, **engine_args: Any) -> None:
+    """chat_template and generation_config replace the model's (loader/overrides.py)."""
     import uvicorn
 
     engine = AsyncLLMEngine.from_args(model, load_format, **engine_args)
+    apply_model_overrides(engine.engine, chat_template, generation_config)
     try:
         uvicorn.run(build_app(engine, served_model_name or model_label(model), api_key),
                     host=host, port=port, log_level="info")

@@ -183,3 +183,17 @@ def test_serve_over_http_uses_the_chat_template(tiny_llama_dir, tiny_llm, tmp_pa
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert "bench modules: []" in out
+
+
+def test_bench_on_cpu_refuses_triton_configs_and_runs_torch_ones(tiny_llama_dir, tmp_path,
+                                                                 capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without Triton's interpreter
+    run = ["latency", "--model", str(tiny_llama_dir), "--prompts", "2", "--isl", "16", "--osl",
+           "4", "--out", str(tmp_path / "rows.jsonl")]
+    with pytest.raises(SystemExit, match="prompt-graphs run Triton kernels, which need a CUDA "
+                                         "GPU, and none is visible; on CPU use --config"):
+        main(["bench", *run])
+    main(["bench", *run, "--config", "continuous"])
+    out = capsys.readouterr().out
+    assert "continuous: the prefix cache is emptied before each measured run" in out
+    assert "1 row(s) appended" in out

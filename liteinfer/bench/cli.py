@@ -4,20 +4,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import os
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from liteinfer.bench import registry, runner
-from liteinfer.bench.registry import TRANSFORMERS, Run
+from liteinfer.bench.registry import LITEINFER, TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
 from liteinfer.bench.report_html import render_html
 from liteinfer.bench.store import (REFERENCE_DIR, RESULTS_DIR, Row, append_row, results_file,
                                    environment, latest, load_rows, now_iso, row_key)
 from liteinfer.bench.tables import build_page, mismatches, ratio
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
-from liteinfer.config import parse_overrides
+from liteinfer.config import EngineConfig, parse_overrides
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -88,6 +91,20 @@ def plan(args: argparse.Namespace) -> list[Run]:
     return list(dict.fromkeys(runs))
 
 
+def check_device(runs: list[Run], overrides: dict[str, Any]) -> None:
+    """A ValueError naming the configs that need a GPU when none is visible: their Triton
+    kernels have no CPU driver (Triton's interpreter, TRITON_INTERPRET=1, runs them slowly)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    triton = sorted({r.config for r in runs if registry.get(r.config).engine == LITEINFER and
+                     runner.engine_args_for(r.config, overrides).get("attention_backend")
+                     == "triton"})
+    if triton:
+        raise ValueError(f"{', '.join(triton)} run Triton kernels, which need a CUDA GPU, and "
+                         f"none is visible; on CPU use --config continuous (or sdpa), or add "
+                         f"--set attention_backend=torch")
+
+
 def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
                    overrides: dict[str, Any], out: Path) -> list[Row]:
     """Loads the model once for all runs of one config; each row is saved as soon as it exists."""
@@ -99,6 +116,9 @@ def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
     else:
         args = runner.engine_args_for(config.name, overrides)
         handle, measure_one = runner.make_llm(model, args), runner.measure
+        if args.get("enable_prefix_caching", EngineConfig.enable_prefix_caching):
+            print(f"{config.name}: the prefix cache is emptied before each measured run",
+                  flush=True)
     try:
         for run in runs:
             row = measure_one(handle, run, model, args)
@@ -137,6 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             print(f"{r.config:14} {r.kind:10} {r.shape.label:14} W={r.width:<4} prompts={r.prompts}")
         return
     overrides = parse_overrides(args.overrides)
+    check_device(runs, overrides)
     out = results_file(args.out, environment()["gpu"], now_iso())
     rows: list[Row] = []
     failed: list[str] = []

@@ -142,6 +142,13 @@ class LLMEngine:
         self.scheduler.finish(seq)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Empties the prefix cache (on every tensor-parallel rank, whose schedulers must decide
+        alike), e.g. between benchmark runs."""
+        if self.workers is not None:
+            self.workers.call("reset_prefix_cache")
+        self.block_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks (nothing to do on one rank)."""
         if self.workers is not None:

@@ -113,3 +113,37 @@ def test_other_architectures_are_refused() -> None:
         ModelConfig.from_hf(cfg)
     with pytest.raises(ValueError, match="attention biases"):
         ModelConfig.from_hf({**TINY_LLAMA, "model_type": "qwen3", "attention_bias": True})
+
+
+# ---- max_model_len: the model's context, within the KV pool ----------------------------------
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_family_dir(tmp_path_factory.mktemp("long"), "qwen2",
+                                max_position_embeddings=40000)
+
+
+def test_max_model_len_defaults_to_the_models_context(long_context_dir: Path) -> None:
+    llm = build_llm(str(long_context_dir), device="cpu")  # 2 GiB of KV holds 40,000 tokens
+    assert llm.engine.max_model_len == 40000
+
+
+def test_default_max_model_len_shrinks_to_the_kv_pool(long_context_dir: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="liteinfer"):
+        llm = build_llm(str(long_context_dir), device="cpu", num_kv_blocks=100)
+    assert llm.engine.max_model_len == llm.engine.scheduler.max_model_len == 1600
+    assert "exceeds the KV pool's 1600 tokens; serving at max_model_len=1600" in caplog.text
+    prompt = random_prompts(1, TINY_LLAMA["vocab_size"], 1595, 1595, seed=5)[0]
+    out = llm.generate([prompt], greedy(5), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match="exceeds max_model_len=1600"):
+        llm.generate([prompt], greedy(6), use_tqdm=False)
+
+
+def test_explicit_max_model_len_beyond_the_kv_pool_is_an_error(long_context_dir: Path) -> None:
+    with pytest.raises(ValueError, match="max_model_len=2000 does not fit in the KV pool "
+                                         r"\(1600 tokens\)"):
+        build_llm(str(long_context_dir), device="cpu", num_kv_blocks=100, max_model_len=2000)
+    with pytest.raises(ValueError, match="max_model_len 50000 exceeds the model's 40000"):
+        build_llm(str(long_context_dir), device="cpu", max_model_len=50000)

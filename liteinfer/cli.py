@@ -1,4 +1,4 @@
-"""`liteinfer generate | chat | serve | bench | report`."""
+"""`liteinfer generate | chat | serve` (benchmarks: `liteinfer-bench`)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,6 @@ import dataclasses
 import inspect
 import io
 import logging
-import os
 import sys
 import tokenize
 import types
@@ -16,13 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 from liteinfer.config import EngineConfig, parse_overrides
-from liteinfer.loader.overrides import (GENERATION_CONFIG_CHOICES, apply_model_overrides,
-                                        load_chat_template, load_generation_config)
+from liteinfer.loader.overrides import (
+    GENERATION_CONFIG_CHOICES,
+    apply_model_overrides,
+    load_chat_template,
+    load_generation_config,
+)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# Registered with their own parsers only when they run: they pull in the benchmark harness.
-BENCH_COMMANDS = {"bench": "measure latency or throughput and append result rows",
-                  "report": "render the benchmark page from the result rows"}
 
 
 def field_help(cls: type) -> dict[str, str]:
@@ -61,8 +61,10 @@ def _value_parser(annotation: Any) -> tuple[Callable[[str], Any], bool]:
         return bool, True
     if not optional:
         return base, False
-    parse: Callable[[str], Any] = lambda text: None if text.lower() in ("none", "null") \
-        else base(text)
+
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "null") else base(text)
+
     return parse, False
 
 
@@ -159,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                            use_tqdm=False)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         print(f"> {prompt}\n{out.outputs[0].text.strip()}\n")
 
 
@@ -189,16 +191,17 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from liteinfer.entrypoints.openai.api_server import run_server
+    from liteinfer.entrypoints.openai.cli_args import server_args
 
     chat_template, generation_config = model_overrides(args)
     run_server(model_name(args), args.host, args.port, args.served_model_name, args.load_format,
-               args.api_key or os.environ.get("LITEINFER_API_KEY"), chat_template=chat_template,
+               server_args(args), chat_template=chat_template,
                generation_config=generation_config, **engine_kwargs(args))
 
 
-def build_parser(command: str | None) -> argparse.ArgumentParser:
-    """The parser of every command; `bench` and `report` get their full parsers only when
-    `command` is theirs."""
+def build_parser() -> argparse.ArgumentParser:
+    from liteinfer.entrypoints.openai.cli_args import add_server_args
+
     parser = argparse.ArgumentParser(prog="liteinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
@@ -216,32 +219,19 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                                          "/v1/chat/completions, /v1/models)")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", help="the model's name in the API (default: the "
-                                                   "model's name or its directory's)")
-    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 requests "
-                                         "(default: $LITEINFER_API_KEY, if set)")
+    add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
-    if command in BENCH_COMMANDS:
-        from liteinfer.bench.cli import add_bench_parser, add_report_parser
-        add_bench_parser(sub)
-        add_report_parser(sub)
-    else:
-        for name, help_text in BENCH_COMMANDS.items():
-            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
     # The engine's notes (e.g. max_model_len fitted to the KV pool) are part of the output.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("liteinfer")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except ValueError as e:

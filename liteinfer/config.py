@@ -89,7 +89,7 @@ class ModelConfig:
     sliding_window: int | None = None
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         family = _family(cfg)
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
@@ -172,16 +172,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # fraction of free device memory given to the KV pool
     num_kv_blocks: int | None = None      # explicit pool size; overrides the memory budget
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU
-    attention_backend: str = "auto"       # torch | sdpa | triton; auto: triton on CUDA, torch on CPU
+    attention_backend: str = "auto"       # torch | sdpa | triton; auto: triton on CUDA, else torch
     enforce_eager: bool = False           # True: no CUDA graphs
-    decode_split_k: bool = True           # split-K decode attention for narrow batches / long context
-    gemv_decode: bool = True              # one-sequence steps: fused GEMV projections (Triton)
-    packed_prefill: bool = True           # False: prompts padded to the longest in the step
-    overlap_scheduling: bool = True       # schedule step N+1 while the device runs step N
-    mixed_steps: bool = True              # decodes share steps with prompt chunks (if packed)
-    # A step that decodes carries at most this many prompt tokens, trimmed to a size that makes
-    # its rows a power of two; steps of up to this many prompt tokens replay CUDA graphs.
-    # 0: no cap, prompt steps run eagerly.
+    # A step that decodes carries at most this many prompt tokens (a power of two), trimmed to a
+    # size that makes its rows a power of two; steps of up to this many prompt tokens replay
+    # CUDA graphs.
     mixed_prompt_tokens: int = 2048
     # Prompts reuse the KV blocks of prefixes computed before (shared system prompts, earlier
     # turns of a conversation) instead of computing them again.
@@ -208,8 +203,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
         m = self.mixed_prompt_tokens
-        if m and (m < MIN_PROMPT_PIECE or m & (m - 1)):
-            raise ValueError(f"mixed_prompt_tokens must be 0 or a power of two >= "
+        if m < MIN_PROMPT_PIECE or m & (m - 1):
+            raise ValueError(f"mixed_prompt_tokens must be a power of two >= "
                              f"{MIN_PROMPT_PIECE}, got {m}")
 
 

@@ -11,34 +11,11 @@ from tqdm import tqdm
 
 from liteinfer.config import EngineConfig
 from liteinfer.engine.llm_engine import LLMEngine
+from liteinfer.engine.processor import Message, generation_defaults
 from liteinfer.outputs import RequestOutput
 from liteinfer.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
-Message = dict[str, str]
-
-
-def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
-    """The sampling settings a model's generation_config.json sets, as SamplingParams fields."""
-    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    defaults = {k: generation_config[k] for k in keys if generation_config.get(k) is not None}
-    if generation_config.get("do_sample") is False:
-        defaults["temperature"] = 0.0
-    return defaults
-
-
-def apply_chat_template(tokenizer: Any, messages: list[Message],
-                        add_generation_prompt: bool = True) -> list[int]:
-    """A conversation rendered with the tokenizer's chat template, as token ids."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template")
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"a chat message needs 'role' and 'content', got {m!r}")
-    # Render, then encode without adding special tokens: the template already has them.
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 class LLM:
@@ -83,42 +60,54 @@ class LLM:
         if params is None:
             params = self.default_sampling_params()
         if isinstance(params, SamplingParams):
-            return [dataclasses.replace(params) for _ in range(n)]
+            return [params] * n
         if len(params) != n:
             raise ValueError(f"{len(params)} SamplingParams for {n} prompts")
-        return [dataclasses.replace(p) for p in params]
+        return list(params)
 
-    def _add(self, prompts: list[str | list[int]], params: list[SamplingParams]) -> list[str]:
-        """Validates every request first, so one bad prompt queues none of the batch."""
-        ids = [str(next(self._ids)) for _ in prompts]
+    def _add(self, prompts: list[str | list[int]], params: list[SamplingParams]
+             ) -> list[tuple[str, list[str]]]:
+        """Queues every prompt's n choices (choice i of a seeded request draws from seed + i,
+        so that they differ and each can be reproduced); returns each prompt's request id and
+        its choices' ids. One bad prompt queues none of the batch."""
+        ids: list[tuple[str, list[str]]] = []
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
-                added.append(rid)
+            for prompt, p in zip(prompts, params):
+                base = str(next(self._ids))
+                ids.append((base, [base] if p.n == 1 else [f"{base}-{i}" for i in range(p.n)]))
+                for i, rid in enumerate(ids[-1][1]):
+                    choice = p if p.seed is None or i == 0 else dataclasses.replace(
+                        p, seed=p.seed + i)
+                    self.engine.add_request(rid, prompt, choice)
+                    added.append(rid)
         except ValueError:
-            for rid in added:
-                self.engine.abort(rid)
+            self.engine.abort(added)
             raise
         return ids
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for every prompt, batched continuously; outputs in prompt order."""
+        """Generates for every prompt, batched continuously; outputs in prompt order, each with
+        its SamplingParams.n choices. A request that fails (finish reason "error") does not
+        take the others with it."""
         prompts = self._normalize(prompts)
-        ids = self._add(prompts, self._params_list(sampling_params, len(prompts)))
-        wanted = set(ids)
+        groups = self._add(prompts, self._params_list(sampling_params, len(prompts)))
+        wanted = {rid for _, group in groups for rid in group}
         final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
-            while len(final) < len(ids):
-                for out in self._step():
-                    if out.request_id not in wanted:
-                        self._buffered[out.request_id].append(out)
-                    elif out.finished:
-                        final[out.request_id] = out
-                        bar.update(1)
-        return [final[i] for i in ids]
+        try:
+            with tqdm(total=len(wanted), desc="generating", disable=not use_tqdm) as bar:
+                while len(final) < len(wanted):
+                    for out in self._step():
+                        if out.request_id not in wanted:
+                            self._buffered[out.request_id].append(out)
+                        elif out.finished:
+                            final[out.request_id] = out
+                            bar.update(1)
+        finally:  # interrupted: nothing of this call stays queued
+            self.engine.abort([rid for rid in wanted if rid not in final])
+        return [_merge_choices(base, [final[rid] for rid in group]) for base, group in groups]
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -128,16 +117,21 @@ class LLM:
         return self.generate([self.apply_chat_template(c, add_generation_prompt)
                               for c in conversations], sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[Message],
+                            add_generation_prompt: bool = True) -> list[int]:
+        return self.engine.processor.apply_chat_template(messages, add_generation_prompt)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:
         """Yields this request's output each time it gains tokens; the last one is finished.
         Other requests keep running and keep their outputs."""
         prompts = self._normalize(prompt)
         if len(prompts) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(prompts)}")
-        (rid,) = self._add(prompts, self._params_list(sampling_params, 1))
+        params = self._params_list(sampling_params, 1)
+        if params[0].n != 1:
+            raise ValueError("stream() takes one choice (n=1)")
+        ((_, (rid,)),) = self._add(prompts, params)
         try:
             while True:
                 while self._buffered[rid]:
@@ -152,7 +146,7 @@ class LLM:
             self.engine.abort(rid)
 
     def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+        return bool(self.engine.abort(request_id))
 
     def _step(self) -> list[RequestOutput]:
         if not self.engine.has_unfinished_requests():
@@ -165,3 +159,13 @@ class LLM:
         self.engine.shutdown()
         del self.engine
         free_device_memory()
+
+
+def _merge_choices(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n choices as one RequestOutput (choice i at index i)."""
+    if len(outs) == 1:
+        return outs[0]
+    choices = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    return dataclasses.replace(outs[0], request_id=request_id, outputs=choices,
+                               new_token_ids=[], new_text="",
+                               error="; ".join(o.error for o in outs if o.error) or None)

@@ -1,4 +1,4 @@
-"""What the engine hands back to callers."""
+"""What the engine hands back to callers: snapshots, never live engine state."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,13 +16,28 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability, its rank in the vocabulary (1 = most likely) and its text
+    (vLLM's)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, holding the sampled (or prompt) token and the top-N.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token
+
+
+@dataclass
 class CompletionOutput:
+    index: int
     text: str
     token_ids: list[int]
-    # One dict per generated token: token id -> logprob, holding the sampled token and the top-N.
-    logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string
 
 
 @dataclass
@@ -33,10 +48,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    # Token ids produced since the previous output of this request (for streaming).
+    # Token ids and text produced since the previous output of this request (for streaming).
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
-    # With SamplingParams.prompt_logprobs: per prompt token, as Sequence.prompt_logprobs.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token.
+    prompt_logprobs: PromptLogprobs | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")

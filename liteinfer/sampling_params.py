@@ -1,7 +1,12 @@
 """Per-request sampling settings, validated before a request reaches the engine."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# What torch.Generator.manual_seed takes: signed or unsigned 64-bit.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_N = 128
 
 
 @dataclass
@@ -12,6 +17,7 @@ class SamplingParams:
     top_k 0 (or -1) and top_p 1 disable those filters.
     """
 
+    n: int = 1  # choices per prompt (offline: LLM.generate returns them in one RequestOutput)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -46,15 +52,17 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(f"invalid SamplingParams: {msg}")
 
-        if not self.temperature >= 0.0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad(f"n must be an integer in [1, {MAX_N}], got {self.n}")
+        if not 0.0 <= self.temperature < math.inf:
+            bad(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             bad(f"top_k must be a non-negative integer (0 or -1 disables), got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
+        if not 0.0 < self.repetition_penalty < math.inf:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
@@ -79,8 +87,9 @@ class SamplingParams:
                 not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0
                 for t, b in self.logit_bias.items()):
             bad("logit_bias maps non-negative token ids to biases in [-100, 100]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad(f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -43,7 +43,7 @@ def main() -> None:
             outs = [torch.empty(m, n, device=dev, dtype=dt) for _ in range(layers)]
 
             def chain(x=x, weights=weights, outs=outs) -> None:
-                for w, out in zip(weights, outs):
+                for w, out in zip(weights, outs, strict=True):
                     torch.matmul(x, w.t(), out=out)
 
             us = graph_us(chain, layers)

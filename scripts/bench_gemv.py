@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

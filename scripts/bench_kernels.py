@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -250,9 +250,9 @@ def print_table(rows: list[dict]) -> None:
     fmt = {float: "{:.3g}", int: "{}", str: "{}"}
     cells = [[fmt[type(r[c])].format(r[c]) if c in r else "" for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
     for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
 
 
 def main() -> None:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The benchmark matrix side by side on a machine with several GPUs: one lane per GPU, each
-# running `liteinfer bench --all` for its group of configs (one GPU per process, so lanes do
+# running `liteinfer-bench run --all` for its group of configs (one GPU per process, so lanes do
 # not share a device and their timings stay independent). The word `gputests` in a group runs
 # the GPU tests ($GPU_TESTS, default all) on that lane's GPU first. Rows append to
 # $OUT/results-<gpu>.jsonl as each run ends; logs go to $OUT/lane-<gpu>.log. LANE_SECONDS
 # bounds every lane (default 560).
-# Usage: scripts/bench_lanes.sh "sdpa graphs-16k" "gputests continuous" ...
+# Usage: scripts/bench_lanes.sh "prompt-graphs" "gputests nocache eager eager-b4" ...
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
@@ -23,7 +23,7 @@ lane() {
     fi
   done
   [ ${#configs[@]} -gt 0 ] && CUDA_VISIBLE_DEVICES=$gpu timeout $((deadline - SECONDS)) \
-    python3 -m liteinfer.cli bench --all --config "${configs[@]}" --out "$OUT/results-$gpu.jsonl"
+    python3 -m liteinfer.bench run --all --config "${configs[@]}" --out "$OUT/results-$gpu.jsonl"
 }
 gpu=0
 for group in "$@"; do

@@ -1,11 +1,12 @@
 """vLLM on the workloads of benchmarks/WORKLOADS.md, on the GPU liteinfer runs on, so that both
-engines are compared on one machine (H200 machines differ by a few percent; NOTES 55). vLLM is
-driven by liteinfer's own bench loop (`runner.drive`): the same prompts, warm-up, admission and
-token timestamps. Its defaults stay on (offline `LLM` class: torch.compile, CUDA graphs,
-16,384 batched tokens on an H200, prefix caching), except that the prefix cache is emptied
-before each measured run: mixed2048/16 and mixed2048/128 draw the same prompts.
+engines are compared on one machine (H200 machines differ by a few percent; docs/notes/journal.md,
+item 55). vLLM is driven by liteinfer's own bench loop (`runner.drive`): the same prompts,
+warm-up, admission and token timestamps. Its defaults stay on (offline `LLM` class:
+torch.compile, CUDA graphs, 16,384 batched tokens on an H200, prefix caching), except that the
+prefix cache is emptied before each measured run: mixed2048/16 and mixed2048/128
+draw the same prompts.
 
-Rows are written in the format of benchmarks/reference/ (`liteinfer report --reference DIR`
+Rows are written in the format of benchmarks/reference/ (`liteinfer-bench report --reference DIR`
 reads a directory of them). Needs vLLM importable (../shared/vllm/ installs it beside the
 machine's torch) and a directory holding the model's config.json (dummy weights):
 

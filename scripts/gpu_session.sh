@@ -15,7 +15,7 @@ while [ $# -gt 0 ]; do
     gputest) shift; timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider "$1" > "$OUT/pytest-gpu.txt" 2>&1; tail -15 "$OUT/pytest-gpu.txt"; shift ;;
     profile) shift; timeout 200 python3 scripts/profile_decode.py $PROFILE_ARGS 2>&1 | grep -v "it/s]" | tail -80; ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt"; shift ;;
-    bench) shift; export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; timeout 540 python3 -m liteinfer.cli bench "$@" --out "$OUT/results.jsonl" 2>&1 | grep -v "it/s]" | tail -60; break ;;
+    bench) shift; export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; timeout 540 python3 -m liteinfer.bench run "$@" --out "$OUT/results.jsonl" 2>&1 | grep -v "it/s]" | tail -60; break ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

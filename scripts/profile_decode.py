@@ -36,18 +36,19 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: ctx + 512 (the KV pool is sized from it)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="engine arguments, as in `liteinfer bench --set`")
+                    help="engine arguments, as in `liteinfer-bench run --set`")
     args = ap.parse_args()
     overrides = parse_overrides(args.set)
     llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_num_seqs=max(args.batch),
               max_model_len=args.max_model_len or args.ctx + 512, **overrides)
-    engine, runner = llm.engine, llm.engine.runner
+    engine, runner = llm.engine, llm.engine.core.runner
     report = {}
     for bs in args.batch:
         for i in range(bs):
             engine.add_request(f"p{bs}-{i}", [(7 * i + j) % 1000 + 100 for j in range(args.ctx)],
                                SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
-        while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        scheduler = engine.core.scheduler
+        while any(s.num_output_tokens == 0 for s in scheduler.running) or scheduler.waiting:
             engine.step()
         for _ in range(5):
             engine.step()
@@ -57,9 +58,9 @@ def main() -> None:
         for _ in range(steps):
             engine.step()
         step_ms = (time.perf_counter() - t0) * 1e3 / steps
-        row = {"batch": bs, "ctx": args.ctx, "kv_blocks": engine.block_manager.num_blocks,
+        row = {"batch": bs, "ctx": args.ctx, "kv_blocks": engine.core.block_manager.num_blocks,
                "engine_step_ms": step_ms}
-        batch = engine.scheduler.schedule()  # reserves each row's next slot
+        batch = engine.core.scheduler.schedule()  # reserves each row's next slot
         assert batch is not None and not batch.is_prefill and len(batch.seqs) == bs
         if runner.graphs is not None:
             size = next(s for s in runner.graphs.sizes if s >= bs)
@@ -71,7 +72,9 @@ def main() -> None:
             row["graph_run_host_ms"] = (time.perf_counter() - t0) * 1e3 / steps
         ids, pos, meta, *_ = runner.prepare(batch)
         with torch.inference_mode():
-            forward = lambda: runner.model.compute_logits(runner.model(ids, pos, meta))
+            def forward() -> torch.Tensor:
+                return runner.model.compute_logits(runner.model(ids, pos, meta))
+
             row["eager_forward_ms"] = cuda_ms(forward, 20)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 forward()

@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import os
 import pstats
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+from profile_decode import cuda_ms
 from torch.profiler import ProfilerActivity, profile
 
 from liteinfer import LLM, SamplingParams
 from liteinfer.config import parse_overrides
-from profile_decode import cuda_ms
 
 # Attention first: SDPA's kernels (flash, cuDNN, cutlass fmha) would otherwise count as matmuls.
 CATEGORIES = (("attention", ("_prefill_kernel", "flash", "fmha", "sdpa", "attention")),
@@ -58,7 +59,7 @@ def timeline(prof: profile, top: int) -> dict:
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
                      key=lambda e: e.time_range.start)
     idle: Counter[tuple[str, str]] = Counter()
-    for a, b in zip(kernels, kernels[1:]):
+    for a, b in itertools.pairwise(kernels):
         idle[(a.name[:40], b.name[:40])] += max(0, b.time_range.start - a.time_range.end)
     for (a, b), us in idle.most_common(top):
         print(f"  {us:7.1f} us idle between {a} -> {b}")
@@ -79,13 +80,13 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=0, help="sequences decoding beside them")
     ap.add_argument("--ctx", type=int, default=1024, help="context of the decoding sequences")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="engine arguments, as in `liteinfer bench --set`")
+                    help="engine arguments, as in `liteinfer-bench run --set`")
     args = ap.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shape]
     budget = max(n * length for n, length in shapes) + args.decodes
     llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_model_len=16384,
               max_num_batched_tokens=budget, **parse_overrides(args.set))
-    engine, runner, cfg = llm.engine, llm.engine.runner, llm.engine.model_config
+    engine, runner, cfg = llm.engine, llm.engine.core.runner, llm.engine.model_config
     # Matmul FLOPs per prompt token (q/k/v/o, gate/up/down); the LM head runs on last tokens.
     per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * (
         (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
@@ -93,8 +94,8 @@ def main() -> None:
     for i in range(args.decodes):
         engine.add_request(f"decode-{i}", [(3 * i + j) % 1000 + 100 for j in range(args.ctx)],
                            SamplingParams(max_tokens=10_000, ignore_eos=True))
-    while engine.scheduler.waiting or any(s.num_output_tokens == 0
-                                          for s in engine.scheduler.running):
+    while engine.core.scheduler.waiting or any(s.num_output_tokens == 0
+                                          for s in engine.core.scheduler.running):
         engine.step()
     report = {}
     for nseq, length in shapes:
@@ -102,7 +103,7 @@ def main() -> None:
             engine.add_request(f"{nseq}x{length}-{i}", [(7 * i + j) % 1000 + 100
                                                         for j in range(length)],
                                SamplingParams(max_tokens=1, ignore_eos=True))
-        batch = engine.scheduler.schedule()
+        batch = engine.core.scheduler.schedule()
         assert batch is not None and batch.is_prefill and batch.num_decodes == args.decodes
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
         with torch.inference_mode():

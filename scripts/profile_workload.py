@@ -1,7 +1,7 @@
 """Where a benchmark workload's wall time goes, step by step: the engine runs the workload as
-`liteinfer bench` does (Llama-3.2-1B, dummy weights), and every step records its kind (captured
-decode, captured prompt/mixed step, eager step), its decoding rows and prompt tokens, its host
-time (the whole `step()` call) and its device span (CUDA events around the model and the
+`liteinfer-bench run` does (Llama-3.2-1B, dummy weights), and every step records its kind
+(captured decode, captured prompt/mixed step, eager step), its decoding rows and prompt tokens,
+its host time (the whole `step()` call) and its device span (CUDA events around the model and the
 sampler, so an eager step's span includes device time spent waiting for launches). Then a
 shorter run under the torch profiler splits device time by kernel category.
 
@@ -15,18 +15,18 @@ import time
 from collections import defaultdict
 
 import torch
+from profile_prefill import category
 from torch.profiler import ProfilerActivity, profile
 
 from liteinfer.bench.registry import DEFAULT
 from liteinfer.bench.runner import drive, engine_args_for, make_llm, staggered_lengths, workload
 from liteinfer.bench.workloads import SEED, WARMUP_SEED, Shape
 from liteinfer.config import parse_overrides
-from profile_prefill import category
 
 
 def instrument(engine) -> list[dict]:
     """Wraps the runner's execute so each step appends a record; returns the record list."""
-    runner, steps = engine.runner, []
+    runner, steps = engine.core.runner, []
     execute = runner.execute
 
     def timed_execute(batch):

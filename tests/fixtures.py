@@ -170,23 +170,22 @@ def build_llm(model: str, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def serve(engine: Any, model_name: str, api_key: str | None = None) -> Iterator[str]:
-    """Serves an AsyncLLMEngine over HTTP (uvicorn on a free local port) for the block; yields
-    the base URL."""
-    import uvicorn
-
-    from liteinfer.entrypoints.openai.api_server import build_app
+def serve(engine: Any, model_name: str, args: Any = None) -> Iterator[str]:
+    """Serves an AsyncLLM over HTTP (uvicorn on a free local port, its own thread and event
+    loop) for the block; yields the base URL."""
+    from liteinfer.entrypoints.openai.api_server import Server, build_app, uvicorn_config
     from liteinfer.utils import free_port
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, api_key), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    app = build_app(engine, model_name, args)
+    server = Server(app, uvicorn_config(app, "127.0.0.1", port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
+    while not server.uvicorn.started:
+        assert thread.is_alive(), "the server failed to start"
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        server.uvicorn.should_exit = True
         thread.join()

@@ -53,7 +53,7 @@ def test_chat_streams_each_reply(tiny_llama_dir, tiny_llm, capsys, monkeypatch):
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="error: .*no such path, not a Hugging Face model id"):
+    with pytest.raises(SystemExit, match=r"error: .*no such path, not a Hugging Face model id"):
         main(["generate", "--model", str(tmp_path / "missing")])
     with pytest.raises(SystemExit, match="error: two models given"):
         main(["generate", "a-model", "--model", "another"])
@@ -61,12 +61,12 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
 
 def serve_help(capsys) -> str:
     with pytest.raises(SystemExit):
-        build_parser("serve").parse_args(["serve", "--help"])
+        build_parser().parse_args(["serve", "--help"])
     return " ".join(capsys.readouterr().out.split())
 
 
 def test_every_engine_field_is_a_flag(capsys):
-    parser = build_parser("serve")
+    parser = build_parser()
     help_text = serve_help(capsys)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -84,7 +84,7 @@ def test_every_engine_field_is_a_flag(capsys):
 
 
 def test_engine_flags_and_set_become_engine_config():
-    parsed = build_parser("serve").parse_args([
+    parsed = build_parser().parse_args([
         "serve", "org/model", "--max-num-seqs", "64", "--no-enable-prefix-caching",
         "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5",
         "--num-kv-blocks", "none", "--max-model-len", "4096", "--dtype", "float16",
@@ -110,7 +110,7 @@ def test_serve_passes_model_engine_config_and_overrides(monkeypatch, tmp_path):
                               "generation_config": {"temperature": 0.3}}
     with pytest.raises(SystemExit, match="no such file, and not a Jinja template"):
         main(["serve", "org/model", "--chat-template", str(tmp_path / "absent.jinja")])
-    with pytest.raises(SystemExit, match="expected auto|vllm|DIR"):
+    with pytest.raises(SystemExit, match=r"expected auto\|vllm\|DIR"):
         main(["serve", "org/model", "--generation-config", str(tmp_path / "nowhere")])
 
 
@@ -185,15 +185,17 @@ def test_serve_over_http_uses_the_chat_template(tiny_llama_dir, tiny_llm, tmp_pa
     assert "bench modules: []" in out
 
 
-def test_bench_on_cpu_refuses_triton_configs_and_runs_torch_ones(tiny_llama_dir, tmp_path,
-                                                                 capsys, monkeypatch):
+def test_bench_on_cpu_refuses_triton_and_runs_the_default(tiny_llama_dir, tmp_path, capsys,
+                                                          monkeypatch):
+    from liteinfer.bench.cli import main as bench_main
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without Triton's interpreter
-    run = ["latency", "--model", str(tiny_llama_dir), "--prompts", "2", "--isl", "16", "--osl",
-           "4", "--out", str(tmp_path / "rows.jsonl")]
-    with pytest.raises(SystemExit, match="prompt-graphs run Triton kernels, which need a CUDA "
-                                         "GPU, and none is visible; on CPU use --config"):
-        main(["bench", *run])
-    main(["bench", *run, "--config", "continuous"])
+    run = ["run", "latency", "--model", str(tiny_llama_dir), "--prompts", "2", "--isl", "16",
+           "--osl", "4", "--out", str(tmp_path / "rows.jsonl")]
+    with pytest.raises(SystemExit, match="prompt-graphs with attention_backend=triton runs "
+                                         "Triton kernels, which need a CUDA GPU"):
+        bench_main([*run, "--set", "attention_backend=triton"])
+    bench_main(run)
     out = capsys.readouterr().out
-    assert "continuous: the prefix cache is emptied before each measured run" in out
+    assert "prompt-graphs: the prefix cache is emptied before each measured run" in out
     assert "1 row(s) appended" in out

@@ -4,8 +4,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from liteinfer.engine.detokenizer import Detokenizer
-from liteinfer.engine.sequence import Sequence
+from liteinfer.engine.detokenizer import IncrementalDetokenizer
 from liteinfer.sampling_params import SamplingParams
 
 TEXT = "héllo 世界 🎉 café STOP now, naïve end"
@@ -29,35 +28,32 @@ def test_fixture_splits_multibyte_characters(tok):
     assert any("\ufffd" in p for p in pieces)
 
 
-def run(detok: Detokenizer, tokenizer, output_ids: list[int], prompt: str = "Hi: ",
-        stop_token: int | None = None, **kw) -> tuple[Sequence, list[str]]:
-    """Drives the detokenizer as the engine does, checking after every step that streamed
-    text is final: a prefix of output_text then, and never containing a partial character."""
+def run(tokenizer, output_ids: list[int], prompt: str = "Hi: ", stop_token: int | None = None,
+        **kw) -> tuple[IncrementalDetokenizer, list[str]]:
+    """Drives the detokenizer as the output processor does, one token a step, checking after
+    every step that streamed text is final: a prefix of output_text then, and never containing
+    a partial character."""
     params = SamplingParams(max_tokens=None, **kw)
     prompt_ids = tokenizer.encode(prompt)
-    seq = Sequence("r", getattr(prompt_ids, "ids", prompt_ids), params, arrival_time=0.0)
+    detok = IncrementalDetokenizer(tokenizer, getattr(prompt_ids, "ids", prompt_ids), params)
     pieces: list[str] = []
     for t in output_ids:
-        seq.append_token(t)
-        if t == stop_token:
-            seq.finish_reason, seq.stop_reason = "stop", t
-        pieces.append(detok.decode_new(seq, finished=seq.finish_reason is not None))
+        stopped = t == stop_token
+        pieces.append(detok.update([t], finished=stopped, stopped_on_token=stopped))
         assert "\ufffd" not in pieces[-1]
-        assert seq.output_text.startswith("".join(pieces))
-        if seq.finish_reason is None and detok.check_stop_strings(seq) is not None:
-            seq.finish_reason = "stop"
-        if seq.finish_reason is not None:
+        assert detok.output_text.startswith("".join(pieces))
+        if stopped or detok.stop_string is not None:
             break
     else:
-        pieces.append(detok.decode_new(seq, finished=True))
-    assert "".join(pieces) == seq.output_text  # nothing streamed was retracted or lost
-    return seq, pieces
+        pieces.append(detok.update([], finished=True))
+    assert "".join(pieces) == detok.output_text  # nothing streamed was retracted or lost
+    return detok, pieces
 
 
 @pytest.mark.parametrize("prompt", ["", "Hi: ", "世"])
 def test_stream_concatenates_to_full_decode(tok, prompt):
     ids = tok.encode(TEXT).ids
-    seq, pieces = run(Detokenizer(tok), tok, ids, prompt=prompt)
+    seq, pieces = run(tok, ids, prompt=prompt)
     assert seq.output_text == tok.decode(ids) == TEXT
     assert sum(1 for p in pieces if p) > 5  # actually incremental
 
@@ -72,15 +68,15 @@ def test_sentencepiece_style_spaces_survive_streaming():
                           trainers.BpeTrainer(vocab_size=200))
     ids = t.encode("hello world the fox").ids
     assert [t.decode([i]) for i in ids] == ["hello", "world", "the", "fox"]
-    assert run(Detokenizer(t), t, ids[1:], prompt="hello")[0].output_text == " world the fox"
-    assert run(Detokenizer(t), t, ids, prompt="")[0].output_text == "hello world the fox"
+    assert run(t, ids[1:], prompt="hello")[0].output_text == " world the fox"
+    assert run(t, ids, prompt="")[0].output_text == "hello world the fox"
 
 
 def test_skip_special_tokens(tok):
     eos = tok.token_to_id("<eos>")
     ids = tok.encode("héllo").ids + [eos] + tok.encode(" café").ids
-    assert run(Detokenizer(tok), tok, ids)[0].output_text == "héllo café"
-    seq, _ = run(Detokenizer(tok), tok, ids, skip_special_tokens=False)
+    assert run(tok, ids)[0].output_text == "héllo café"
+    seq, _ = run(tok, ids, skip_special_tokens=False)
     assert seq.output_text == "héllo<eos> café"
 
 
@@ -89,53 +85,51 @@ def test_skip_special_tokens(tok):
                                          ("o 世", "héll")])
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_spanning_tokens(tok, stop, before, include):
-    seq, _ = run(Detokenizer(tok), tok, tok.encode(TEXT).ids, stop=[stop, "never"],
+    seq, _ = run(tok, tok.encode(TEXT).ids, stop=[stop, "never"],
                  include_stop_str_in_output=include)
-    assert seq.stop_reason == stop and seq.finish_reason == "stop"
+    assert seq.stop_string == stop
     assert seq.output_text == before + (stop if include else "")
 
 
 def test_earliest_stop_string_wins(tok):
     # Both complete on the token "P"; the one starting first in the text wins.
-    seq, _ = run(Detokenizer(tok), tok, tok.encode(TEXT).ids, stop=["now", "STOP", "é STOP"])
-    assert seq.stop_reason == "é STOP" and seq.output_text == "héllo 世界 🎉 caf"
+    seq, _ = run(tok, tok.encode(TEXT).ids, stop=["now", "STOP", "é STOP"])
+    assert seq.stop_string == "é STOP" and seq.output_text == "héllo 世界 🎉 caf"
 
 
 def test_held_back_text_is_flushed_when_finishing_without_stop(tok):
     ids = tok.encode(TEXT).ids
-    seq, pieces = run(Detokenizer(tok), tok, ids, stop=["a much longer stop string"])
-    assert seq.stop_reason is None and seq.output_text == TEXT
+    seq, pieces = run(tok, ids, stop=["a much longer stop string"])
+    assert seq.stop_string is None and seq.output_text == TEXT
     assert len(pieces[-1]) == len("a much longer stop string") - 1  # held back until the flush
 
 
-def test_stop_check_is_idempotent(tok):
-    detok = Detokenizer(tok)
-    seq, _ = run(detok, tok, tok.encode(TEXT).ids, stop=["café"], include_stop_str_in_output=True)
-    assert detok.check_stop_strings(seq) == "café"
-    seq.append_token(tok.encode("x").ids[0])  # text past a stop string is never decoded
-    assert detok.decode_new(seq, finished=True) == ""
+def test_text_past_a_stop_string_is_never_decoded(tok):
+    seq, _ = run(tok, tok.encode(TEXT).ids, stop=["café"], include_stop_str_in_output=True)
+    assert seq.stop_string == "café"
+    assert seq.update(tok.encode("x").ids, finished=True) == ""
     assert seq.output_text == "héllo 世界 🎉 café"
 
 
 def test_stop_strings_ignored_until_min_tokens(tok):
     ids = tok.encode("ab ab ab ab").ids
-    seq, _ = run(Detokenizer(tok), tok, ids, stop=["ab"], min_tokens=len(ids) - 1)
-    assert seq.output_text.startswith("ab ab ab") and seq.stop_reason == "ab"
-    assert run(Detokenizer(tok), tok, ids, stop=["ab"])[0].output_text == ""
+    seq, _ = run(tok, ids, stop=["ab"], min_tokens=len(ids) - 1)
+    assert seq.output_text.startswith("ab ab ab") and seq.stop_string == "ab"
+    assert run(tok, ids, stop=["ab"])[0].output_text == ""
 
 
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_token_text_excluded_unless_included(tok, include):
     eos = tok.token_to_id("<eos>")
     ids = tok.encode("café").ids + [eos, *tok.encode(" more").ids]
-    seq, _ = run(Detokenizer(tok), tok, ids, stop_token=eos, skip_special_tokens=False,
+    seq, _ = run(tok, ids, stop_token=eos, skip_special_tokens=False,
                  include_stop_str_in_output=include)
     assert seq.output_text == ("café<eos>" if include else "café")
 
 
 def test_incomplete_bytes_flushed_at_finish(tok):
     ids = tok.encode("ok 🎉").ids[:-1]  # ends inside the emoji
-    seq, pieces = run(Detokenizer(tok), tok, ids)
+    seq, pieces = run(tok, ids)
     assert seq.output_text == tok.decode(ids) and seq.output_text.endswith("\ufffd")
 
 
@@ -153,7 +147,7 @@ def test_real_gguf_tokenizer():
     text = "Sure! Here's the plan: 1) café ☕ 2) 東京 🗼\nDone. <|im_end|>"
     ids = hf.encode(text, add_special_tokens=False)
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    seq, pieces = run(Detokenizer(hf), hf, ids, prompt=prompt)
+    seq, pieces = run(hf, ids, prompt=prompt)
     assert seq.output_text == hf.decode(ids, skip_special_tokens=True)
-    seq, _ = run(Detokenizer(hf), hf, ids, prompt=prompt, stop=["東京"])
+    seq, _ = run(hf, ids, prompt=prompt, stop=["東京"])
     assert seq.output_text == "Sure! Here's the plan: 1) café ☕ 2) "

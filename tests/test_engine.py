@@ -49,12 +49,11 @@ def test_greedy_batch_matches_transformers(tiny_llm, prompts, reference):
 
 @pytest.mark.parametrize("engine_args", [
     {"attention_backend": "sdpa"},
-    {"packed_prefill": False},
     {"max_num_batched_tokens": 16},          # prompts prefilled in chunks
     {"block_size": 32},
     {"max_num_seqs": 3},
     {"attention_backend": "triton", "num_kv_blocks": 40},   # Triton kernels, interpreted on CPU
-    {"attention_backend": "triton", "packed_prefill": False, "max_num_batched_tokens": 40},
+    {"attention_backend": "triton", "max_num_batched_tokens": 40},
 ], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()))
 def test_engine_variants_match_transformers(tiny_llama_dir, prompts, reference, engine_args):
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
@@ -74,7 +73,7 @@ def test_preemption_keeps_outputs(tiny_llama_dir, prompts, reference):
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128,
                     num_kv_blocks=12)
     outputs = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert outputs == reference
 
 
@@ -118,13 +117,15 @@ def test_logprobs_match_transformers(tiny_llm, hf_model, prompts):
     for i, (tok, lps) in enumerate(zip(out.token_ids, out.logprobs)):
         row = ref[len(prompts[2]) - 1 + i]
         assert set(row.topk(3).indices.tolist()) | {tok} == set(lps)
+        assert next(iter(lps)) == tok  # the sampled token comes first
         for t, lp in lps.items():
-            assert lp == pytest.approx(row[t].item(), abs=1e-4)
+            assert lp.logprob == pytest.approx(row[t].item(), abs=1e-4)
+            assert lp.rank == int((row > row[t]).sum()) + 1
+            assert lp.decoded_token == tiny_llm.tokenizer.decode([t])
 
 
 @pytest.mark.parametrize("engine_args", [
     {},
-    {"packed_prefill": False},
     {"max_num_batched_tokens": 16},  # prompts scored a chunk at a time, beside decodes
     {"num_kv_blocks": 12, "enable_prefix_caching": True},  # preemption, cache lookups
 ], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default")
@@ -137,7 +138,7 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_model, prompts, r
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(outs) == reference
     if "num_kv_blocks" in engine_args:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
     for prompt, p, out in zip(prompts, params, outs):
         if p.prompt_logprobs is None:
             assert out.prompt_logprobs is None
@@ -150,7 +151,7 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_model, prompts, r
             top = set(row.topk(p.prompt_logprobs).indices.tolist()) if p.prompt_logprobs else set()
             assert set(entry) == top | {prompt[t]}
             for tok, lp in entry.items():
-                assert lp == pytest.approx(row[tok].item(), abs=1e-4)
+                assert lp.logprob == pytest.approx(row[tok].item(), abs=1e-4)
 
 
 def test_streaming_yields_tokens_as_produced(tiny_llm, prompts, reference):
@@ -164,7 +165,7 @@ def test_abort_returns_blocks(tiny_llm, prompts):
     engine.add_request("to-abort", prompts[0], greedy(50))
     engine.step()
     engine.step()
-    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.core.block_manager.num_free_blocks < engine.core.block_manager.num_blocks
     assert engine.abort("to-abort")
     assert not engine.abort("to-abort")
 
@@ -216,8 +217,9 @@ def test_unknown_engine_argument(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("engine_args, message", [
-    ({"mixed_prompt_tokens": 100}, "mixed_prompt_tokens must be 0 or a power of two"),
-    ({"mixed_prompt_tokens": 8}, "mixed_prompt_tokens must be 0 or a power of two"),
+    ({"mixed_prompt_tokens": 100}, "mixed_prompt_tokens must be a power of two"),
+    ({"mixed_prompt_tokens": 8}, "mixed_prompt_tokens must be a power of two"),
+    ({"mixed_prompt_tokens": 0}, "mixed_prompt_tokens must be a power of two"),
     ({"block_size": 24}, "block_size must be a power of two"),
 ])
 def test_bad_engine_arguments(tiny_llama_dir, engine_args, message):
@@ -238,20 +240,22 @@ def test_repetition_penalty_matches_transformers(tiny_llm, hf_model, prompts):
     assert token_ids(out) == ref
 
 
-def test_overlap_scheduling_changes_no_output(tiny_llama_dir, tiny_llm, prompts):
-    """Steps launched ahead of the host reading the previous tokens give the same results."""
+def test_requests_batched_give_what_they_give_alone(tiny_llm, prompts):
+    """Batched with others, with steps launched ahead of the host reading the previous
+    tokens (and penalties reading them back first), every request gives what it gives alone."""
     mixed = [greedy(20), SamplingParams(temperature=0.8, seed=3, max_tokens=9),
              greedy(5, logprobs=2), SamplingParams(temperature=1.0, top_k=5, seed=4, max_tokens=30),
              greedy(1), greedy(17, stop_token_ids=[7, 8, 9]), greedy(12, presence_penalty=1.0),
              SamplingParams(temperature=0.5, min_p=0.2, seed=5, max_tokens=14, min_tokens=3)]
-    serial = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
-                       overlap_scheduling=False)
-    a = serial.generate(prompts[:8], mixed, use_tqdm=False)
+    a = [tiny_llm.generate([p], params, use_tqdm=False)[0] for p, params in zip(prompts, mixed)]
     b = tiny_llm.generate(prompts[:8], mixed, use_tqdm=False)
-    assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
-             o.outputs[0].logprobs) for o in a] == \
-           [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
-             o.outputs[0].logprobs) for o in b]
+    for alone, batched in zip(a, b):
+        x, y = alone.outputs[0], batched.outputs[0]
+        assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+        if x.logprobs is not None:  # batched matmuls round differently
+            assert [list(e) for e in x.logprobs] == [list(e) for e in y.logprobs]
+            assert [lp.logprob for e in x.logprobs for lp in e.values()] == pytest.approx(
+                [lp.logprob for e in y.logprobs for lp in e.values()], abs=1e-5)
 
 
 def test_overlap_launches_a_step_every_call(tiny_llm, prompts):
@@ -300,7 +304,7 @@ def test_lone_prompts_prefilled_through_sdpa_match_transformers(tiny_llama_dir, 
     # One sequence a step, so every prompt is prefilled alone, with nothing cached.
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                     attention_backend="triton", max_num_seqs=1)
-    llm.engine.runner.backend.sdpa_min_tokens = 1
+    llm.engine.core.runner.backend.sdpa_min_tokens = 1
     assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
     assert len(calls) == len(prompts) * llm.engine.model_config.num_hidden_layers
 
@@ -325,7 +329,7 @@ def test_mixed_steps_match_transformers(tiny_llama_dir, prompts, reference, back
     # prefilled in the same step as the others' decodes.
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                     attention_backend=backend, max_num_seqs=3)
-    scheduler = llm.engine.scheduler
+    scheduler = llm.engine.core.scheduler
     mixed = []
     schedule = scheduler.schedule
 
@@ -365,25 +369,25 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                     attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
                     mixed_prompt_tokens=32)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     layout = PromptStepLayout(4, 32, runner.max_blocks_per_seq, runner.block_size,
-                              runner.query_group_size, runner.max_decode_splits)
+                              runner.query_group_size, runner.step_model.max_decode_splits)
     buffer = torch.zeros(layout.total, dtype=torch.int32)
-    execute, buckets = runner.execute, []
+    forward, buckets = runner._forward, []
 
     @torch.inference_mode()
     def through_layout(batch):
         if not layout.fits(batch):
-            return execute(batch)
+            return forward(batch)
         step, d, p = layout.build(batch)
         layout.reset(buffer)  # stale inputs of an earlier bucket must not matter either
         layout.fill(buffer.numpy(), step, d, p)
         buckets.append((step.num_decodes, d, len(step.input_ids) - step.num_decodes, p))
-        hidden = forward_bucket(runner, layout, buffer, d, p)
+        hidden = forward_bucket(runner.step_model, layout, buffer, d, p)
         rows = layout.sample_rows(buffer, len(step.sample_rows))
         return (runner.model.compute_logits(hidden[rows]) if rows.numel() else None), None
 
-    runner.execute = through_layout
+    runner._forward = through_layout
     lengths = [MAX_NEW - 7 * (i % 3) for i in range(len(prompts))]
     outputs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
     assert token_ids(outputs) == [ref[:n] for ref, n in zip(reference, lengths)]
@@ -393,4 +397,4 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
     assert any(p < p_size for *_, p, p_size in buckets)
     most = max(int(c.max()) for c in split_counts if len(c))
     assert most > 1 if decode_chunk else most == 1
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.engine.core.block_manager.num_free_blocks == llm.engine.core.block_manager.num_blocks

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from fixtures import build_llm, make_tiny_llama_dir, serve
 from liteinfer import LLM, SamplingParams
-from liteinfer.engine.async_llm_engine import AsyncLLMEngine
+from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.loader.source import load_model_source
 from reference import hf_greedy, random_prompts
 
@@ -21,23 +21,19 @@ pytestmark = [pytest.mark.gpu,
 CONFIGS = {
     "torch": {"attention_backend": "torch", "enforce_eager": True},
     "sdpa": {"attention_backend": "sdpa", "enforce_eager": True},
-    "paged-attn": {"attention_backend": "triton", "enforce_eager": True, "decode_split_k": False},
-    "eager-splitk": {"attention_backend": "triton", "enforce_eager": True},
-    "graphs": {"attention_backend": "triton", "decode_split_k": False, "mixed_prompt_tokens": 0},
-    "splitk": {"gemv_decode": False, "mixed_steps": False, "mixed_prompt_tokens": 0},
-    # One-sequence steps through the fused GEMV.
-    "gemv": {"mixed_steps": False, "mixed_prompt_tokens": 0},
-    # As gemv, decodes sharing (eager) steps with prompt chunks.
-    "mixed": {"mixed_prompt_tokens": 0},
-    # The default: steps of up to 2,048 prompt tokens (here, after the first) replay graphs.
-    "prompt-graphs": {},
+    # The Triton kernels eagerly: paged and split-K decode attention, packed and mixed prefill,
+    # the one-sequence GEMV steps.
+    "eager": {"attention_backend": "triton", "enforce_eager": True},
+    # The default: decode steps and steps of up to 2,048 prompt tokens (here, after the first)
+    # replay graphs.
+    "default": {},
     # Graphs for every step: a first step of prompts alone, then prompt pieces of captured sizes
     # beside decodes; and a decode bucket that is not a power of two (12).
     "prompt-graphs-chunked": {"max_num_batched_tokens": 200, "mixed_prompt_tokens": 256},
     "prompt-graphs-narrow": {"max_num_seqs": 12, "max_num_batched_tokens": 100,
                              "mixed_prompt_tokens": 64},
-    "padded": {"packed_prefill": False},
     "chunked": {"max_num_batched_tokens": 64},  # prompt chunks over cached prefixes, captured
+    "no-prefix-cache": {"enable_prefix_caching": False},
 }
 # bf16 rule: our top logprobs within BF16_TOL of transformers' (same weights, same dtype), and the
 # same greedy token wherever transformers' top-2 margin exceeds BF16_TOL.
@@ -88,25 +84,30 @@ def test_fp32_token_for_token(model_dir, prompts, fp32_reference, name):
 
 
 def test_async_engine_matches_offline(model_dir, prompts, fp32_reference):
-    """The server's engine loop on a thread of its own (default config: CUDA graphs, mixed
+    """The server's engine core in a process of its own (default config: CUDA graphs, mixed
     steps, overlap scheduling), with requests arriving while others run."""
-    engine = AsyncLLMEngine.from_args(str(model_dir), dtype="float32", max_model_len=1024,
-                                      max_num_seqs=48)
+    engine = AsyncLLM.from_args(str(model_dir), dtype="float32", max_model_len=1024,
+                                max_num_seqs=48)
 
     async def one(i: int) -> list[int]:
         await asyncio.sleep(0.002 * i)  # arrivals spread over the first steps
-        async for out in await engine.generate(str(i), prompts[i], greedy(20)):
+        async for out in await engine.add_requests([(str(i), prompts[i], greedy(20))]):
             tokens = out.outputs[0].token_ids
         return tokens
 
-    async def everyone() -> list[list[int]]:
-        return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+    async def everyone() -> tuple[list[list[int]], float]:
+        await engine.start()
+        try:
+            tokens = list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+            await asyncio.sleep(0.5)  # the core's last message: the pool after the last step
+            return tokens, engine.scheduler_stats.kv_cache_usage
+        finally:
+            await engine.stop()
 
     try:
-        assert asyncio.run(everyone()) == fp32_reference
-        bm = engine.engine.block_manager
-        assert not engine.engine.has_unfinished_requests()
-        assert bm.num_free_blocks == bm.num_blocks
+        tokens, kv_usage = asyncio.run(everyone())
+        assert tokens == fp32_reference
+        assert engine.num_requests == 0 and kv_usage == 0
     finally:
         engine.shutdown()
 
@@ -119,8 +120,8 @@ def test_server_on_cuda_matches_offline(model_dir, prompts, fp32_reference):
     offline = build_llm(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=48)
     expected = offline.generate(prompts, greedy(20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in expected] == fp32_reference
-    engine = AsyncLLMEngine.from_args(str(model_dir), dtype="float32", max_model_len=1024,
-                                      max_num_seqs=48)
+    engine = AsyncLLM.from_args(str(model_dir), dtype="float32", max_model_len=1024,
+                                max_num_seqs=48)
     body = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
 
     def ask(client: httpx.Client, i: int) -> str:
@@ -139,7 +140,7 @@ def test_server_on_cuda_matches_offline(model_dir, prompts, fp32_reference):
                 ThreadPoolExecutor(len(prompts)) as pool:
             texts = list(pool.map(lambda i: ask(client, i), range(len(prompts))))
         assert texts == [o.outputs[0].text for o in expected]
-        assert not engine.engine.has_unfinished_requests()
+        assert engine.num_requests == 0
     finally:
         engine.shutdown()
 
@@ -173,7 +174,7 @@ def test_fp32_prompt_logprobs(model_dir, prompts, hf_fp32, fp32_reference):
     for prompt, out in list(zip(prompts, outs))[1::2]:
         with torch.no_grad():
             ref = hf_fp32(torch.tensor([prompt], device="cuda")).logits[0].log_softmax(-1)
-        got = [e[t] for t, e in zip(prompt[1:], out.prompt_logprobs[1:])]
+        got = [e[t].logprob for t, e in zip(prompt[1:], out.prompt_logprobs[1:])]
         want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
         assert got == pytest.approx(want, abs=1e-3)
 
@@ -193,21 +194,22 @@ def test_fp32_two_gpus_tensor_parallel(model_dir, prompts, fp32_reference):
 
 def test_fp32_lone_prompts_through_sdpa(model_dir, prompts, fp32_reference):
     llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=1)
-    llm.engine.runner.backend.sdpa_min_tokens = 1  # every prompt: prefilled alone, nothing cached
+    # Every prompt prefilled alone, nothing cached.
+    llm.engine.core.runner.backend.sdpa_min_tokens = 1
     outputs = llm.generate(prompts, greedy(20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == fp32_reference
 
 
 # chunked continues prompts over their cached prefix through the packed Triton kernel.
-@pytest.mark.parametrize("name", ["sdpa", "paged-attn", "splitk", "gemv", "mixed", "padded",
-                                  "chunked", "prompt-graphs-chunked", "lone-sdpa"])
+@pytest.mark.parametrize("name", ["sdpa", "eager", "default", "chunked", "prompt-graphs-chunked",
+                                  "lone-sdpa"])
 def test_bf16_within_tolerance(model_dir, prompts, name):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     lone = name == "lone-sdpa"
     llm = build_llm(str(model_dir), dtype="bfloat16", max_model_len=1024,
                     **({"max_num_seqs": 1} if lone else CONFIGS[name]))
     if lone:
-        llm.engine.runner.backend.sdpa_min_tokens = 1
+        llm.engine.core.runner.backend.sdpa_min_tokens = 1
     outputs = llm.generate(prompts[:16], greedy(24, logprobs=5), use_tqdm=False)
     checked = steps = 0
     for prompt, out in zip(prompts[:16], outputs):
@@ -219,8 +221,8 @@ def test_bf16_within_tolerance(model_dir, prompts, name):
             row = ref[step]
             steps += 1
             for t, lp in lps.items():
-                assert abs(lp - row[t].item()) <= BF16_TOL, (name, len(prompt), step, t, lp,
-                                                             row[t].item())
+                assert abs(lp.logprob - row[t].item()) <= BF16_TOL, (
+                    name, len(prompt), step, t, lp, row[t].item())
             top2 = row.topk(2).values
             if top2[0] - top2[1] > BF16_TOL:
                 assert tok == row.argmax().item(), (name, step)
@@ -237,10 +239,10 @@ def test_llama_1b_dummy_at_32_concurrent():
         engine.add_request(str(i), p, greedy(64))
     widest, lengths = 0, {}
     while engine.has_unfinished_requests():
-        widest = max(widest, len(engine.scheduler.running))
+        widest = max(widest, len(engine.core.scheduler.running))
         for out in engine.step():
             if out.finished:
                 lengths[out.request_id] = len(out.outputs[0].token_ids)
     assert widest == 32
     assert sorted(lengths.values()) == [64] * 40
-    print(json.dumps({"kv_blocks": engine.block_manager.num_blocks}))
+    print(json.dumps({"kv_blocks": engine.core.block_manager.num_blocks}))

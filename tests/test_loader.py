@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from fixtures import (TINY_LLAMA, llama_cpp_rope_freqs, make_tiny_gguf, make_tiny_llama_dir,
-                      smollm2_gguf_path)
+from fixtures import (
+    TINY_LLAMA,
+    llama_cpp_rope_freqs,
+    make_tiny_gguf,
+    make_tiny_llama_dir,
+    smollm2_gguf_path,
+)
 from liteinfer.loader import hf, known_models, load_model_source, source
 
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
@@ -66,7 +71,7 @@ def test_iter_weights_reads_one_tensor_at_a_time(tiny_dir: Path,
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self.inner = real_safe_open(*args, **kwargs)
 
-        def __enter__(self) -> "CountingSafeOpen":
+        def __enter__(self) -> CountingSafeOpen:
             self.inner.__enter__()
             return self
 
@@ -172,7 +177,7 @@ def test_bad_inputs(tiny_dir: Path, tmp_path: Path) -> None:
     cfg = json.loads((not_llama / "config.json").read_text())
     cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (not_llama / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported model .*gpt2.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"unsupported model .*gpt2.*LlamaForCausalLM"):
         load_model_source(not_llama)
 
 

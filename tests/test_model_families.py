@@ -100,7 +100,7 @@ def test_bias_on_the_one_token_gemv_path(family) -> None:
 
 def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path: Path) -> None:
     directory = make_tiny_family_dir(tmp_path, "mistral", sliding_window=128)
-    with pytest.raises(ValueError, match="sliding window of 128 tokens.*max_model_len <= 128"):
+    with pytest.raises(ValueError, match=r"sliding window of 128 tokens.*max_model_len <= 128"):
         build_llm(str(directory), device="cpu", max_model_len=MAX_LEN)
     # Its default stays within the window, where full attention computes the same.
     llm = build_llm(str(directory), device="cpu")
@@ -109,7 +109,7 @@ def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path: Path) ->
 
 def test_other_architectures_are_refused() -> None:
     cfg = {**TINY_LLAMA, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
-    with pytest.raises(ValueError, match="unsupported model.*Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match=r"unsupported model.*Qwen3ForCausalLM"):
         ModelConfig.from_hf(cfg)
     with pytest.raises(ValueError, match="attention biases"):
         ModelConfig.from_hf({**TINY_LLAMA, "model_type": "qwen3", "attention_bias": True})

@@ -76,7 +76,7 @@ def test_small_pool_evicts_and_preempts(tiny_llama_dir, tiny_llm):
     shared = [system + tokens(rng, int(k)) for k in rng.integers(4, 20, size=6)]
     # 6 x ~5 blocks each by the end: more than the pool, so the newest are preempted.
     out = run(llm, shared, n=40)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in out] == [
         o.outputs[0].token_ids for o in run(tiny_llm, shared, n=40)]
     # Distinct prompts push the shared prefix out of the cache.
@@ -90,7 +90,7 @@ def test_block_manager_refcounts_and_eviction_order():
     prompt = list(range(10, 19))  # 9 tokens: blocks of 4, 4, 1
 
     def seq(name: str, ids: list[int]) -> Sequence:
-        s = Sequence(name, ids, SamplingParams(), 0.0)
+        s = Sequence(name, ids, SamplingParams())
         assert bm.admit(s)
         return s
 
@@ -113,7 +113,7 @@ def test_block_manager_refcounts_and_eviction_order():
     d = seq("d", prompt[:5])
     assert d.num_cached_tokens == 4 and d.block_table[0] == head  # the head survived
     free = bm.num_free_blocks
-    assert not bm.admit(Sequence("e", list(range(30)), SamplingParams(), 0.0))  # 8 blocks
+    assert not bm.admit(Sequence("e", list(range(30)), SamplingParams()))  # 8 blocks
     assert bm.num_free_blocks == free
     bm.free(d)
     assert sorted(bm.unreferenced_blocks()) == list(range(6)) and not any(bm.ref_counts)
@@ -122,8 +122,8 @@ def test_block_manager_refcounts_and_eviction_order():
     assert seq("f", prompt).num_cached_tokens == 0
 
 
-@pytest.mark.parametrize("config", [{"attention_backend": "sdpa"}, {"packed_prefill": False},
-                                    {"overlap_scheduling": False}, {"max_num_batched_tokens": 40}])
+@pytest.mark.parametrize("config", [{"attention_backend": "sdpa"}, {"block_size": 32},
+                                    {"max_num_batched_tokens": 40}])
 def test_cached_prefixes_in_other_configs(tiny_llama_dir, tiny_llm, config):
     """SDPA attention, padded prefill, no overlap, and prompts chunked over cached blocks."""
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,

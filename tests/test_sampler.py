@@ -3,15 +3,19 @@ import math
 import pytest
 import torch
 
-from liteinfer.engine.sampler import Sampler, _apply_penalties
+from liteinfer.engine.sampler import Sampler, SamplerOutput, _apply_penalties
 from liteinfer.engine.sequence import Sequence
 from liteinfer.sampling_params import SamplingParams
 
 EOS = 3
 
 
+def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    return sampler.sample(logits, seqs).result()
+
+
 def make_seq(prompt=(1, 2), output=(), **kw) -> Sequence:
-    seq = Sequence("r", list(prompt), SamplingParams(**kw), arrival_time=0.0)
+    seq = Sequence("r", list(prompt), SamplingParams(**kw))
     for t in output:
         seq.append_token(t)
     return seq
@@ -20,7 +24,7 @@ def make_seq(prompt=(1, 2), output=(), **kw) -> Sequence:
 def sample_many(logits_row: torch.Tensor, n: int, **kw) -> torch.Tensor:
     """n independent draws: one batch of n identical rows (default generator)."""
     torch.manual_seed(0)
-    out = Sampler([EOS])(logits_row.expand(n, -1).clone(), [make_seq(**kw) for _ in range(n)])
+    out = sample(Sampler([EOS]), logits_row.expand(n, -1).clone(), [make_seq(**kw) for _ in range(n)])
     return torch.tensor(out.token_ids)
 
 
@@ -32,17 +36,17 @@ def test_greedy_fast_path_and_tiny_temperature_equal_argmax():
     torch.manual_seed(1)
     logits = torch.stack([torch.randperm(100).float() for _ in range(6)])  # gaps of >= 1
     ref = logits.argmax(-1).tolist()
-    assert Sampler([EOS])(logits, [make_seq(temperature=0.0) for _ in range(6)]).token_ids == ref
+    assert sample(Sampler([EOS]), logits, [make_seq(temperature=0.0) for _ in range(6)]).token_ids == ref
     # 1e-2 is not greedy, but exp(-gap / 1e-2) underflows: the sampling path agrees.
     seqs = [make_seq(temperature=t) for t in (1e-6, 1e-2) * 3]
-    assert Sampler([EOS])(logits, seqs).token_ids == ref
+    assert sample(Sampler([EOS]), logits, seqs).token_ids == ref
 
 
 def test_mixed_batch_greedy_rows_take_argmax():
     logits = torch.randn(4, 50)
     seqs = [make_seq(temperature=0.0), make_seq(temperature=1.0),
             make_seq(temperature=0.0, logprobs=0), make_seq(temperature=2.0)]
-    out = Sampler([EOS])(logits, seqs).token_ids
+    out = sample(Sampler([EOS]), logits, seqs).token_ids
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
@@ -117,7 +121,7 @@ def test_logit_bias_is_added_before_penalties():
     for t, b in bias.items():
         biased[1:, t] += b
     penalized = reference_penalties(biased[2], [7, 11], [], 1.5, 0.0, 0.0)
-    out = Sampler([EOS])(logits, seqs).token_ids
+    out = sample(Sampler([EOS]), logits, seqs).token_ids
     assert out == [int(logits[0].argmax()), int(biased[1].argmax()), int(penalized.argmax())]
     for bad in ({-1: 1.0}, {3: 100.5}, {"3": 1.0}):
         with pytest.raises(ValueError, match="logit_bias"):
@@ -126,23 +130,23 @@ def test_logit_bias_is_added_before_penalties():
 
 def test_repetition_penalty_changes_greedy_choice():
     logits = torch.tensor([[0.0, 2.0, 1.9, -1.0]])
-    assert Sampler([EOS])(logits, [make_seq(prompt=[1], temperature=0.0)]).token_ids == [1]
-    out = Sampler([EOS])(logits, [make_seq(prompt=[1], temperature=0.0, repetition_penalty=1.2)])
+    assert sample(Sampler([EOS]), logits, [make_seq(prompt=[1], temperature=0.0)]).token_ids == [1]
+    out = sample(Sampler([EOS]), logits, [make_seq(prompt=[1], temperature=0.0, repetition_penalty=1.2)])
     assert out.token_ids == [2]
 
 
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 8.0, 7.0, 1.0]])  # EOS best, then stop id 4
     kw = dict(temperature=0.0, min_tokens=2, stop_token_ids=[4], ignore_eos=True)
-    assert Sampler([EOS])(logits, [make_seq(**kw)]).token_ids == [5]
-    assert Sampler([EOS])(logits, [make_seq(output=[6], **kw)]).token_ids == [5]
-    assert Sampler([EOS])(logits, [make_seq(output=[6, 6], **kw)]).token_ids == [EOS]
+    assert sample(Sampler([EOS]), logits, [make_seq(**kw)]).token_ids == [5]
+    assert sample(Sampler([EOS]), logits, [make_seq(output=[6], **kw)]).token_ids == [5]
+    assert sample(Sampler([EOS]), logits, [make_seq(output=[6, 6], **kw)]).token_ids == [EOS]
 
 
 def run_steps(seqs: list[Sequence], logits: torch.Tensor, steps: int) -> list[list[int]]:
     sampler = Sampler([EOS])
     for _ in range(steps):
-        for s, t in zip(seqs, sampler(logits[:len(seqs)], seqs).token_ids):
+        for s, t in zip(seqs, sample(sampler, logits[:len(seqs)], seqs).token_ids):
             s.append_token(t)
     return [s.output_token_ids for s in seqs]
 
@@ -194,21 +198,22 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
     seqs = [make_seq(logprobs=3, temperature=0.5, repetition_penalty=1.5, output=[0, 1]),
             make_seq(logprobs=0, temperature=0.0),
             make_seq()]
-    out = Sampler([EOS])(logits, seqs)
+    out = sample(Sampler([EOS]), logits, seqs)
     ref = logits.log_softmax(-1)
     lp0, lp1 = out.logprobs[0], out.logprobs[1]
-    top3 = set(ref[0].topk(3).indices.tolist())
-    assert set(lp0) == top3 | {out.token_ids[0]}
-    for t, v in lp0.items():
+    # The sampled token first, with its rank, then the top 3 best first.
+    assert lp0.token_ids == [out.token_ids[0], *ref[0].topk(3).indices.tolist()]
+    assert lp0.rank == int((ref[0] > ref[0, out.token_ids[0]]).sum()) + 1
+    for t, v in zip(lp0.token_ids, lp0.logprobs):
         assert math.isclose(v, ref[0, t].item(), rel_tol=1e-6, abs_tol=1e-6)
-    assert list(lp1) == [out.token_ids[1]] == [ref[1].argmax().item()]
-    assert math.isclose(lp1[out.token_ids[1]], ref[1].max().item(), rel_tol=1e-6)
+    assert lp1.token_ids == [out.token_ids[1]] == [ref[1].argmax().item()] and lp1.rank == 1
+    assert math.isclose(lp1.logprobs[0], ref[1].max().item(), rel_tol=1e-6)
     assert out.logprobs[2] is None
 
 
 def test_input_logits_are_not_modified():
     logits = torch.randn(2, 16)
     before = logits.clone()
-    Sampler([EOS])(logits, [make_seq(repetition_penalty=2.0, output=[1], top_k=3),
-                            make_seq(min_tokens=1, temperature=0.0)])
+    sample(Sampler([EOS]), logits, [make_seq(repetition_penalty=2.0, output=[1], top_k=3),
+                                    make_seq(min_tokens=1, temperature=0.0)])
     assert torch.equal(logits, before)

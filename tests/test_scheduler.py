@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
+import torch
 
 from liteinfer.engine.block_manager import BlockManager
-from liteinfer.engine.scheduler import (ScheduledBatch, Scheduler, padded_decodes,
+from liteinfer.engine.runner_output import ModelRunnerOutput
+from liteinfer.engine.sampler import SampledTokens
+from liteinfer.engine.scheduler import (Scheduler, SchedulerOutput, padded_decodes,
                                         prompt_piece_sizes)
 from liteinfer.engine.sequence import Sequence
 from liteinfer.sampling_params import SamplingParams
@@ -16,24 +18,30 @@ _ids = itertools.count()
 
 def request(prompt_len: int, max_tokens: int) -> Sequence:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return Sequence(f"r{next(_ids)}", [1] * prompt_len, params, arrival_time=0.0)
+    return Sequence(f"r{next(_ids)}", [1] * prompt_len, params)
 
 
-def run_step(scheduler: Scheduler, batch: ScheduledBatch) -> None:
-    """What the engine does after the model: count computed tokens, append samples, finish."""
-    for seq, n in zip(batch.seqs, batch.num_tokens):
-        seq.num_computed_tokens += n
-        if seq.num_uncomputed_tokens == 0:
-            seq.append_token(2)
-            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
-                scheduler.finish(seq)
+def scheduler_of(bm: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, mixed_prompt_tokens: int = 2048) -> Scheduler:
+    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len,
+                     mixed_prompt_tokens, eos_token_ids=[])
+
+
+def run_step(scheduler: Scheduler, batch: SchedulerOutput) -> None:
+    """What the engine core does around the model: launch, then token 2 for every sampling
+    sequence."""
+    scheduler.mark_launched(batch)
+    seqs = batch.sampling_seqs
+    tokens = torch.full((len(seqs),), 2)
+    sampled = SampledTokens(tokens, tokens, [s.sampling_params for s in seqs], None)
+    scheduler.update_from_output(batch, ModelRunnerOutput(sampled if seqs else None))
 
 
 def test_a_chunked_prompt_waits_for_room_instead_of_preempting_itself():
     # 16 blocks of 16 tokens. Two sequences decode in 8 blocks; a 200-token prompt (13 blocks)
     # cannot fit until they finish, whatever the 64-token prefill budget would allow per step.
     bm = BlockManager(16, 16)
-    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    scheduler = scheduler_of(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     decoding = [request(60, 40), request(60, 40)]
     for seq in decoding:
         scheduler.add(seq)
@@ -50,15 +58,15 @@ def test_a_chunked_prompt_waits_for_room_instead_of_preempting_itself():
     assert all(s.is_finished for s in decoding) and long.is_finished
     assert scheduler.num_preemptions == 0
     assert bm.num_free_blocks == bm.num_blocks
-    # The long prompt ran in ceil(200 / 64) = 4 chunks once the decoders were done.
-    assert kinds.count("prefill") == 2 + 4
+    # The second prompt ran beside the first one's decode in two pieces of captured sizes
+    # (31 + 25 tokens), and the long prompt in ceil(200 / 64) = 4 chunks once the decoders were
+    # done.
+    assert kinds.count("prefill") == 3 + 4
 
 
-@pytest.mark.parametrize("mixed_steps", [False, True])
-def test_preemption_frees_the_newest_and_requeues_it_first(mixed_steps):
+def test_preemption_frees_the_newest_and_requeues_it_first():
     bm = BlockManager(6, 4)
-    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-                          mixed_steps=mixed_steps)
+    scheduler = scheduler_of(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     old, new = request(8, 20), request(8, 20)
     scheduler.add(old)
     scheduler.add(new)
@@ -74,8 +82,7 @@ def test_preemption_frees_the_newest_and_requeues_it_first(mixed_steps):
 
 def test_mixed_steps_decode_beside_prompt_chunks():
     bm = BlockManager(64, 16)
-    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                          mixed_steps=True)
+    scheduler = scheduler_of(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     a, b = request(10, 30), request(10, 30)
     scheduler.add(a)
     scheduler.add(b)
@@ -106,8 +113,8 @@ def test_prompt_piece_sizes_bring_steps_to_powers_of_two():
 
 def test_mixed_steps_carry_prompt_pieces_of_captured_sizes():
     bm = BlockManager(64, 16)
-    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
-                          mixed_steps=True, mixed_prompt_tokens=64)
+    scheduler = scheduler_of(bm, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
+                             mixed_prompt_tokens=64)
     lone = request(150, 40)
     scheduler.add(lone)
     first = scheduler.schedule()
@@ -115,7 +122,7 @@ def test_mixed_steps_carry_prompt_pieces_of_captured_sizes():
     run_step(scheduler, first)
     steps = []
 
-    def step() -> ScheduledBatch:
+    def step() -> SchedulerOutput:
         batch = scheduler.schedule()
         steps.append((batch.num_decodes, batch.num_tokens))
         run_step(scheduler, batch)

@@ -4,7 +4,6 @@ batched with other requests; bad input answered with a 400 that leaves running r
 disconnected clients' requests aborted."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,26 +11,51 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from fixtures import ENGINES, serve
+from fixtures import serve
 from liteinfer import SamplingParams
-from liteinfer.engine.async_llm_engine import AsyncLLMEngine
+from liteinfer.config import EngineConfig
+from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.entrypoints.openai import api_server
+from liteinfer.entrypoints.openai.cli_args import ServerArgs
 
 MODEL = "tiny"
 PROMPTS = ["The quick brown fox", "Hello world! How are", "Once upon a time there",
            "def add(a, b):"]
 
 
+ENGINE_ARGS = dict(dtype="float32", device="cpu", max_model_len=256)
+
+
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
-    """(base URL, AsyncLLMEngine): the tiny model served as the `tiny_llm` fixture is built."""
-    engine = AsyncLLMEngine.from_args(str(tiny_llama_dir), dtype="float32", device="cpu",
-                                      max_model_len=256)
-    ENGINES.append(engine)
+    """(base URL, AsyncLLM): the tiny model served as the `tiny_llm` fixture is built, by an
+    engine core that has room for a second front end (client index 1)."""
+    engine = AsyncLLM.from_args(str(tiny_llama_dir), num_clients=2, **ENGINE_ARGS)
     with serve(engine, MODEL) as url:
         yield url, engine
+        assert_engine_idle(url)
     engine.shutdown()
-    ENGINES.remove(engine)
+
+
+def assert_engine_idle(url: str) -> None:
+    """The core holds no request and every KV block is back in its pool (as its last step
+    message reported)."""
+    with httpx.Client(base_url=url) as c:
+        deadline = time.monotonic() + 10
+        while True:
+            m = scrape(c)
+            idle = (m["liteinfer:num_requests_running"] == m["liteinfer:num_requests_waiting"]
+                    == m["liteinfer:kv_cache_usage_perc"] == 0)
+            if idle:
+                return
+            assert time.monotonic() < deadline, f"the engine is not idle: {m}"
+            time.sleep(0.05)
+
+
+def second_front_end(served, tiny_llama_dir) -> AsyncLLM:
+    """Another front end of the module's engine core."""
+    return AsyncLLM(str(tiny_llama_dir), EngineConfig(**ENGINE_ARGS), served[1].core_handle,
+                    client_index=1)
 
 
 @pytest.fixture
@@ -105,8 +129,9 @@ def test_stream_equals_whole_response(client, chat):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         chunks = events(r)
     # The same prompt again: with prefix caching (the default) its KV may now come cached.
-    uncached = lambda usage: {**usage, "prompt_tokens_details": None}
-    assert chunks[-1] == "[DONE]" and uncached(chunks[-2]["usage"]) == uncached(whole["usage"])
+    usage = {**chunks[-2]["usage"], "prompt_tokens_details": whole["usage"].get(
+        "prompt_tokens_details")}
+    assert chunks[-1] == "[DONE]" and usage == whole["usage"]
     texts, reasons = {}, {}
     for chunk in chunks[:-2]:
         (choice,) = chunk["choices"]
@@ -196,7 +221,7 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, tiny_llm):
     token_ids = ids + ref.outputs[0].token_ids
     assert len(lp["tokens"]) == len(token_ids) and lp["token_logprobs"][0] is None
     entries = ref.prompt_logprobs[1:] + ref.outputs[0].logprobs
-    assert lp["token_logprobs"][1:] == [e[t] for t, e in zip(token_ids[1:], entries)]
+    assert lp["token_logprobs"][1:] == [e[t].logprob for t, e in zip(token_ids[1:], entries)]
     assert lp["top_logprobs"][0] is None
     assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])  # keyed by text
     # Streamed, the first chunk carries the prompt; without logprobs, text alone is echoed.
@@ -231,28 +256,43 @@ def test_tokenize_and_detokenize(client, tiny_llm):
     assert client.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
 
 
-def test_api_key_guards_the_api(served):
-    with serve(served[1], MODEL, api_key="s3cret") as url, httpx.Client(base_url=url) as c:
+@pytest.mark.parametrize("metrics_need_key", [False, True])
+def test_api_key_guards_the_api(served, tiny_llama_dir, metrics_need_key):
+    """Every route touching the model or its tokenizer needs the key; /health never does."""
+    front = second_front_end(served, tiny_llama_dir)
+    args = ServerArgs(api_key="s3cret", metrics_need_key=metrics_need_key)
+    with serve(front, MODEL, args) as url, httpx.Client(base_url=url) as c:
         body = {"prompt": "x", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = c.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
-        assert c.get("/v1/models").status_code == 401
+        for method, path, payload in [("GET", "/v1/models", None),
+                                      ("POST", "/v1/chat/completions", {"messages": []}),
+                                      ("POST", "/tokenize", {"prompt": "x"}),
+                                      ("POST", "/detokenize", {"tokens": [5]}),
+                                      ("GET", "/nowhere", None)]:
+            assert c.request(method, path, json=payload).status_code == 401, path
         assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == (401 if metrics_need_key else 200)
         r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        r = c.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+    front.shutdown()
 
 
-def test_serve_command_takes_the_api_key(monkeypatch):
+def test_serve_command_takes_the_api_key_and_limits(monkeypatch):
     from liteinfer import cli
 
     calls = []
     monkeypatch.setattr(api_server, "run_server", lambda *a, **kw: calls.append(a[5]))
-    cli.main(["serve", "--api-key", "k1"])
+    cli.main(["serve", "--api-key", "k1", "--max-waiting-requests", "7"])
     monkeypatch.setenv("LITEINFER_API_KEY", "k2")
-    cli.main(["serve"])
-    cli.main(["serve", "--api-key", "k3"])
-    assert calls == ["k1", "k2", "k3"]
+    cli.main(["serve", "--shutdown-grace", "1.5", "--metrics-need-key"])
+    cli.main(["serve", "--api-key", "k3", "--max-body-bytes", "100"])
+    assert [a.api_key for a in calls] == ["k1", "k2", "k3"]
+    assert calls[0].max_waiting_requests == 7 and calls[1].shutdown_grace_s == 1.5
+    assert calls[1].metrics_need_key and calls[2].max_body_bytes == 100
 
 
 def test_seeded_choices_are_reproducible(client):
@@ -270,10 +310,10 @@ def test_logprobs_match_offline(client, tiny_llm):
     r = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 6,
                                               "temperature": 0, "logprobs": 2}).json()
     lp = r["choices"][0]["logprobs"]
-    sampled = [e[t] for t, e in zip(ref.token_ids, ref.logprobs)]
+    sampled = [e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs)]
     assert lp["token_logprobs"] == pytest.approx(sampled)
     for served_top, ref_top in zip(lp["top_logprobs"], ref.logprobs, strict=True):
-        assert sorted(served_top.values()) == pytest.approx(sorted(ref_top.values()))
+        assert sorted(served_top.values()) == pytest.approx(sorted(v.logprob for v in ref_top.values()))
     tokens = [tiny_llm.tokenizer.decode([t]) for t in ref.token_ids]
     assert lp["tokens"] == tokens  # the stop token too, though the text leaves it out
     assert lp["text_offset"] == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
@@ -283,20 +323,6 @@ def test_logprobs_match_offline(client, tiny_llm):
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == 4 and all(len(c["top_logprobs"]) == 2 for c in content)
     assert all(c["top_logprobs"][0]["logprob"] == pytest.approx(c["logprob"]) for c in content)
-
-
-def test_add_requests_is_all_or_nothing(served):
-    engine = served[1]
-
-    async def add_good_then_bad():
-        with pytest.raises(ValueError, match="empty"):
-            await engine.add_requests([
-                ("good", "fine", SamplingParams(max_tokens=200, ignore_eos=True)),
-                ("bad", "", SamplingParams())])
-        # The loop's thread ran the whole command before the await returned.
-        return engine.engine.has_unfinished_requests(), len(engine.engine.seqs)
-
-    assert asyncio.run(add_good_then_bad()) == (False, 0)
 
 
 BAD = [
@@ -332,33 +358,32 @@ def test_bad_requests_get_400_and_leave_others_running(client, served, tiny_llm)
         assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
         assert running.result().json()["choices"][0]["text"] == ref.text
     # Nothing of the rejected multi-prompt request was admitted.
-    assert not served[1].engine.has_unfinished_requests()
+    assert served[1].num_requests == 0
+    assert_engine_idle(served[0])
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnected_client_is_aborted(served, stream, monkeypatch):
     url, engine = served
     monkeypatch.setattr(api_server, "DISCONNECT_POLL_S", 0.02)  # well within the 240 tokens
-    aborted = []
-    abort = engine.engine.abort
-    engine.engine.abort = lambda rid: aborted.append(abort(rid)) or aborted[-1]
-    try:
-        body = {"prompt": PROMPTS[3], "max_tokens": 240, "ignore_eos": True, "stream": stream}
-        with httpx.Client(base_url=url, timeout=60) as c:
-            if stream:
-                with c.stream("POST", "/v1/completions", json=body) as r:
-                    lines = r.iter_lines()
-                    assert next(lines).startswith("data: ")
-            else:
-                with pytest.raises(httpx.ReadTimeout):
-                    c.post("/v1/completions", json=body, timeout=0.1)
-        deadline = time.monotonic() + 20
-        while engine.engine.has_unfinished_requests() or not aborted:
-            assert time.monotonic() < deadline, "the request was not aborted"
-            time.sleep(0.05)
-        assert aborted == [True]  # aborted while it ran, not after finishing
-    finally:
-        engine.engine.abort = abort
+    aborted: list[list[str]] = []
+    abort = engine.abort
+    monkeypatch.setattr(engine, "abort", lambda ids: aborted.append(ids) or abort(ids))
+    body = {"prompt": PROMPTS[3], "max_tokens": 240, "ignore_eos": True, "stream": stream}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        if stream:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/completions", json=body, timeout=0.1)
+    deadline = time.monotonic() + 20
+    while engine.num_requests or not aborted:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    assert [len(ids) for ids in aborted] == [1]  # aborted while it ran, not after finishing
+    assert_engine_idle(url)
 
 
 def test_openai_sdk_client(served, tiny_llm):

@@ -21,7 +21,7 @@ def tp_llm(tiny_llama_dir):
 
 
 def test_two_ranks_match_one(tp_llm, tiny_llm):
-    assert tp_llm.engine.runner.num_kv_heads == tiny_llm.engine.runner.num_kv_heads // 2
+    assert tp_llm.engine.core.runner.num_kv_heads == tiny_llm.engine.core.runner.num_kv_heads // 2
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 384, size=int(n)).tolist() for n in rng.integers(5, 120, size=8)]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
@@ -30,7 +30,7 @@ def test_two_ranks_match_one(tp_llm, tiny_llm):
         got = tp_llm.generate(prompts, p, use_tqdm=False)
         ref = tiny_llm.generate(prompts, p, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
-    assert tp_llm.engine.scheduler.num_preemptions > 0
+    assert tp_llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_a_bad_request_reaches_no_rank(tp_llm, tiny_llm):

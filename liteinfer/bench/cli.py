@@ -1,4 +1,5 @@
-"""`liteinfer bench` (measure and append rows) and `liteinfer report` (render the page)."""
+"""`liteinfer-bench run` (measure and append rows) and `liteinfer-bench report` (render the
+page); also `python -m liteinfer.bench`."""
 from __future__ import annotations
 
 import argparse
@@ -16,24 +17,52 @@ from liteinfer.bench import registry, runner
 from liteinfer.bench.registry import LITEINFER, TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
 from liteinfer.bench.report_html import render_html
-from liteinfer.bench.store import (REFERENCE_DIR, RESULTS_DIR, Row, append_row, results_file,
-                                   environment, latest, load_rows, now_iso, row_key)
+from liteinfer.bench.store import (
+    REFERENCE_DIR,
+    RESULTS_DIR,
+    Row,
+    append_row,
+    environment,
+    latest,
+    load_rows,
+    now_iso,
+    results_file,
+    row_key,
+    stored_rows,
+)
 from liteinfer.bench.tables import build_page, mismatches, ratio
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 from liteinfer.config import EngineConfig, parse_overrides
 
 
-def add_bench_parser(subparsers: Any) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="liteinfer-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_run_parser(sub)
+    add_report_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+
+
+def add_run_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "bench", help="measure latency or throughput and append result rows",
+        "run", help="measure latency or throughput and append result rows",
         description="Measure registry configs on the workloads of benchmarks/WORKLOADS.md "
                     "(dummy weights, greedy, forced length) and append one JSON row per run.")
     p.add_argument("kind", nargs="?", choices=("latency", "throughput"),
                    help="latency: one request at a time; throughput: at most --width in flight "
                         "(with --quick or --all: omit to run both)")
+    runnable = ", ".join(c.name for c in registry.CONFIGS if c.runnable)
     p.add_argument("--config", nargs="+", metavar="NAME",
                    help=f"registry configs (default: {registry.DEFAULT}; with --all: every "
-                        f"runnable one): {', '.join(c.name for c in registry.CONFIGS if c.runnable)}")
+                        f"runnable one): {runnable}")
     p.add_argument("--isl", help="prompt length, or 'mixed2048' (default 128; with --quick/--all: "
                                  "replaces each run's)")
     p.add_argument("--osl", type=int, help="output length (default 256; with --quick/--all: "
@@ -56,7 +85,7 @@ def add_bench_parser(subparsers: Any) -> None:
                         "(default: benchmarks/results/). Rows record the engine's git commit; "
                         "set LITEINFER_COMMIT where the tree has no .git")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs, run nothing")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_run)
 
 
 def add_report_parser(subparsers: Any) -> None:
@@ -73,6 +102,8 @@ def add_report_parser(subparsers: Any) -> None:
 
 
 def plan(args: argparse.Namespace) -> list[Run]:
+    for name in args.config or []:
+        _check_runnable(registry.get(name))
     if args.quick or args.all:
         runs = registry.quick_runs(args.config) if args.quick else registry.full_matrix(args.config)
         runs = [dataclasses.replace(
@@ -85,10 +116,22 @@ def plan(args: argparse.Namespace) -> list[Run]:
         shape = Shape.parse(args.isl or HEADLINE.isl, args.osl or HEADLINE.osl)
         configs = [registry.get(n) for n in args.config or [registry.DEFAULT]]
         runs = [c.run(args.kind, shape, args.width or c.width, args.prompts) for c in configs]
-    for r in runs:
-        if not registry.get(r.config).runnable:
-            raise ValueError(f"{r.config} is a {registry.get(r.config).status}, not runnable")
     return list(dict.fromkeys(runs))
+
+
+def _check_runnable(config: registry.BenchConfig) -> None:
+    if config.runnable:
+        return
+    if config.status == registry.REFERENCE:
+        raise ValueError(f"{config.name} is a reference point, measured outside liteinfer: its "
+                         f"rows are in {REFERENCE_DIR}/")
+    stored = stored_rows(config.name)
+    where = "; ".join(f"{path}: {len(rows)} row(s), the newest of commit "
+                      f"{max(rows, key=lambda r: r['timestamp'])['commit'][:7]}"
+                      for path, rows in stored.items())
+    raise ValueError(f"{config.name} is {registry.REMOVED}: the code it measured is gone, and "
+                     f"`liteinfer-bench report` renders its stored rows ("
+                     f"{where or f'none under {RESULTS_DIR}/'})")
 
 
 def check_device(runs: list[Run], overrides: dict[str, Any]) -> None:
@@ -100,9 +143,9 @@ def check_device(runs: list[Run], overrides: dict[str, Any]) -> None:
                      runner.engine_args_for(r.config, overrides).get("attention_backend")
                      == "triton"})
     if triton:
-        raise ValueError(f"{', '.join(triton)} run Triton kernels, which need a CUDA GPU, and "
-                         f"none is visible; on CPU use --config continuous (or sdpa), or add "
-                         f"--set attention_backend=torch")
+        raise ValueError(f"{', '.join(triton)} with attention_backend=triton runs Triton "
+                         f"kernels, which need a CUDA GPU, and none is visible; on CPU leave "
+                         f"attention_backend to auto (torch there)")
 
 
 def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
@@ -142,19 +185,21 @@ def summary(rows: list[Row], reference: Path = REFERENCE_DIR) -> str:
         vs = "—"
         if vllm is not None and (v := ratio(r["kind"], r, vllm)) is not None:
             vs = f"{v:.2f}x" + ("~" if mismatches(r, vllm, same_engine=False) else "")
-        lines.append((r["config"], r["kind"], Shape.parse(r["isl"], r["osl"]).label, str(r["width"]),
-                      str(r["prompts"]), fmt(r["itl_p50"]), fmt(r["ttft_p50"]), fmt(r["e2e_p50"]),
-                      fmt(r["tok_s"]), vs))
+        lines.append((r["config"], r["kind"], Shape.parse(r["isl"], r["osl"]).label,
+                      str(r["width"]), str(r["prompts"]), fmt(r["itl_p50"]), fmt(r["ttft_p50"]),
+                      fmt(r["e2e_p50"]), fmt(r["tok_s"]), vs))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i < 3 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(line, widths))) for line in lines)
+                               for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+                     for line in lines)
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
+def cmd_run(args: argparse.Namespace) -> None:
     runs = plan(args)
     if args.dry_run:
         for r in runs:
-            print(f"{r.config:14} {r.kind:10} {r.shape.label:14} W={r.width:<4} prompts={r.prompts}")
+            print(f"{r.config:14} {r.kind:10} {r.shape.label:14} W={r.width:<4} "
+                  f"prompts={r.prompts}")
         return
     overrides = parse_overrides(args.overrides)
     check_device(runs, overrides)

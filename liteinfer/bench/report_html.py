@@ -1,4 +1,5 @@
-"""The benchmark page as one self-contained HTML file: inline CSS and SVG, no scripts, no network."""
+"""The benchmark page as one self-contained HTML file: inline CSS and SVG, no scripts, no
+network."""
 from __future__ import annotations
 
 import re
@@ -8,8 +9,7 @@ from liteinfer.bench import registry
 from liteinfer.bench.plots import PALETTE, REFERENCE_COLOR, Series, bar, line_chart
 from liteinfer.bench.registry import VLLM
 from liteinfer.bench.report import fmt
-from liteinfer.bench.tables import (INTRO, MIXED_PROMPTS, RATIOS, Cell, Page, Pivot, Table,
-                                    standing)
+from liteinfer.bench.tables import INTRO, MIXED_PROMPTS, RATIOS, Cell, Page, Pivot, Table, standing
 from liteinfer.bench.workloads import MIXED
 
 _CSS = """
@@ -38,8 +38,9 @@ ol.notes { color: #555; font-size: 12px; margin: 6px 0 0; padding-left: 22px; }
 .charts { display: flex; flex-wrap: wrap; gap: 12px; }
 svg.chart { background: #fff; border: 1px solid #e4e4e4; width: 560px; max-width: 100%;
             height: auto; }
-svg.chart .title { font-weight: 600; font-size: 13px; } svg.chart .frame { fill: none; stroke: #bbb; }
-svg.chart .grid { stroke: #eee; } svg.chart .tick, svg.chart .legend { font-size: 11px; fill: #444; }
+svg.chart .title { font-weight: 600; font-size: 13px; }
+svg.chart .frame { fill: none; stroke: #bbb; } svg.chart .grid { stroke: #eee; }
+svg.chart .tick, svg.chart .legend { font-size: 11px; fill: #444; }
 svg.chart .axis { font-size: 12px; fill: #333; }
 svg.chart polyline { fill: none; stroke-width: 2; } svg.chart .series line { stroke-width: 2; }
 """

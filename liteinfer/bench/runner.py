@@ -11,8 +11,14 @@ from tqdm import tqdm
 from liteinfer.bench.metrics import Trace, summarize
 from liteinfer.bench.registry import LITEINFER, Run, get
 from liteinfer.bench.store import Row, environment, now_iso
-from liteinfer.bench.workloads import (SEED, WARMUP_SEED, Shape, fingerprint, fold_into_vocab,
-                                       make_prompts)
+from liteinfer.bench.workloads import (
+    SEED,
+    WARMUP_SEED,
+    Shape,
+    fingerprint,
+    fold_into_vocab,
+    make_prompts,
+)
 from liteinfer.llm import LLM
 from liteinfer.loader import load_model_source
 from liteinfer.sampling_params import SamplingParams
@@ -36,7 +42,8 @@ def make_llm(model: str, engine_args: dict[str, Any]) -> LLM:
     return LLM(model=model, load_format="dummy", **engine_args)
 
 
-def workload(shape: Shape, n: int, seed: int, vocab_size: int) -> tuple[list[list[int]], int | None]:
+def workload(shape: Shape, n: int, seed: int,
+             vocab_size: int) -> tuple[list[list[int]], int | None]:
     return fold_into_vocab(make_prompts(shape.isl, n, seed), vocab_size)
 
 

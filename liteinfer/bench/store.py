@@ -7,7 +7,7 @@ import json
 import os
 import re
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ def environment() -> Row:
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def results_file(out: Path | None, gpu: str, when: str) -> Path:
@@ -110,7 +110,7 @@ def reference_row(raw: Row, source: Path) -> Row | None:
         return None
     at = raw.get("at")
     if at is not None:
-        stamp = datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds")
+        stamp = datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
     else:  # rows without a time of their own date from their file's name
         date = re.search(r"\d{4}-\d{2}-\d{2}", source.name)
         if date is None:
@@ -131,6 +131,13 @@ def load_rows(results: Path | None = RESULTS_DIR,
         for f in sorted(reference.glob("*.jsonl")):
             rows += [r for raw in read_jsonl(f) if (r := reference_row(raw, f)) is not None]
     return rows
+
+
+def stored_rows(config: str, results: Path = RESULTS_DIR) -> dict[Path, list[Row]]:
+    """The measured rows of one config, by the results file that holds them."""
+    found = {f: [r for r in read_jsonl(f) if r["config"] == config]
+             for f in sorted(results.glob("*.jsonl"))} if results.is_dir() else {}
+    return {f: rows for f, rows in found.items() if rows}
 
 
 def row_key(row: Row) -> tuple[str, str, str, str, int, int]:

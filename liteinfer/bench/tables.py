@@ -206,9 +206,9 @@ def _pivot(kind: str, tables: list[Table]) -> Pivot:
             key = (line.config.name, line.row["width"])
             cells.setdefault(key, {})[t.shape] = line.row.get(HEADLINE_METRIC[kind])
     keys = sorted(cells, key=lambda k: (registry.ORDER[k[0]], k[1]))
-    return Pivot(kind, [t.shape for t in tables],
-                 [(row_label(kind, registry.get(n), w), [cells[(n, w)].get(t.shape) for t in tables])
-                  for n, w in keys])
+    lines = [(row_label(kind, registry.get(n), w), [cells[(n, w)].get(t.shape) for t in tables])
+             for n, w in keys]
+    return Pivot(kind, [t.shape for t in tables], lines)
 
 
 def _header(model: str, rows: list[Row], headline: Shape) -> list[tuple[str, str]]:

@@ -26,7 +26,7 @@ class Shape:
             raise ValueError(f"bad shape {self.isl}/{self.osl}: ISL is a positive int or {MIXED!r}")
 
     @classmethod
-    def parse(cls, isl: str | int, osl: str | int) -> "Shape":
+    def parse(cls, isl: str | int, osl: str | int) -> Shape:
         isl = isl if isl == MIXED else int(isl)
         return cls(isl, int(osl))
 
@@ -80,7 +80,8 @@ def make_prompts(isl: int | str, n: int, seed: int = SEED) -> list[list[int]]:
     return [rng.integers(*_TOKEN_IDS, size=int(length)).tolist() for length in lengths]
 
 
-def fold_into_vocab(prompts: list[list[int]], vocab_size: int) -> tuple[list[list[int]], int | None]:
+def fold_into_vocab(prompts: list[list[int]],
+                    vocab_size: int) -> tuple[list[list[int]], int | None]:
     """Maps ids into a small model's vocabulary (id % vocab); returns the modulus used, if any."""
     if vocab_size >= _TOKEN_IDS[1]:
         return prompts, None

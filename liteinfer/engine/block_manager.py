@@ -32,6 +32,9 @@ class BlockManager:
         self.cached: dict[BlockKey, int] = {}  # prefix key -> block holding it
         self.block_keys: dict[int, BlockKey] = {}  # the inverse, for registered blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks
+        # Prompt tokens looked up in the prefix cache at admission, and those found.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,6 +69,9 @@ class BlockManager:
             return False
         for b in hits:
             self._ref(b)
+        if self.enable_prefix_caching:
+            self.prefix_queries += len(seq)
+            self.prefix_hits += len(hits) * self.block_size
         seq.block_table = hits
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         seq.block_key_hashes = hashes

@@ -9,17 +9,16 @@ write the KV pool.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata
-from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.scheduler import SchedulerOutput
+from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels.decode_splits import rows_may_split
-
-if TYPE_CHECKING:
-    from liteinfer.engine.model_runner import ModelRunner
 
 T = TypeVar("T")
 
@@ -65,14 +64,19 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, runner: ModelRunner, pool):
-        self.runner = runner
-        self.sizes = capture_sizes(runner.config.max_num_seqs)
+    """Captures decode steps of every batch size up to max_num_seqs (pool: the graph memory
+    pool shared with captured prompt steps) and replays the step's size."""
+
+    def __init__(self, step_model: StepModel, max_num_seqs: int, table_width: int,
+                 block_size: int, device: torch.device, pool):
+        self.step_model = step_model
+        self.block_size = block_size
+        self.sizes = capture_sizes(max_num_seqs)
         self.max_bs = self.sizes[-1]
-        self.width = runner.max_blocks_per_seq
+        self.width = table_width
         n = self.max_bs
         # Layout: ids | pending rows | positions | slots | context lens | block tables.
-        self.inputs = StagedInputs(5 * n + n * self.width, runner.device)
+        self.inputs = StagedInputs(5 * n + n * self.width, device)
         (self.input_ids, self.pending_rows, self.positions, self.slots,
          self.context_lens) = self.inputs.dev[:5 * n].view(5, n)
         self.block_tables = self.inputs.dev[5 * n:].view(n, self.width)
@@ -83,7 +87,7 @@ class CUDAGraphRunner:
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
             self.graphs[bs, True] = capture_graph(lambda bs=bs: self._forward(bs, True), pool)
-            same_width = runner.split_width(bs, False) == runner.split_width(bs, True)
+            same_width = step_model.split_width(bs, False) == step_model.split_width(bs, True)
             self.graphs[bs, False] = self.graphs[bs, True] if same_width else capture_graph(
                 lambda bs=bs: self._forward(bs, False), pool)
 
@@ -91,18 +95,18 @@ class CUDAGraphRunner:
         meta = AttentionMetadata(is_prefill=False, slot_mapping=self.slots[:bs],
                                  context_lens=self.context_lens[:bs],
                                  block_tables=self.block_tables[:bs], cu_seqlens_q=None)
-        self.runner.set_split_k(meta, bs, may_split)  # split counts are chosen in the graph
-        runner = self.runner
-        ids = runner.with_pending(self.input_ids[:bs], self.pending_rows[:bs])
-        return runner.model.compute_logits(runner.model(ids, self.positions[:bs], meta))
+        sm = self.step_model
+        sm.set_split_k(meta, bs, may_split)  # split counts are chosen in the graph
+        ids = sm.with_pending(self.input_ids[:bs], self.pending_rows[:bs])
+        return sm.model.compute_logits(sm.model(ids, self.positions[:bs], meta))
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: SchedulerOutput) -> torch.Tensor:
         # Fills the mirror directly rather than through build_step_inputs (step_inputs.py): a
         # one-sequence decode step has ~0.9 ms of GPU time to hide all of its host work in.
         seqs = batch.seqs
         n = len(seqs)
         bs = next(s for s in self.sizes if s >= n)
-        block_size = self.runner.block_size
+        block_size = self.block_size
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         pos = lens - 1
         last_blocks = np.fromiter((s.block_table[p // block_size] for s, p in zip(seqs, pos)),

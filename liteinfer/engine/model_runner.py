@@ -1,12 +1,17 @@
-"""Turns a scheduled batch into tensors, runs the model and returns the logits to sample from."""
+"""Runs one scheduled step: its inputs as tensors, the model (eager or a captured graph), the
+sampler, and the logprobs of prompt tokens that asked for them."""
 from __future__ import annotations
 
 import torch
 
 from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend
 from liteinfer.config import EngineConfig, ModelConfig
-from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.messages import TokenLogprobs
+from liteinfer.engine.runner_output import ModelRunnerOutput
+from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
+from liteinfer.engine.scheduler import SchedulerOutput
 from liteinfer.engine.step_inputs import build_step_inputs
+from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
@@ -15,12 +20,17 @@ from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
 from liteinfer.utils import cdiv, free_device_memory, to_device
 
+# Prompt rows scored at once: their fp32 logits over a 128k vocabulary take 256 MiB.
+PROMPT_LOGPROB_ROWS = 512
+
 
 class ModelRunner:
-    """Owns the model, the KV pool and (on CUDA) the captured decode and prompt graphs."""
+    """Owns the model, the KV pool, the sampler and (on CUDA) the captured decode and prompt
+    graphs."""
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, source: ModelSource,
-                 load_format: str, max_model_len: int, tp_rank: int = 0):
+                 load_format: str, max_model_len: int, eos_token_ids: list[int],
+                 tp_rank: int = 0):
         self.model_config = model_config
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
@@ -38,24 +48,29 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend)
         self.model = self._load_model(source, load_format)
         self.kv_cache = self._allocate_kv_cache()
-        self.num_sms = num_sms(self.device)
-        self.decode_workspace = None
-        if self.use_triton and config.decode_split_k:
-            cfg = model_config
-            self.decode_workspace = DecodeWorkspace.allocate(
-                config.max_num_seqs, self.num_q_heads, cfg.head_dim,
-                max_splits_for(1, self.num_kv_heads, self.num_sms), self.device)
-        # The newest step's sampled tokens, which feed the next step on the device.
-        self.sampled_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32,
-                                          device=self.device)
+        sms = num_sms(self.device)
+        workspace = None
+        if self.use_triton:
+            workspace = DecodeWorkspace.allocate(
+                config.max_num_seqs, self.num_q_heads, model_config.head_dim,
+                max_splits_for(1, self.num_kv_heads, sms), self.device)
+        self.step_model = StepModel(self.model, config.max_num_seqs, self.num_kv_heads, sms,
+                                    workspace, self.device)
+        self.sampler = Sampler(eos_token_ids)
         self.graphs = self.prompt_graphs = None
         if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             from liteinfer.engine.cuda_graph import CUDAGraphRunner
-            from liteinfer.engine.prompt_graph import PromptGraphRunner
+            from liteinfer.engine.prompt_graph import PromptGraphRunner, PromptStepLayout
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
-            if config.mixed_prompt_tokens and config.packed_prefill:
-                self.prompt_graphs = PromptGraphRunner(self, pool)
-            self.graphs = CUDAGraphRunner(self, pool)
+            layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
+                                      self.max_blocks_per_seq, self.block_size,
+                                      self.query_group_size, self.step_model.max_decode_splits)
+            self.prompt_graphs = PromptGraphRunner(self.step_model, layout,
+                                                   model_config.hidden_size, self.dtype,
+                                                   self.device, pool)
+            self.graphs = CUDAGraphRunner(self.step_model, config.max_num_seqs,
+                                          self.max_blocks_per_seq, self.block_size,
+                                          self.device, pool)
 
     def release_graphs(self) -> None:
         """Frees the captured graphs. A tensor-parallel rank does so before leaving its group:
@@ -72,8 +87,7 @@ class ModelRunner:
             # Parameters are created on the device and filled tensor by tensor: the checkpoint
             # is never held twice.
             with torch.device(self.device):
-                ops = LayerOps(triton=self.use_triton,
-                               gemv=self.use_triton and self.config.gemv_decode)
+                ops = LayerOps(triton=self.use_triton, gemv=self.use_triton)
                 model = LlamaForCausalLM(self.model_config, self.backend, ops, self.tp_rank,
                                          self.tp_size)
         finally:
@@ -125,13 +139,12 @@ class ModelRunner:
         width = cfg.hidden_size * 4 + cfg.intermediate_size * 3
         return (tokens * width + self.config.max_num_seqs * cfg.vocab_size * 2) * 4
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
-                                                      AttentionMetadata, torch.Tensor,
-                                                      torch.Tensor | None]:
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
+                                                       AttentionMetadata, torch.Tensor,
+                                                       torch.Tensor | None]:
         """Token ids, positions, attention metadata, the rows whose logits are sampled and the
         rows scoring prompt tokens (`prompt_logprob_spans`; None if there are none)."""
-        step = build_step_inputs(batch, self.block_size, self.max_blocks_per_seq,
-                                 pad_prompts=not self.config.packed_prefill)
+        step = build_step_inputs(batch, self.block_size, self.max_blocks_per_seq)
         as_tensor = lambda data, dtype: to_device(data, dtype, self.device)
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
@@ -143,36 +156,41 @@ class ModelRunner:
             query_lens_host=step.query_lens.tolist(),
             context_lens_host=step.context_lens.tolist(),
         )
+        sm = self.step_model
         if self.use_triton and batch.is_prefill:
             d = step.num_decodes
             meta.tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
                                                    self.query_group_size)
             meta.tile_map = as_tensor(step.attention_tile_map(
-                meta.tile_tokens, d, self.max_decode_splits), torch.int32)
-            meta.workspace = self.decode_workspace
+                meta.tile_tokens, d, sm.max_decode_splits), torch.int32)
+            meta.workspace = sm.decode_workspace
         elif self.use_triton:
-            self.set_split_k(meta, step.num_decodes, rows_may_split(step.context_lens))
+            sm.set_split_k(meta, step.num_decodes, rows_may_split(step.context_lens))
         ids = as_tensor(step.input_ids, torch.int32)
         if step.has_pending:
-            ids = self.with_pending(ids, as_tensor(step.pending_rows, torch.int32))
+            ids = sm.with_pending(ids, as_tensor(step.pending_rows, torch.int32))
         # A device index: indexing with a host list would copy it synchronously and stall the
         # host until the whole step has run, instead of letting it prepare the next one.
         prompt_rows = as_tensor(step.prompt_rows, torch.int64) if len(step.prompt_rows) else None
         return (ids, as_tensor(step.positions, torch.int64), meta,
                 as_tensor(step.sample_rows, torch.int64), prompt_rows)
 
-    def with_pending(self, ids: torch.Tensor, pending_rows: torch.Tensor) -> torch.Tensor:
-        """Token ids with pending ones (row >= 0) read from the last sampled tokens."""
-        return torch.where(pending_rows >= 0, self.sampled_tokens[pending_rows.clamp(min=0)], ids)
-
-    def keep_sampled(self, token_ids: torch.Tensor) -> None:
-        self.sampled_tokens[:token_ids.shape[0]].copy_(token_ids)
-
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Runs one step; returns the logits of the rows that sample ([rows, vocab], None if
-        none do) and the final hidden states of the rows scoring prompt tokens (None if none
-        do; `prompt_logits` turns them into logits)."""
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        """Launches one step and its sampling without waiting for the device. The sampled
+        tokens stay in the step model's buffer, where the next step reads the pending ones."""
+        logits, prompt_hidden = self._forward(batch)
+        prompt_logprobs = ([] if prompt_hidden is None else
+                           self._prompt_logprobs(batch, prompt_hidden))
+        if logits is None:
+            return ModelRunnerOutput(None, prompt_logprobs)
+        sampled = self.sampler.sample(logits, batch.sampling_seqs)
+        self.step_model.keep_sampled(sampled.token_ids)
+        return ModelRunnerOutput(sampled, prompt_logprobs)
+
+    def _forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The logits of the rows that sample ([rows, vocab], None if none do) and the final
+        hidden states of the rows scoring prompt tokens (None if none do)."""
         if not batch.is_prefill and self.graphs is not None:
             return self.graphs.run(batch), None
         prompt_hidden = None
@@ -186,26 +204,29 @@ class ModelRunner:
                 prompt_hidden = hidden[prompt_rows]
         return (self.model.compute_logits(hidden[rows]) if rows.numel() else None), prompt_hidden
 
-    @torch.inference_mode()
-    def prompt_logits(self, prompt_hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(prompt_hidden)
-
-    @property
-    def max_decode_splits(self) -> int:
-        """Most programs a decoding row splits into (1 without split-K)."""
-        workspace = self.decode_workspace
-        return 1 if workspace is None else workspace.max_splits
-
-    def split_width(self, num_decodes: int, may_split: bool) -> int:
-        """The split-K grid width of `num_decodes` decoding rows (1: no split-K)."""
-        if self.decode_workspace is None or num_decodes == 0:
-            return 1
-        return max_splits_for(num_decodes, self.num_kv_heads, self.num_sms, may_split)
-
-    def set_split_k(self, meta: AttentionMetadata, num_decodes: int, may_split: bool) -> None:
-        """Decode split-K for the step's first `num_decodes` sequences: the grid width is fixed
-        per decode count and whether a row may split (`max_splits_for`); the decode kernel
-        chooses each sequence's split count from the context lengths (kernels/decode_splits.py)."""
-        meta.max_splits = self.split_width(num_decodes, may_split)
-        if meta.max_splits > 1:
-            meta.workspace = self.decode_workspace
+    def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor
+                         ) -> list[list[TokenLogprobs]]:
+        """The prompt tokens' logprobs (and each sequence's top-N) of the step's rows scoring
+        them (`batch.prompt_logprob_spans`, in order; their final hidden states). Logits are
+        taken PROMPT_LOGPROB_ROWS rows at a time, so that a long prompt chunk never holds
+        [tokens, vocab] at once, and read back at once: a request asking for prompt logprobs
+        gives up the overlap of its prompt steps."""
+        targets, tops, counts = [], [], []
+        for i, first, n in batch.prompt_logprob_spans:
+            seq = batch.seqs[i]
+            pos = seq.num_computed_tokens + first
+            targets += seq.token_ids[pos + 1:pos + 1 + n]
+            tops += [seq.sampling_params.prompt_logprobs] * n
+            counts.append(n)
+        k = max(tops)
+        entries: list[TokenLogprobs] = []
+        for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            end = start + PROMPT_LOGPROB_ROWS
+            ids = torch.tensor(targets[start:end], device=hidden.device)
+            table = logprob_table(self.model.compute_logits(hidden[start:end]), ids, k)
+            entries += logprob_entries(table.tolist(), tops[start:end], k)
+        spans, at = [], 0
+        for n in counts:
+            spans.append(entries[at:at + n])
+            at += n
+        return spans

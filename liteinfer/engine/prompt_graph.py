@@ -15,19 +15,15 @@ from a pinned host mirror with one copy per step (`StagedInputs`, as in captured
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata
 from liteinfer.engine.cuda_graph import StagedInputs, capture_graph
-from liteinfer.engine.scheduler import ScheduledBatch, padded_decodes, prompt_piece_sizes
+from liteinfer.engine.scheduler import SchedulerOutput, padded_decodes, prompt_piece_sizes
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
+from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels.prefill_tiles import decode_entries, prefill_tile_tokens
-
-if TYPE_CHECKING:
-    from liteinfer.engine.model_runner import ModelRunner
 
 
 class PromptStepLayout:
@@ -72,7 +68,7 @@ class PromptStepLayout:
     def _tile_tokens(self, prompt_size: int) -> int:
         return prefill_tile_tokens(prompt_size, self.query_group_size)
 
-    def fits(self, batch: ScheduledBatch) -> bool:
+    def fits(self, batch: SchedulerOutput) -> bool:
         if not batch.is_prefill or batch.num_decodes >= self.max_num_seqs:
             return False
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
@@ -81,9 +77,9 @@ class PromptStepLayout:
     def _sizes_for(self, num_decodes: int) -> list[int]:
         return self.prompt_sizes[padded_decodes(num_decodes, self.max_num_seqs)]
 
-    def build(self, batch: ScheduledBatch) -> tuple[StepInputs, int, int]:
+    def build(self, batch: SchedulerOutput) -> tuple[StepInputs, int, int]:
         """The step's inputs and its bucket (decoding rows, prompt tokens)."""
-        step = build_step_inputs(batch, self.block_size, self.width, pad_prompts=False)
+        step = build_step_inputs(batch, self.block_size, self.width)
         d = step.num_decodes
         p_size = next(s for s in self._sizes_for(d) if s >= len(step.input_ids) - d)
         return step, padded_decodes(d, self.max_num_seqs), p_size
@@ -147,41 +143,38 @@ class PromptStepLayout:
         return self.offsets["block_tables"] + (d_size + n_seqs - d) * self.width
 
 
-def forward_bucket(runner: ModelRunner, layout: PromptStepLayout, buffer: torch.Tensor, d: int,
-                   p: int) -> torch.Tensor:
+def forward_bucket(step_model: StepModel, layout: PromptStepLayout, buffer: torch.Tensor,
+                   d: int, p: int) -> torch.Tensor:
     """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
     ids, pending, positions, meta = layout.inputs(buffer, d, p)
-    meta.workspace = runner.decode_workspace  # for the decoding rows' splits (tile map)
-    return runner.model(runner.with_pending(ids, pending), positions, meta)
+    meta.workspace = step_model.decode_workspace  # for the decoding rows' splits (tile map)
+    return step_model.model(step_model.with_pending(ids, pending), positions, meta)
 
 
 class PromptGraphRunner:
-    """Captures every bucket at start-up (pool: the graph memory pool it shares with captured
-    decode) and replays the step's bucket."""
+    """Captures every bucket of `layout` at start-up (pool: the graph memory pool it shares
+    with captured decode) and replays the step's bucket."""
 
-    def __init__(self, runner: ModelRunner, pool):
-        self.runner = runner
-        config = runner.config
-        self.layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
-                                       runner.max_blocks_per_seq, runner.block_size,
-                                       runner.query_group_size, runner.max_decode_splits)
-        self.inputs = StagedInputs(self.layout.total, runner.device)
-        hidden = runner.model_config.hidden_size
-        self.out_hidden = torch.empty(self.layout.max_tokens, hidden, dtype=runner.dtype,
-                                      device=runner.device)
+    def __init__(self, step_model: StepModel, layout: PromptStepLayout, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device, pool):
+        self.step_model = step_model
+        self.layout = layout
+        self.inputs = StagedInputs(self.layout.total, device)
+        self.out_hidden = torch.empty(self.layout.max_tokens, hidden_size, dtype=dtype,
+                                      device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         for d, p in reversed(self.layout.buckets):  # largest first: smaller ones reuse memory
             self.layout.reset(self.inputs.dev)
             self.graphs[(d, p)], _ = capture_graph(lambda d=d, p=p: self._forward(d, p), pool)
 
-    def fits(self, batch: ScheduledBatch) -> bool:
+    def fits(self, batch: SchedulerOutput) -> bool:
         return self.layout.fits(batch)
 
     def _forward(self, d: int, p: int) -> None:
-        self.out_hidden[:d + p].copy_(forward_bucket(self.runner, self.layout, self.inputs.dev,
-                                                     d, p))
+        self.out_hidden[:d + p].copy_(forward_bucket(self.step_model, self.layout,
+                                                     self.inputs.dev, d, p))
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the step's graph; returns its hidden states and the rows that sample."""
         step, d_size, p_size = self.layout.build(batch)
         self.inputs.send(self.layout.fill(self.inputs.host(), step, d_size, p_size))

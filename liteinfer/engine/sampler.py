@@ -13,6 +13,7 @@ from typing import Iterable
 
 import torch
 
+from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.sequence import Sequence
 from liteinfer.sampling_params import SamplingParams
 from liteinfer.utils import to_device
@@ -20,8 +21,9 @@ from liteinfer.utils import to_device
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per sequence
-    # Per sequence: {sampled id: logprob, top-N ids: logprob} when params.logprobs is not None.
-    logprobs: list[dict[int, float] | None]
+    # Per sequence: the sampled token's logprob and rank and the top-N, when params.logprobs is
+    # not None.
+    logprobs: list[TokenLogprobs | None]
 
 
 class SampledTokens:
@@ -53,9 +55,6 @@ class SampledTokens:
 class Sampler:
     def __init__(self, eos_token_ids: Iterable[int]):
         self.eos_token_ids = sorted(set(eos_token_ids))
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        return self.sample(logits, seqs).result()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
         """Samples without waiting for the device. Penalties read the sequences' token ids, so
@@ -191,10 +190,12 @@ def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
 
 
 def logprob_table(raw: torch.Tensor, token_ids: torch.Tensor, n: int) -> torch.Tensor:
-    """Per row of the raw logits: the token's id and logprob, then the top-n ids and their
-    logprobs; float64 [rows, 2 + 2n], packed for one device→host copy."""
+    """Per row of the raw logits: the token's id, logprob and rank (1 = most likely), then the
+    top-n ids and their logprobs; float64 [rows, 3 + 2n], packed for one device→host copy."""
     lp = raw.float().log_softmax(dim=-1)
-    cols = [token_ids.unsqueeze(-1).double(), lp.gather(-1, token_ids.unsqueeze(-1)).double()]
+    chosen = lp.gather(-1, token_ids.unsqueeze(-1))
+    rank = (lp > chosen).sum(dim=-1, keepdim=True) + 1
+    cols = [token_ids.unsqueeze(-1).double(), chosen.double(), rank.double()]
     if n:
         top = lp.topk(n, dim=-1)
         cols += [top.indices.double(), top.values.double()]
@@ -202,15 +203,14 @@ def logprob_table(raw: torch.Tensor, token_ids: torch.Tensor, n: int) -> torch.T
 
 
 def logprob_entries(rows: list[list[float]], num_top: list[int | None],
-                    n: int) -> list[dict[int, float] | None]:
-    """logprob_table rows on the host as {token: logprob, top ids: logprobs}, each with its own
-    top count (None: that row wants no logprobs)."""
-    entries: list[dict[int, float] | None] = []
+                    n: int) -> list[TokenLogprobs | None]:
+    """logprob_table rows on the host, each with its own top count (None: that row wants no
+    logprobs)."""
+    entries: list[TokenLogprobs | None] = []
     for r, k in zip(rows, num_top):
         if k is None:
             entries.append(None)
             continue
-        d = {int(r[0]): r[1]}
-        d.update((int(t), v) for t, v in zip(r[2:2 + k], r[2 + n:2 + n + k]))
-        entries.append(d)
+        entries.append(TokenLogprobs([int(r[0]), *map(int, r[3:3 + k])],
+                                     [r[1], *r[3 + n:3 + n + k]], int(r[2])))
     return entries

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from liteinfer.config import MIN_PROMPT_PIECE
 from liteinfer.engine.block_manager import BlockManager
+from liteinfer.engine.messages import EngineCoreOutput, SchedulerStats
+from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.sequence import Sequence, SequenceStatus
 from liteinfer.utils import next_power_of_2
 
@@ -29,7 +31,7 @@ def prompt_piece_sizes(padded_decodes: int, mixed_prompt_tokens: int) -> list[in
 
 
 @dataclass
-class ScheduledBatch:
+class SchedulerOutput:
     """One model step. Prefill steps compute prompt chunks (and, in a mixed step, one token of
     each decoding sequence beside them); decode steps one token per sequence."""
 
@@ -37,18 +39,19 @@ class ScheduledBatch:
     num_tokens: list[int]  # tokens each sequence computes in this step
     is_prefill: bool
     num_decodes: int = 0  # the leading sequences that decode one token (all, in a decode step)
+    # Derived at creation, from the sequences' state before the step (which the scheduler
+    # advances as soon as the step is launched).
+    sample_mask: list[bool] = field(init=False)
+    # (sequence index, first token in its chunk, count) of the tokens whose logits give a prompt
+    # token's logprob that sequence asked for and does not have yet (a prompt recomputed after
+    # preemption is not scored twice). Token p scores prompt token p + 1.
+    prompt_logprob_spans: list[tuple[int, int, int]] = field(init=False)
 
-    def samples(self, i: int) -> bool:
-        """Whether sequence i reaches its last token this step, so a token is sampled for it."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_tokens[i] == len(seq)
-
-    @cached_property
-    def prompt_logprob_spans(self) -> list[tuple[int, int, int]]:
-        """(sequence index, first token in its chunk, count) of the tokens whose logits give a
-        prompt token's logprob that sequence asked for and does not have yet (a prompt
-        recomputed after preemption is not scored twice). Token p scores prompt token p + 1."""
-        spans = []
+    def __post_init__(self) -> None:
+        # A sequence samples when this step reaches its last token.
+        self.sample_mask = [seq.num_computed_tokens + n == len(seq)
+                            for seq, n in zip(self.seqs, self.num_tokens)]
+        self.prompt_logprob_spans = []
         for i in range(self.num_decodes, len(self.seqs)):
             seq = self.seqs[i]
             if seq.prompt_logprobs is None:
@@ -57,68 +60,160 @@ class ScheduledBatch:
             first = max(start, len(seq.prompt_logprobs) - 1)
             end = min(start + self.num_tokens[i], seq.num_prompt_tokens - 1)
             if end > first:
-                spans.append((i, first - start, end - first))
-        return spans
+                self.prompt_logprob_spans.append((i, first - start, end - first))
+
+    def samples(self, i: int) -> bool:
+        """Whether a token is sampled for sequence i in this step."""
+        return self.sample_mask[i]
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences a token is sampled for, in the order of the sampled rows."""
+        return [seq for seq, m in zip(self.seqs, self.sample_mask) if m]
 
 
 class Scheduler:
-    """First come, first served.
+    """First come, first served, and the owner of every request's state in the core.
 
-    Running sequences hold KV blocks; waiting ones hold none. Prompt work (new prompts, chunked
-    to `max_num_batched_tokens`, and prompts of preempted sequences being recomputed) goes
-    first. With `mixed_steps` every running sequence also decodes one token in the same step, so
-    prompts arriving never stall the others' decoding and a step's weights are read once for
-    both; otherwise a step either prefills or decodes. A step with no prompt work decodes
-    (captured in CUDA graphs). With `mixed_prompt_tokens`, a step that decodes carries at most
-    that many prompt tokens, trimmed to one of the sizes captured steps come in
-    (`prompt_piece_sizes`; what a trimmed chunk leaves rides in the next step), so prompts fill
-    the decode steps' idle compute in pieces instead of stalling them with one long step. When
-    a decode finds the pool empty, the newest running sequences are preempted: their blocks are
-    freed and they return to the front of the queue, so the oldest requests always make
-    progress and nothing starves.
+    Running sequences hold KV blocks; waiting ones hold none. Every running sequence decodes one
+    token per step, and prompt work (new prompts, chunked to `max_num_batched_tokens`, and
+    prompts of preempted sequences being recomputed) rides in the same step, so prompts arriving
+    never stall the others' decoding and a step's weights are read once for both. A step that
+    decodes carries at most `mixed_prompt_tokens` prompt tokens, trimmed to one of the sizes
+    captured steps come in (`prompt_piece_sizes`; what a trimmed chunk leaves rides in the next
+    step). A step with no prompt work decodes (captured in CUDA graphs). When a decode finds the
+    pool empty, the newest running sequences are preempted: their blocks are freed and they
+    return to the front of the queue, so the oldest requests always make progress.
+
+    A step's life: `schedule()` picks it; once the model runner has launched it,
+    `mark_launched()` counts its tokens as computed and its sampled tokens as pending (so that
+    the next step can be scheduled while this one runs); `update_from_output()` appends the
+    sampled tokens, applies every stop and length check and finishes requests.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, mixed_steps: bool = False,
-                 mixed_prompt_tokens: int | None = None):
+                 max_model_len: int, mixed_prompt_tokens: int, eos_token_ids: Iterable[int]):
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.mixed_steps = mixed_steps
         self.mixed_prompt_tokens = mixed_prompt_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and return its blocks."""
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Remove a finished, aborted or failed sequence and return its blocks."""
+        if reason is not None:
+            seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.requests.pop(seq.request_id, None)
 
-    def schedule(self) -> ScheduledBatch | None:
-        if not self.mixed_steps:
-            return self._schedule_prompts([]) or self._decode_batch(self._reserve_decodes())
+    def finish_requests(self, request_ids: Iterable[str], reason: str) -> list[Sequence]:
+        """Finishes the named requests that are still unfinished; returns them."""
+        seqs = [self.requests[r] for r in request_ids if r in self.requests]
+        for seq in seqs:
+            self.finish(seq, reason)
+        return seqs
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            num_preemptions=self.num_preemptions, prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits)
+
+    # ---- a step's life ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput | None:
         # Decodes reserve first. A sequence they preempt goes back to the head of the queue and
         # never fits in the blocks its preemption freed, so nobody is admitted past it.
         decodes = self._reserve_decodes()
         return self._schedule_prompts(decodes) or self._decode_batch(decodes)
 
-    def _schedule_prompts(self, decodes: list[Sequence]) -> ScheduledBatch | None:
+    def mark_launched(self, out: SchedulerOutput) -> None:
+        """The step is running on the device: its tokens count as computed, and each sampling
+        sequence has one more token pending there, in the step's row `pending_row`."""
+        for seq, n in zip(out.seqs, out.num_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+        for row, seq in enumerate(out.sampling_seqs):
+            seq.num_pending += 1
+            seq.pending_row = row
+
+    def update_from_output(self, out: SchedulerOutput, runner_output: ModelRunnerOutput
+                           ) -> list[EngineCoreOutput]:
+        """Appends the step's sampled tokens (waiting for them to reach the host), checks stops
+        and lengths, finishes requests, and returns one output per request that gained a
+        token."""
+        for (i, _, _), entries in zip(out.prompt_logprob_spans, runner_output.prompt_logprobs):
+            out.seqs[i].prompt_logprobs.extend(entries)
+        sampled = runner_output.wait()
+        outputs = []
+        for seq, token, logprobs in zip(out.sampling_seqs, sampled.token_ids, sampled.logprobs):
+            seq.num_pending -= 1
+            if seq.is_finished:  # finished or aborted while this step ran
+                continue
+            seq.append_token(token)
+            self.block_manager.cache_computed_blocks(seq)  # its KV may be computed already
+            self._check_stop(seq, token)
+            first = seq.num_output_tokens == 1
+            outputs.append(EngineCoreOutput(
+                seq.request_id, [token], None if logprobs is None else [logprobs],
+                prompt_logprobs=seq.prompt_logprobs if first else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                num_cached_tokens=seq.num_cached_tokens))
+            if seq.finish_reason is not None:
+                self.finish(seq)
+        return outputs
+
+    def fail(self, seqs: Iterable[Sequence], error: str) -> list[EngineCoreOutput]:
+        """Finishes `seqs` with an error (their blocks return to the pool)."""
+        outputs = []
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            self.finish(seq, "error")
+            outputs.append(EngineCoreOutput(seq.request_id, [], finish_reason="error",
+                                            error=error))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = "stop"
+                return
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+        # Counting host tokens only: the next step may already have one pending.
+        if (seq.num_output_tokens >= params.max_tokens
+                or len(seq.token_ids) >= self.max_model_len):
+            seq.finish_reason = "length"
+
+    # ---- picking a step -----------------------------------------------------------------------
+    def _schedule_prompts(self, decodes: list[Sequence]) -> SchedulerOutput | None:
         """Prompt chunks in the token budget left after `decodes` (one token each), or None if
         there is no prompt work."""
         budget = self.max_num_batched_tokens - len(decodes)
-        if decodes and self.mixed_prompt_tokens:
+        if decodes:
             budget = min(budget, self.mixed_prompt_tokens)
         seqs = list(decodes)
         num_tokens = [1] * len(decodes)
@@ -150,9 +245,9 @@ class Scheduler:
             if self.waiting and not self.running and not self.waiting[0].num_pending:
                 raise RuntimeError("KV pool too small for a single request")
             return None
-        if decodes and self.mixed_prompt_tokens:
+        if decodes:
             self._trim_to_piece(seqs, num_tokens, len(decodes))
-        return ScheduledBatch(seqs, num_tokens, is_prefill=True, num_decodes=len(decodes))
+        return SchedulerOutput(seqs, num_tokens, is_prefill=True, num_decodes=len(decodes))
 
     def _trim_to_piece(self, seqs: list[Sequence], num_tokens: list[int],
                        num_decodes: int) -> None:
@@ -180,10 +275,10 @@ class Scheduler:
                 and not self._at_length_limit(seq) and self._reserve(seq, len(seq))]
 
     @staticmethod
-    def _decode_batch(seqs: list[Sequence]) -> ScheduledBatch | None:
+    def _decode_batch(seqs: list[Sequence]) -> SchedulerOutput | None:
         if not seqs:
             return None
-        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False, num_decodes=len(seqs))
+        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False, num_decodes=len(seqs))
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         max_tokens = seq.sampling_params.max_tokens

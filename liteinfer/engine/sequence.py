@@ -5,7 +5,7 @@ import enum
 
 import torch
 
-from liteinfer.outputs import RequestMetrics
+from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.sampling_params import SamplingParams
 
 
@@ -16,17 +16,16 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """Token ids, KV blocks and sampling state of one request.
+    """Token ids, KV blocks and sampling state of one request in the engine core (its text
+    lives in the front end: engine/output_processor.py).
 
     `num_computed_tokens` counts tokens whose K/V are in the cache. After preemption it drops to 0
     and the whole sequence (prompt + generated) is prefilled again: recomputation changes no output
     because the next sampled token still comes from the same logits and the same generator.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, prompt: str | None = None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.request_id = request_id
-        self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -42,19 +41,14 @@ class Sequence:
         # and the row of the newest one in the model runner's sampled-token buffer.
         self.num_pending = 0
         self.pending_row = -1
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
         # Seeded requests only; the sampler creates it on the logits' device at the first draw.
         self.generator: torch.Generator | None = None
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        # Entry t: prompt token t's logprob (and the top-N) given tokens < t; none for token 0.
-        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+        # Entry t: prompt token t's logprobs given tokens < t; none for token 0. Filled as the
+        # prompt is computed, sent with the first output.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        # Detokenization state, owned by the detokenizer.
-        self.output_text = ""
-        self.read_offset = 0
-        self.stream_offset = 0  # chars of output_text already returned to streaming consumers
+        self.stop_reason: int | None = None
 
     def __len__(self) -> int:
         """Tokens including pending ones: what the KV cache must hold."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from liteinfer.engine.scheduler import ScheduledBatch
+from liteinfer.engine.scheduler import SchedulerOutput
 from liteinfer.kernels.prefill_tiles import decode_entries, decode_split_counts, prefill_tile_map
 from liteinfer.utils import ragged_index
 
@@ -49,22 +49,17 @@ class StepInputs:
                                 first_seq, num_tiles, splits)
 
 
-def build_step_inputs(batch: ScheduledBatch, block_size: int, table_width: int,
-                      pad_prompts: bool) -> StepInputs:
+def build_step_inputs(batch: SchedulerOutput, block_size: int, table_width: int) -> StepInputs:
     """table_width: block table columns, the same every step (a model's longest sequence), so
-    the kernels see one row stride and never compile a variant for another. pad_prompts:
-    right-pad every prompt chunk to the longest (padded prefill); padding tokens repeat the
-    chunk's last position (past it the RoPE table may end) and write no KV."""
+    the kernels see one row stride and never compile a variant for another."""
     seqs = batch.seqs
-    num_tokens = np.array(batch.num_tokens)
+    query_lens = np.array(batch.num_tokens)
     starts = np.array([seq.num_computed_tokens for seq in seqs])
-    pad_to = num_tokens.max() if batch.is_prefill and pad_prompts else 0
-    query_lens = np.maximum(num_tokens, pad_to)
     cu_seqlens = np.concatenate([[0], np.cumsum(query_lens)])
     context_lens = starts + query_lens
     input_ids: list[int] = []
     pending_rows: list[int] = []
-    for seq, n, q_len in zip(seqs, batch.num_tokens, query_lens.tolist()):
+    for seq, n in zip(seqs, batch.num_tokens):
         if seq.num_pending:  # decoding a token the host has not seen yet
             assert n == 1 and seq.num_computed_tokens == len(seq.token_ids), \
                 "pending tokens are decoded alone"
@@ -74,16 +69,12 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, table_width: int,
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start:start + n]
             pending_rows += [-1] * n
-        input_ids += [0] * (q_len - n)
-        pending_rows += [-1] * (q_len - n)
     tables = np.zeros((len(seqs), table_width), dtype=np.int64)
     for row, seq in zip(tables, seqs):
         row[:len(seq.block_table)] = seq.block_table
     seq_of, offset = ragged_index(query_lens)
-    real = offset < num_tokens[seq_of]
-    positions = starts[seq_of] + np.minimum(offset, num_tokens[seq_of] - 1)
-    slots = np.where(real, tables[seq_of, positions // block_size] * block_size
-                     + positions % block_size, -1)
+    positions = starts[seq_of] + offset
+    slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
     sample_rows = np.array([cu_seqlens[i] + n - 1 for i, n in enumerate(batch.num_tokens)
                             if batch.samples(i)], dtype=np.int64)
     prompt_rows = np.array([r for i, first, n in batch.prompt_logprob_spans

@@ -1,8 +1,9 @@
-"""Tensor parallelism: one process per rank, each running the whole engine over its shard of the
-model (layers/linear.py splits the projections; the KV pool holds the rank's KV heads).
+"""Tensor parallelism: one process per rank, each running an engine core over its shard of the
+model (layers/linear.py splits the projections; the KV pool holds the rank's KV heads). Only
+rank 0's core has a front end: the other ranks never tokenize or detokenize.
 
-Every rank runs the same LLMEngine calls in the same order: rank 0, in the caller's process,
-sends each add_request / abort / step to the other ranks before running it itself. Their
+Every rank runs the same EngineCore calls in the same order: rank 0, in the caller's process,
+sends each add_request / abort_requests / step to the other ranks before running it itself. Their
 schedulers therefore make the same decisions with the same number of KV blocks, their layers meet
 in the all-reduces of the row-parallel projections, and since the embedding, LM head and sampler
 are replicated, every rank samples the same tokens. Only rank 0's outputs reach the caller.
@@ -12,15 +13,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from liteinfer.config import EngineConfig
 from liteinfer.utils import free_port
 
-if TYPE_CHECKING:
-    from liteinfer.config import EngineConfig
+# A rank's main function: (rank, init_method, model, config, load_format, connection to rank 0).
+RankMain = Callable[[int, str, str, EngineConfig, str, Connection], None]
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, device: str) -> None:
@@ -35,7 +38,7 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: str) 
 class WorkerGroup:
     """Ranks 1..tp_size-1 in processes of their own; the calling process becomes rank 0."""
 
-    def __init__(self, model: str, config: EngineConfig, load_format: str):
+    def __init__(self, model: str, config: EngineConfig, load_format: str, rank_main: RankMain):
         if dist.is_initialized():
             raise ValueError("a tensor-parallel engine is already running in this process; "
                              "shut it down first")
@@ -45,7 +48,7 @@ class WorkerGroup:
         self.procs = []
         for rank in range(1, config.tensor_parallel_size):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, daemon=True, name=f"liteinfer-tp{rank}",
+            proc = ctx.Process(target=rank_main, daemon=True, name=f"liteinfer-tp{rank}",
                                args=(rank, init_method, model, config, load_format, child))
             proc.start()
             self.conns.append(conn)
@@ -90,12 +93,8 @@ class WorkerGroup:
             proc.join()
 
 
-def _worker(rank: int, init_method: str, model: str, config: EngineConfig, load_format: str,
-            conn: Connection) -> None:
-    from liteinfer.engine.llm_engine import LLMEngine
-
-    init_distributed(rank, config.tensor_parallel_size, init_method, config.device)
-    engine = LLMEngine(model, config, load_format, tp_rank=rank)
+def serve_rank(engine: Any, conn: Connection) -> None:
+    """Runs rank 0's calls on this rank's `engine` until shutdown, then leaves the group."""
     while True:
         method, args = conn.recv()
         if method == "shutdown":

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from liteinfer.attention import AttentionBackend, AttentionMetadata
 from liteinfer.config import ModelConfig
-from liteinfer.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                     QKVParallelLinear, RowParallelLinear)
+from liteinfer.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
 
 
@@ -98,9 +103,9 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint projections that live inside a fused parameter: name -> (fused name, shard).
-    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
-                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
-                      "up_proj": ("gate_up_proj", "up")}
+    stacked_params: ClassVar[dict[str, tuple[str, str]]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  ops: LayerOps = LayerOps(), tp_rank: int = 0, tp_size: int = 1):

@@ -1,21 +1,16 @@
-"""Helpers of the benchmark-harness tests: the bench/report CLI as the liteinfer CLI mounts it,
-and a fake engine with the interface the harness drives (add_request / step /
-has_unfinished_requests, model_config.vocab_size). Tiny models come from ../conftest.py."""
+"""Helpers of the benchmark-harness tests: the `liteinfer-bench` command line, and a fake engine
+with the interface the harness drives (add_request / step / has_unfinished_requests,
+model_config.vocab_size). Tiny models come from ../conftest.py."""
 from __future__ import annotations
 
-import argparse
 from types import SimpleNamespace
 
-from liteinfer.bench.cli import add_bench_parser, add_report_parser
+from liteinfer.bench.cli import build_parser
 
 
 def cli(*argv: object) -> None:
-    """Runs `liteinfer bench|report ...` through the parsers the liteinfer CLI mounts."""
-    parser = argparse.ArgumentParser(prog="liteinfer")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bench_parser(sub)
-    add_report_parser(sub)
-    args = parser.parse_args([str(a) for a in argv])
+    """Runs `liteinfer-bench run|report ...`, letting its ValueErrors through."""
+    args = build_parser().parse_args([str(a) for a in argv])
     args.func(args)
 
 

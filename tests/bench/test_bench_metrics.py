@@ -1,12 +1,23 @@
-"""Metrics on synthetic timestamps with known answers, and the prompt generator of WORKLOADS.md."""
+"""Metrics on synthetic timestamps with known answers, and the prompt generator of WORKLOADS.md
+checked against the prompts the stored rows measured."""
 from __future__ import annotations
 
-import numpy as np
+from pathlib import Path
+
 import pytest
 
 from liteinfer.bench.metrics import Trace, percentile, summarize
-from liteinfer.bench.workloads import (MIXED, Shape, default_prompts, fingerprint, fold_into_vocab,
-                                       make_prompts)
+from liteinfer.bench.store import read_jsonl
+from liteinfer.bench.workloads import (
+    MIXED,
+    Shape,
+    default_prompts,
+    fingerprint,
+    fold_into_vocab,
+    make_prompts,
+)
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def test_percentile_is_numpy_linear():
@@ -35,14 +46,25 @@ def test_tokens_of_one_step_share_a_timestamp():
     assert m["itl_p50"] == pytest.approx(10.0)  # gaps 0 and 20 ms
 
 
-def test_prompts_follow_the_workloads_recipe():
-    rng = np.random.default_rng(1234)
-    lengths = rng.integers(64, 2048 + 1, size=5)
-    expected = [rng.integers(128, 128000, size=L).tolist() for L in lengths]
-    assert make_prompts(MIXED, 5) == expected
-    rng = np.random.default_rng(1234)
-    assert make_prompts(128, 3) == [rng.integers(128, 128000, size=128).tolist() for _ in range(3)]
+def test_prompts_are_the_ones_the_stored_rows_measured():
+    """Every stored H200 row recorded the fingerprint of the prompts it ran; drawing them again
+    must give the same prompts, or new rows would not compare with the stored ones."""
+    rows = [r for f in sorted(RESULTS.glob("*.jsonl")) for r in read_jsonl(f)]
+    workloads = {(r["isl"], r["prompts"], r["seed"], r["fingerprint"]) for r in rows
+                 if r.get("vocab_fold") is None}
+    assert {isl for isl, *_ in workloads} >= {128, 1024, 2048, 3584, 15360, MIXED}
+    for isl, n, seed, recorded in workloads:
+        assert fingerprint(make_prompts(isl, n, seed)) == recorded, (isl, n, seed)
+
+
+def test_prompts_follow_the_workloads_rules():
+    mixed = make_prompts(MIXED, 300)
+    lengths = [len(p) for p in mixed]
+    assert min(lengths) >= 64 and max(lengths) <= 2048 and len(set(lengths)) > 200
+    assert all(128 <= t < 128000 for p in mixed for t in p)
+    assert [len(p) for p in make_prompts(128, 3)] == [128] * 3
     assert make_prompts(128, 3, seed=4321) != make_prompts(128, 3)
+    assert make_prompts(128, 5)[:3] == make_prompts(128, 3)  # a prefix of a longer draw
 
 
 def test_fingerprint_sees_content_and_boundaries():

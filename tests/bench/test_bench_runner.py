@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 from bench_support import FakeEngine, FakeLLM, cli
 
-from liteinfer.bench import runner
+from liteinfer.bench import hf_baseline, registry, runner
 from liteinfer.bench.hf_baseline import HFBaseline, measure_hf
 from liteinfer.bench.registry import Run
 from liteinfer.bench.store import read_jsonl
 from liteinfer.bench.workloads import Shape, fingerprint, fold_into_vocab, make_prompts
 
-REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "reference"
+REPO = Path(__file__).resolve().parents[2]
+REFERENCE = REPO / "benchmarks" / "reference"
 
 
 class StepCountingEngine(FakeEngine):
@@ -42,7 +43,7 @@ def test_drive_admits_as_soon_as_one_finishes():
 
 def test_throughput_row_excludes_warmup():
     llm = FakeLLM()
-    row = runner.run_throughput(llm, "splitk", Shape(16, 5), width=3, prompts=7, model="m",
+    row = runner.run_throughput(llm, registry.DEFAULT, Shape(16, 5), width=3, prompts=7, model="m",
                                 engine_args={"max_num_seqs": 3})
     added = llm.engine.added
     assert [n for _, _, n in added[:3]] == [1, 3, 5]  # warm-up: the batch shrinks 3, 2, 1
@@ -62,7 +63,8 @@ def test_throughput_row_excludes_warmup():
 
 def test_latency_is_one_request_at_a_time():
     llm = FakeLLM()
-    row = runner.run_latency(llm, "splitk", Shape(8, 4), prompts=3, model="m", engine_args={})
+    row = runner.run_latency(llm, registry.DEFAULT, Shape(8, 4), prompts=3, model="m",
+                             engine_args={})
     assert llm.engine.max_in_flight == 1
     assert len(llm.engine.added) == 2 + 3 and row["width"] == 1 and row["prompts"] == 3
 
@@ -72,8 +74,6 @@ def fake_llms(monkeypatch):
     made: list[FakeLLM] = []
 
     def make_llm(model, engine_args):
-        if engine_args.get("attention_backend") == "sdpa":
-            raise RuntimeError("this config is broken")
         made.append(FakeLLM(**engine_args))
         return made[-1]
 
@@ -81,45 +81,58 @@ def fake_llms(monkeypatch):
     return made
 
 
-def test_cli_bench_and_report(fake_llms, tiny_llama_dir, tmp_path, capsys):
+def test_cli_run_and_report(fake_llms, tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "results" / "r.jsonl"
-    cli("bench", "throughput", "--config", "graphs", "--isl", "16", "--osl", "4", "--prompts", "5",
-        "--width", "2", "--model", tiny_llama_dir, "--out", out, "--set", "max_num_seqs=8",
+    cli("run", "throughput", "--isl", "16", "--osl", "4", "--prompts", "5", "--width", "2",
+        "--model", tiny_llama_dir, "--out", out, "--set", "max_num_seqs=8",
         "--set", "attention_backend=triton")
     (row,) = read_jsonl(out)
-    assert row["engine_args"] == {"dtype": "bfloat16", "attention_backend": "triton",
-                                  "enforce_eager": False, "decode_split_k": False,
-                                  "max_num_seqs": 8, "packed_prefill": False,
-                                  "overlap_scheduling": False, "gemv_decode": False,
-                                  "mixed_steps": False, "mixed_prompt_tokens": 0}
+    assert row["engine_args"] == {"dtype": "bfloat16", "max_num_seqs": 8,
+                                  "attention_backend": "triton"}
+    assert fake_llms[0].engine_args == row["engine_args"]
     assert (row["config"], row["model"], row["isl"], row["osl"], row["width"]) == (
-        "graphs", "tiny-llama", 16, 4, 2)
+        registry.DEFAULT, "tiny-llama", 16, 4, 2)
     assert fake_llms[0].shut
     printed = capsys.readouterr().out
-    assert "vs vLLM" in printed and "graphs" in printed
-    assert "graphs: the prefix cache is emptied before each measured run" in printed
+    assert "vs vLLM" in printed and registry.DEFAULT in printed
+    assert f"{registry.DEFAULT}: the prefix cache is emptied before each measured run" in printed
     md, html = tmp_path / "B.md", tmp_path / "r.html"
     cli("report", "--results", out.parent, "--reference", REFERENCE, "--md", md, "--html", html)
     assert "## throughput · tiny-llama · ISL=16 OSL=4" in md.read_text()
     assert "<svg" in html.read_text()
 
 
-def test_cli_keeps_going_past_a_broken_config(fake_llms, tmp_path):
+def test_cli_keeps_going_past_a_broken_config(fake_llms, monkeypatch, tmp_path):
+    def broken(model):
+        raise RuntimeError("this config is broken")
+
+    monkeypatch.setattr(hf_baseline, "HFBaseline", broken)
     out = tmp_path / "r.jsonl"
-    with pytest.raises(SystemExit, match="failed: sdpa"):
-        cli("bench", "--quick", "--config", "sdpa", "graphs", "--isl", "8", "--osl", "2",
+    with pytest.raises(SystemExit, match="failed: eager"):
+        cli("run", "--quick", "--config", "eager", registry.DEFAULT, "--isl", "8", "--osl", "2",
             "--prompts", "2", "--out", out)
-    assert [(r["config"], r["kind"]) for r in read_jsonl(out)] == [("graphs", "latency"),
-                                                                   ("graphs", "throughput")]
+    assert [(r["config"], r["kind"]) for r in read_jsonl(out)] == [
+        (registry.DEFAULT, "latency"), (registry.DEFAULT, "throughput")]
 
 
-def test_cli_plan_errors():
+def test_cli_plan_errors(monkeypatch):
+    monkeypatch.chdir(REPO)  # the stored rows are found under benchmarks/results/
     with pytest.raises(ValueError, match="name a kind"):
-        cli("bench", "--dry-run")
-    with pytest.raises(ValueError, match="not runnable"):
-        cli("bench", "latency", "--config", "vllm", "--dry-run")
+        cli("run", "--dry-run")
+    with pytest.raises(ValueError, match="vllm is a reference point"):
+        cli("run", "latency", "--config", "vllm", "--dry-run")
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        cli("bench", "latency", "--set", "no_such_field=1")
+        cli("run", "latency", "--set", "no_such_field=1")
+    stored = [r for r in read_jsonl(REPO / "benchmarks/results/2026-11-30-h200.jsonl")
+              if r["config"] == "overlap"]
+    newest = max(stored, key=lambda r: r["timestamp"])["commit"][:7]
+    with pytest.raises(ValueError, match=(
+            r"overlap is removed from the codebase: .* renders its stored rows \("
+            rf"benchmarks/results/2026-11-30-h200.jsonl: {len(stored)} row\(s\), the newest "
+            rf"of commit {newest}\)")):
+        cli("run", "--all", "--config", registry.DEFAULT, "overlap", "--dry-run")
+    with pytest.raises(ValueError, match=r"paged-b4 is removed .*none under benchmarks/results/"):
+        cli("run", "throughput", "--config", "paged-b4", "--dry-run")
 
 
 def test_transformers_baseline_on_cpu(tiny_llama_dir):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ def row(config, kind="latency", isl=128, osl=256, width=1, **extra):
 
 
 def table(page, kind, isl=128, osl=256):
-    return next(t for t in page.tables if t.kind == kind and (t.shape.isl, t.shape.osl) == (isl, osl))
+    return next(t for t in page.tables
+                if t.kind == kind and (t.shape.isl, t.shape.osl) == (isl, osl))
 
 
 def line(t, label):
@@ -65,7 +67,7 @@ def test_vs_base_vs_first_and_removed_bases():
         "liteinfer-native-eager vs liteinfer-eager: different engine builds "
         "(0000000000 vs cccccccccc)")
     # continuous improves on paged-b4, which is removed and has no row here
-    assert SPANS_ENGINES in cont.notes and "removed from the codebase" not in cont.notes
+    assert SPANS_ENGINES in cont.notes and "removed from the codebase" in cont.notes
     assert cont.ratios[0].text == "—"
     assert cont.ratios[1].value == pytest.approx(2.0) and cont.ratios[1].note is None
     assert texts(sdpa)[:2] == ["1.25x", "2.50x"]
@@ -92,7 +94,8 @@ def test_approximate_ratios_say_why():
     assert texts(splitk) == ["1.20x~", "1.20x~", "0.40x"]  # vs vLLM: other engine, same prompts
     assert texts(line(t, "liteinfer-graphs"))[2] == "0.33x~"
     assert t.footnotes == [
-        "liteinfer-graphs vs vllm: different prompts (20 prompts #aaaaaaaa vs 50 prompts #ffffffff)",
+        "liteinfer-graphs vs vllm: different prompts (20 prompts #aaaaaaaa vs 50 prompts "
+        "#ffffffff)",
         "liteinfer-splitk vs liteinfer-graphs: different prompts (50 prompts #ffffffff vs 20 "
         "prompts #aaaaaaaa)"]
     assert splitk.ratios[0].note == splitk.ratios[1].note == 2  # one note serves both ratios
@@ -153,23 +156,34 @@ def test_reference_rows_map_onto_configs():
 
 
 def test_default_config_covers_every_vllm_shape():
-    refs = load_rows(None, REPO / "benchmarks" / "reference")
+    refs = [r for r in load_rows(None, REPO / "benchmarks" / "reference") if r["engine"] == "vllm"]
+    assert {r["kind"] for r in refs} == {"latency", "throughput"}  # the reference rows are there
     planned = {(r.kind, r.shape.isl, r.shape.osl, r.width)
                for r in registry.full_matrix([registry.DEFAULT])}
-    for r in refs:
-        if r["engine"] == "vllm":
-            assert (r["kind"], r["isl"], r["osl"], r["width"]) in planned
+    missing = {(r["kind"], r["isl"], r["osl"], r["width"]) for r in refs} - planned
+    assert not missing, f"vLLM reference rows the default config does not run: {missing}"
+
+
+def test_only_the_default_and_the_baselines_run():
+    runnable = {c.name for c in registry.CONFIGS if c.runnable}
+    assert runnable == {registry.DEFAULT, "nocache", "eager", "eager-b4"}
+    assert registry.get(registry.DEFAULT).engine_args == {}  # the engine as configured by default
+    for c in registry.CONFIGS:
+        assert c.runnable == bool(c.runs()), c.name
 
 
 def test_prompt_caps_apply_per_kind_and_yield_to_an_explicit_count():
-    runs = registry.full_matrix(["continuous", "overlap"])
-    counts = {(r.config, r.kind) for r in runs}
-    assert counts == {("continuous", "latency"), ("continuous", "throughput"),
-                      ("overlap", "latency"), ("overlap", "throughput")}
-    assert {r.prompts for r in runs if r.config == "continuous" and r.kind == "latency"} == {10}
-    assert {r.prompts for r in runs if r.config == "continuous" and r.kind == "throughput"} == {64}
-    assert {r.prompts for r in runs if r.config == "overlap" and r.kind == "throughput"} == {200}
-    assert registry.get("continuous").run("throughput", runs[0].shape, 32, prompts=200).prompts == 200
+    runs = registry.full_matrix(["eager", registry.DEFAULT])
+    assert {(r.config, r.kind) for r in runs} == {
+        ("eager", "latency"), ("eager", "throughput"),
+        (registry.DEFAULT, "latency"), (registry.DEFAULT, "throughput")}
+    assert {r.prompts for r in runs if r.config == "eager"} == {10}
+    assert {r.prompts for r in runs if r.config == registry.DEFAULT and r.kind == "throughput"} == {
+        200}
+    assert {(r.shape.isl, r.prompts) for r in runs
+            if r.config == registry.DEFAULT and r.kind == "latency"} == {
+        (128, 50), (3584, 20), (15360, 10)}
+    assert registry.get("eager").run("throughput", runs[0].shape, 1, prompts=200).prompts == 200
 
 
 def test_results_file_and_commit(tmp_path, monkeypatch):
@@ -179,7 +193,9 @@ def test_results_file_and_commit(tmp_path, monkeypatch):
         tmp_path / "new" / "2026-11-30-nvidia-h200.jsonl")
     assert results_file(None, "cpu", when) == Path("benchmarks/results/2026-11-30-cpu.jsonl")
     engine_commit.cache_clear()
-    assert re.fullmatch(r"([0-9a-f]{40}(-dirty)?|unknown)", engine_commit())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert re.fullmatch(rf"{head}(-dirty)?", engine_commit())
     monkeypatch.setenv("LITEINFER_COMMIT", "0123abc-dirty")
     engine_commit.cache_clear()
     assert engine_commit() == "0123abc-dirty"

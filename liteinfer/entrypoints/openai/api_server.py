@@ -1,126 +1,210 @@
 """An OpenAI-compatible HTTP server: /v1/completions and /v1/chat/completions (streamed as
 server-sent events or whole), /v1/models, /health, /metrics (Prometheus), and vLLM's /tokenize
-and /detokenize, over an AsyncLLMEngine.
+and /detokenize, over an AsyncLLM (whose engine core runs in a process of its own).
 
 Every HTTP request becomes one engine request per prompt and choice, all admitted together or
-not at all. Bad input is answered with an OpenAI-style 400 before anything reaches the engine's
-batch, so it never disturbs the requests already running; a client that disconnects has its
-requests aborted and their KV blocks returned.
+not at all. Bad input of any kind (a body too large, malformed JSON, a field out of range, text
+the tokenizer rejects) is answered with an OpenAI-style 4xx before anything reaches the engine,
+so it never disturbs the requests already running; so is every other error the framework raises
+(404, 405). A client that disconnects has its requests aborted and their KV blocks returned.
 
     liteinfer serve --model DIR_OR_NAME [--port 8000] [--api-key KEY]
 
-With an API key, every /v1 request must carry `Authorization: Bearer KEY` (an OpenAI-style 401
-otherwise); /health stays open for load balancers.
+With an API key, every route but /health (and /metrics, unless --metrics-need-key) needs
+`Authorization: Bearer KEY`. On SIGTERM the server refuses new requests with a 503, lets the
+streams in flight finish for a grace period, ends the rest with an error, and exits.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
+import orjson
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
-from liteinfer.engine.async_llm_engine import AsyncLLMEngine, Prompt, RequestStream
+from liteinfer.engine.async_llm import (AsyncLLM, EngineError, Prompt, RequestStream,
+                                        ServerBusyError)
+from liteinfer.entrypoints.openai.cli_args import ServerArgs
+from liteinfer.entrypoints.openai.metrics import ServerMetrics
 from liteinfer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, SamplingRequest,
                                                    TokenizeRequest, conversation)
-from liteinfer.entrypoints.openai.metrics import ServerMetrics
-from liteinfer.llm import apply_chat_template, generation_defaults
+from liteinfer.engine.processor import generation_defaults
 from liteinfer.loader.overrides import apply_model_overrides
-from liteinfer.outputs import RequestOutput
+from liteinfer.outputs import Logprob, RequestOutput
 from liteinfer.utils import model_label
 
 Chunk = dict[str, Any]
+Body = TypeVar("Body", bound=BaseModel)
 DISCONNECT_POLL_S = 0.5
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowed", 413: "RequestTooLarge", 499: "ClientClosedRequest",
+               500: "InternalServerError", 503: "ServiceUnavailable"}
 
 
-def error_response(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": status}}, status_code=status)
+class ServerShuttingDown(EngineError):
+    pass
+
+
+class RequestError(Exception):
+    """Answered with an OpenAI-style error of `status`."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def error_body(status: int, message: str) -> Chunk:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"),
+                      "param": None, "code": status}}
+
+
+def error_response(status: int, message: str) -> Response:
+    return Response(orjson.dumps(error_body(status, message)), status,
+                    media_type="application/json")
+
+
+def json_response(body: Chunk) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body, refused (413) as soon as it is known to exceed `limit` bytes:
+    from its Content-Length, or while it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"the request body exceeds the server's {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"the request body exceeds the server's {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as e:  # also invalid UTF-8, lone surrogates, deep nesting
+        raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def parse(model: type[Body], data: Any) -> Body:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}"
+                             for err in e.errors(include_url=False))
+        raise RequestError(400, problems or "invalid request body") from None
 
 
 class OpenAIServing:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLM, model_name: str, args: ServerArgs):
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
-        self.defaults = generation_defaults(engine.engine.generation_config)
+        self.args = args
+        self.tokenizer = engine.tokenizer
+        self.defaults = generation_defaults(engine.generation_config)
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine, model_name)
+        self.draining = False
 
-    def models(self) -> dict[str, Any]:
+    def models(self) -> Chunk:
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "liteinfer", "max_model_len": self.engine.engine.max_model_len}]}
+            "owned_by": "liteinfer", "max_model_len": self.engine.max_model_len}]}
 
-    async def completions(self, body: CompletionRequest, request: Request):
-        return await self._serve(body, request, "cmpl", "text_completion", body.prompts,
-                                 body.max_tokens, body.logprobs)
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        try:
+            prompts = body.prompts()
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        return await self._serve(body, request, "cmpl", "text_completion", lambda: prompts,
+                                 len(prompts), body.max_tokens, body.logprobs)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request):
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         def prompts() -> list[Prompt]:
-            return [apply_chat_template(self.tokenizer, body.conversation(),
-                                        body.add_generation_prompt)]
+            return [self.engine.processor.apply_chat_template(body.conversation(),
+                                                              body.add_generation_prompt)]
 
-        return await self._serve(body, request, "chatcmpl", "chat.completion", prompts,
+        return await self._serve(body, request, "chatcmpl", "chat.completion", prompts, 1,
                                  body.max_new_tokens, body.num_logprobs)
 
-    def tokenize(self, body: TokenizeRequest):
-        if (error := self._check_model(body.model)) is not None:
-            return error
-        try:
-            if (body.prompt is None) == (body.messages is None):
-                raise ValueError("give either prompt or messages")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer")
-            tokens = (self.tokenizer.encode(body.prompt) if body.prompt is not None else
-                      apply_chat_template(self.tokenizer, conversation(body.messages),
-                                          body.add_generation_prompt))
-        except ValueError as e:
-            return error_response(400, str(e))
-        return {"tokens": tokens, "count": len(tokens),
-                "max_model_len": self.engine.engine.max_model_len}
+    async def tokenize(self, body: TokenizeRequest) -> Chunk:
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError(400, "give either prompt or messages")
+        processor = self.engine.processor
 
-    def detokenize(self, body: DetokenizeRequest):
-        if (error := self._check_model(body.model)) is not None:
-            return error
-        try:
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer")
-            self.engine.engine.check_token_ids(body.tokens, "tokens")
-        except ValueError as e:
-            return error_response(400, str(e))
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        def tokenize() -> list[int]:
+            if body.prompt is not None:
+                return processor.tokenize(body.prompt)
+            return processor.apply_chat_template(conversation(body.messages),
+                                                 body.add_generation_prompt)
 
-    def _check_model(self, model: str | None) -> JSONResponse | None:
-        """A 404 for a model name other than the one served."""
+        tokens = await self._in_pool(tokenize)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> Chunk:
+        self._check_model(body.model)
+        if self.tokenizer is None:
+            raise RequestError(400, "this model has no tokenizer")
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise RequestError(400, f"tokens: token ids outside the vocabulary [0, {vocab}): "
+                                    f"{bad[:5]}")
+        return {"prompt": await self._in_pool(lambda: self.tokenizer.decode(body.tokens))}
+
+    async def _in_pool(self, fn: Callable[[], Any]) -> Any:
+        """Tokenizer work off the event loop; text it rejects is the client's error."""
+        try:
+            return await self.engine.run_in_pool(fn)
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise RequestError(400, str(e)) from None
+
+    def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError")
-        return None
+            raise RequestError(404, f"The model `{model}` does not exist.")
+
+    def _check_admitting(self) -> None:
+        if self.draining:
+            raise RequestError(503, "the server is shutting down")
 
     async def _serve(self, body: SamplingRequest, request: Request, prefix: str, kind: str,
-                     prompts: Callable[[], list[Prompt]], max_tokens: int | None,
-                     logprobs: int | None):
-        if (error := self._check_model(body.model)) is not None:
-            return error
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
+                     prompts: Callable[[], list[Prompt]], num_prompts: int,
+                     max_tokens: int | None, logprobs: int | None) -> Response:
+        self._check_model(body.model)
+        self._check_admitting()
         try:
             body.check_supported()
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        if num_prompts > self.args.max_prompts_per_request:
+            raise RequestError(400, f"{num_prompts} prompts exceed the server's limit of "
+                                    f"{self.args.max_prompts_per_request} per request")
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        rendered = await self._in_pool(prompts)
+        try:
             # Choice i of n for prompt p is request p * n + i, and the response's choice index.
             requests = [(f"{response_id}-{p * body.n + i}", prompt,
                          body.sampling_params(self.defaults, max_tokens, logprobs, i))
-                        for p, prompt in enumerate(prompts()) for i in range(body.n)]
-            stream = await self.engine.add_requests(requests)
-        except ValueError as e:
-            return error_response(400, str(e))
+                        for p, prompt in enumerate(rendered) for i in range(body.n)]
+            stream = await self.engine.add_requests(
+                requests, self.args.max_prompt_tokens_per_request)
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise RequestError(400, str(e)) from None
+        except ServerBusyError as e:
+            raise RequestError(503, str(e)) from None
+        except EngineError as e:
+            raise RequestError(503, str(e)) from None
         meta = {"id": response_id, "created": int(time.time()), "model": self.model_name}
         render = ChoiceRenderer(self.tokenizer, kind == "chat.completion", logprobs,
                                 echo=getattr(body, "echo", False))
@@ -128,17 +212,14 @@ class OpenAIServing:
             return StreamingResponse(self._events(stream, render, meta, kind, body),
                                      media_type="text/event-stream")
         finals = await self._collect(stream, request)
-        if finals is None:  # the client left; its requests are aborted
-            return error_response(499, "client disconnected", "ClientClosedRequest")
-        if isinstance(finals, Exception):
-            return error_response(500, f"generation failed: {finals}", "InternalServerError")
         outs = sorted(finals.values(), key=choice_index)
-        return {**meta, "object": kind, "choices": [render.final(o) for o in outs],
-                "usage": usage(outs, body.n)}
+        return json_response({**meta, "object": kind,
+                              "choices": [render.final(o) for o in outs],
+                              "usage": usage(outs, body.n)})
 
     async def _collect(self, stream: RequestStream, request: Request
-                       ) -> dict[str, RequestOutput] | Exception | None:
-        """Each request's last output; None if the client disconnected first."""
+                       ) -> dict[str, RequestOutput]:
+        """Each request's last output."""
         finals: dict[str, RequestOutput] = {}
 
         async def consume() -> None:
@@ -148,16 +229,23 @@ class OpenAIServing:
                     finals[out.request_id] = out
 
         task = asyncio.ensure_future(consume())
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                stream.abort()
-                return None
-        return task.exception() or finals
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    raise RequestError(499, "client disconnected")
+            error = task.exception()
+        finally:
+            stream.abort()  # a no-op once all have finished; else the client left
+        if isinstance(error, ServerShuttingDown):
+            raise RequestError(503, str(error))
+        if error is not None:
+            raise RequestError(500, f"generation failed: {error}")
+        return finals
 
     async def _events(self, stream: RequestStream, render: ChoiceRenderer, meta: Chunk,
-                      kind: str, body: SamplingRequest) -> AsyncIterator[str]:
+                      kind: str, body: SamplingRequest) -> AsyncIterator[bytes]:
         chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
         outs: dict[str, RequestOutput] = {}
         try:
@@ -173,17 +261,16 @@ class OpenAIServing:
             if body.include_usage:
                 yield sse({**meta, "object": chunk_kind, "choices": [],
                            "usage": usage(sorted(outs.values(), key=choice_index), body.n)})
-            yield "data: [DONE]\n\n"
-        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            yield sse({"error": {"message": f"generation failed: {e}",
-                                 "type": "InternalServerError", "code": 500}})
-            yield "data: [DONE]\n\n"
+        except EngineError as e:  # the stream has started: report in-band
+            status = 503 if isinstance(e, ServerShuttingDown) else 500
+            yield sse(error_body(status, f"generation failed: {e}"))
         finally:
             stream.abort()  # a no-op once all have finished; else the client left
+        yield b"data: [DONE]\n\n"
 
 
-def sse(chunk: Chunk) -> str:
-    return f"data: {json.dumps(chunk)}\n\n"
+def sse(chunk: Chunk) -> bytes:
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
 def choice_index(request_id: str | RequestOutput) -> int:
@@ -196,7 +283,7 @@ def finish_reason(out: RequestOutput) -> str | None:
     return None if reason is None else "length" if reason == "length" else "stop"
 
 
-def usage(outs: list[RequestOutput], n: int) -> dict[str, int]:
+def usage(outs: list[RequestOutput], n: int) -> dict[str, Any]:
     """Prompt tokens count once per prompt (its n choices share it)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs[::n])
     completion = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -246,93 +333,199 @@ class ChoiceRenderer:
                 "logprobs": self._logprobs(token_ids, entries),
                 "finish_reason": finish_reason(out)}
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None] | None
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None] | None
                   ) -> Chunk | None:
         if self.logprobs is None or entries is None:
             return None
-        text = lambda t: self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
+
+        def text(t: int, e: dict[int, Logprob] | None = None) -> str:
+            lp = None if e is None else e.get(t)
+            if lp is not None and lp.decoded_token is not None:
+                return lp.decoded_token
+            return self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
+
         if self.chat:
-            def item(t: int, lp: float) -> Chunk:
-                s = text(t)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            def item(t: int, e: dict[int, Logprob]) -> Chunk:
+                s = text(t, e)
+                return {"token": s, "logprob": e[t].logprob, "bytes": list(s.encode())}
 
             return {"content": [
-                {**item(t, e[t]), "top_logprobs": [
-                    item(k, v) for k, v in sorted(e.items(), key=lambda kv: -kv[1])
-                ][:self.logprobs]} for t, e in zip(token_ids, entries)]}
-        tokens = [text(t) for t in token_ids]
+                {**item(t, e), "top_logprobs": [
+                    item(k, e) for k in sorted(e, key=lambda k: -e[k].logprob)
+                ][:self.logprobs]} for t, e in zip(token_ids, entries, strict=True)]}
+        tokens = [text(t, e) for t, e in zip(token_ids, entries, strict=True)]
         offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
         # A prompt's first token has no logprob (nothing comes before it).
         return {"tokens": tokens,
-                "token_logprobs": [None if e is None else e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [None if e is None else {text(k): v for k, v in e.items()}
+                "token_logprobs": [None if e is None else e[t].logprob
+                                   for t, e in zip(token_ids, entries, strict=True)],
+                "top_logprobs": [None if e is None else {text(k, e): v.logprob
+                                                         for k, v in e.items()}
                                  for e in entries],
                 "text_offset": offsets}
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, model_name)
-    app = FastAPI(title="liteinfer", docs_url=None, redoc_url=None)
+class APIKeyGuard:
+    """ASGI middleware: a 401 for any route but the open ones without the bearer key."""
 
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
+    def __init__(self, app: Any, api_key: str, open_paths: frozenset[str]):
+        self.app, self.open_paths = app, open_paths
+        self.expected = f"Bearer {api_key}".encode()
 
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            given = request.headers.get("Authorization", "").encode()
-            if request.url.path.startswith("/v1") and not secrets.compare_digest(given,
-                                                                                 expected):
-                return error_response(401, "invalid or missing API key", "AuthenticationError")
-            return await call_next(request)
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                await error_response(401, "invalid or missing API key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'][1:])}: {e['msg']}"
-                             for e in exc.errors())
-        return error_response(400, problems or "invalid request body")
+
+def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None) -> FastAPI:
+    """The ASGI app; its lifespan binds the engine client to the serving event loop."""
+    args = args or ServerArgs()
+    serving = OpenAIServing(engine, model_name, args)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="liteinfer", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.serving = serving
+    if args.api_key:
+        open_paths = frozenset({"/health"} if args.metrics_need_key else {"/health", "/metrics"})
+        app.add_middleware(APIKeyGuard, api_key=args.api_key, open_paths=open_paths)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> Response:
+        return error_response(exc.status, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        return error_response(500, f"internal error ({type(exc).__name__})")
+
+    async def body_of(request: Request, model: type[Body]) -> Body:
+        return parse(model, await read_json(request, args.max_body_bytes))
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        if engine.dead is not None:
+            return error_response(503, str(engine.dead))
+        return json_response({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=serving.metrics.content_type)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return serving.models()
+    async def models() -> Response:
+        return json_response(serving.models())
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await serving.completions(body, request)
+    async def completions(request: Request) -> Response:
+        return await serving.completions(await body_of(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
-        return await serving.chat(body, request)
+    async def chat(request: Request) -> Response:
+        return await serving.chat(await body_of(request, ChatCompletionRequest), request)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        return serving.tokenize(body)
+    async def tokenize(request: Request) -> Response:
+        return json_response(await serving.tokenize(await body_of(request, TokenizeRequest)))
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        return serving.detokenize(body)
+    async def detokenize(request: Request) -> Response:
+        return json_response(await serving.detokenize(await body_of(request, DetokenizeRequest)))
 
     return app
 
 
-def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
-               served_model_name: str | None = None, load_format: str = "auto",
-               api_key: str | None = None, chat_template: str | None = None,
-               generation_config: dict[str, Any] | None = None, **engine_args: Any) -> None:
-    """chat_template and generation_config replace the model's (loader/overrides.py)."""
+async def drain(serving: OpenAIServing, grace_s: float) -> None:
+    """Refuses new requests, lets those in flight run for `grace_s`, then ends the rest."""
+    serving.draining = True
+    deadline = time.monotonic() + grace_s
+    while serving.engine.num_requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    serving.engine.fail_all(ServerShuttingDown("the server is shutting down"))
+    await asyncio.sleep(0.1)  # let the error events reach their clients
+
+
+class Server:
+    """uvicorn serving the app, with a shutdown that drains (SIGTERM, SIGINT, or a dead core)
+    instead of cutting streams off."""
+
+    def __init__(self, app: FastAPI, config: Any):
+        import uvicorn
+
+        outer = self
+
+        class DrainingServer(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                if outer.draining is not None:  # a second signal: stop now
+                    self.force_exit = self.should_exit = True
+                    return
+                if outer.loop is not None:
+                    outer.loop.call_soon_threadsafe(outer.begin_drain)
+
+        self.app = app
+        self.serving: OpenAIServing = app.state.serving
+        self.uvicorn = DrainingServer(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining: asyncio.Task[None] | None = None
+        self.serving.engine.on_death.append(
+            lambda: self.loop is not None and self.loop.call_soon_threadsafe(self.begin_drain))
+
+    def begin_drain(self) -> None:
+        if self.draining is None:
+            grace = self.serving.args.shutdown_grace_s if self.serving.engine.dead is None else 0
+            self.draining = asyncio.ensure_future(self._drain(grace))
+
+    async def _drain(self, grace_s: float) -> None:
+        await drain(self.serving, grace_s)
+        self.uvicorn.should_exit = True
+
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.uvicorn.serve()
+
+    def run(self) -> None:
+        asyncio.run(self.serve())
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> Any:
+    """uvloop and httptools where installed, else asyncio and h11."""
+    import importlib.util
+
     import uvicorn
 
-    engine = AsyncLLMEngine.from_args(model, load_format, **engine_args)
-    apply_model_overrides(engine.engine, chat_template, generation_config)
+    fast = {"loop": "uvloop"} if importlib.util.find_spec("uvloop") else {}
+    if importlib.util.find_spec("httptools"):
+        fast["http"] = "httptools"
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          timeout_graceful_shutdown=5, **fast)
+
+
+def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
+               served_model_name: str | None = None, load_format: str = "auto",
+               args: ServerArgs | None = None, chat_template: str | None = None,
+               generation_config: dict[str, Any] | None = None, **engine_args: Any) -> None:
+    """chat_template and generation_config replace the model's (loader/overrides.py)."""
+    args = args or ServerArgs()
+    engine = AsyncLLM.from_args(model, load_format, args.max_waiting_requests, **engine_args)
+    apply_model_overrides(engine, chat_template, generation_config)
     try:
-        uvicorn.run(build_app(engine, served_model_name or model_label(model), api_key),
-                    host=host, port=port, log_level="info")
+        app = build_app(engine, served_model_name or model_label(model), args)
+        Server(app, uvicorn_config(app, host, port)).run()
     finally:
         engine.shutdown()
+    if engine.dead is not None:
+        raise SystemExit(f"error: {engine.dead}")

@@ -1,5 +1,6 @@
 """Prometheus metrics of a server, under vLLM's names with a `liteinfer:` prefix: token and
-request counters, time to first token and end-to-end latency, and the scheduler's queue sizes.
+request counters, time to first token and end-to-end latency, the scheduler's queue sizes and
+the KV pool's use.
 
 Each server owns its registry, so several apps in one process (tests) do not collide."""
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
-from liteinfer.engine.async_llm_engine import AsyncLLMEngine
+from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.outputs import RequestOutput
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -16,7 +17,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: AsyncLLM, model_name: str):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
 
@@ -36,12 +37,13 @@ class ServerMetrics:
         self.e2e = metric(Histogram, "e2e_request_latency_seconds",
                           "From a request's arrival to its last token.",
                           buckets=LATENCY_BUCKETS_S)
-        # Read at scrape time; len() of the scheduler's lists is safe from another thread.
-        scheduler = engine.engine.scheduler
+        # The scheduler's state as the core's latest step message reported it.
         metric(Gauge, "num_requests_running", "Requests holding KV blocks.").set_function(
-            lambda: len(scheduler.running))
+            lambda: engine.scheduler_stats.num_running)
         metric(Gauge, "num_requests_waiting", "Requests queued for admission.").set_function(
-            lambda: len(scheduler.waiting))
+            lambda: engine.scheduler_stats.num_waiting)
+        metric(Gauge, "kv_cache_usage_perc", "Fraction of KV blocks in use.").set_function(
+            lambda: engine.scheduler_stats.kv_cache_usage)
 
     def observe(self, out: RequestOutput) -> None:
         """Counts one output of a request as a client receives it."""

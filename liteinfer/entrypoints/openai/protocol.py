@@ -5,7 +5,7 @@ refused with a 400 rather than ignored."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,6 +13,12 @@ from liteinfer.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
+# Counts (tokens, ids) fit in 32 bits: anything larger is refused here, before it can overflow
+# an encoder or a tensor; the engine then checks them against the model.
+Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
+PositiveCount = Annotated[int, Field(ge=1, le=2**31 - 1)]
+TokenId = Count
+SEED_RANGE = (-2**63, 2**64 - 1)  # vLLM's: a signed or an unsigned 64-bit integer
 
 
 class StreamOptions(BaseModel):
@@ -34,21 +40,59 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] = Field(default_factory=list)
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Fields that would change the answer and are not implemented: refused unless they hold
+    # their neutral value (a request that sets them expects what they do).
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def unsupported(self) -> list[str]:
+        """Names of the fields set that this server does not implement."""
+        names = [name for name in ("functions", "allowed_token_ids", "bad_words",
+                                   "prompt_logprobs", "truncate_prompt_tokens", "guided_json",
+                                   "guided_regex", "guided_choice", "guided_grammar",
+                                   "structured_outputs")
+                 if getattr(self, name) not in (None, [])]
+        if self.tools and self.tool_choice != "none":
+            names.append("tools")
+        if self.use_beam_search:
+            names.append("use_beam_search")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            names.append("response_format")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                names.append(name)
+        return names
 
     def check_supported(self) -> None:
-        if self.logit_bias and not all(k.isdigit() for k in self.logit_bias):
+        names = self.unsupported()
+        if names:
+            raise ValueError(f"not supported by this server: {', '.join(names)}")
+        if self.logit_bias and not all(k.isdigit() and len(k) < 10 for k in self.logit_bias):
             raise ValueError("logit_bias keys must be token ids")
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
@@ -60,7 +104,7 @@ class SamplingRequest(BaseModel):
                  if getattr(self, k) is not None}
         return SamplingParams(
             **{**defaults, **given}, max_tokens=max_tokens, logprobs=logprobs,
-            seed=None if self.seed is None else self.seed + choice, stop=self.stop or [],
+            seed=choice_seed(self.seed, choice), stop=self.stop or [],
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
@@ -72,20 +116,32 @@ class SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """seed + choice, wrapped to stay a 64-bit integer."""
+    if seed is None:
+        return None
+    seed += choice
+    return seed - 2**64 if seed > SEED_RANGE[1] else seed
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Count | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def unsupported(self) -> list[str]:
+        names = super().unsupported()
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            names.append("suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
+            names.append("best_of (other than n)")
+        if not self.add_special_tokens:
+            names.append("add_special_tokens")
+        return names
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
                         logprobs: int | None, choice: int) -> SamplingParams:
@@ -130,23 +186,34 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # default: the rest of the context
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None  # default: the rest of the context
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    best_of: int | None = None
+    echo: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        names = super().unsupported()
+        names += [name for name in ("best_of", "chat_template", "chat_template_kwargs",
+                                    "documents") if getattr(self, name) is not None]
+        names += [name for name in ("echo", "continue_final_message") if getattr(self, name)]
+        return names
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise ValueError("tools are not supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
 
     @property
     def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else \
+            self.max_completion_tokens
 
     @property
     def num_logprobs(self) -> int | None:
@@ -171,4 +238,4 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

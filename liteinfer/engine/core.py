@@ -1,0 +1,207 @@
+"""The engine core: the scheduler, the KV block manager and the model runner, stepped in an
+overlap loop. It sees token ids only; front ends (engine/llm_engine.py offline, the server's
+engine/async_llm.py over engine/core_process.py) tokenize, detokenize and match stop strings.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from liteinfer.config import EngineConfig, ModelConfig, parse_dtype
+from liteinfer.engine.block_manager import BlockManager
+from liteinfer.engine.messages import (EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs,
+                                       EngineCoreRequest)
+from liteinfer.engine.model_runner import ModelRunner
+from liteinfer.engine.runner_output import ModelRunnerOutput
+from liteinfer.engine.scheduler import Scheduler, SchedulerOutput
+from liteinfer.engine.sequence import Sequence
+from liteinfer.engine.tensor_parallel import WorkerGroup, init_distributed, serve_rank
+from liteinfer.loader import ModelSource, load_model_source
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    scheduled: SchedulerOutput
+    output: ModelRunnerOutput
+
+
+def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Fills in the 'auto' settings; returns max_model_len."""
+    config.validate()
+    if config.device == "auto":
+        config.device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cuda = torch.device(config.device).type == "cuda"
+    if config.dtype == "auto":
+        config.dtype = "bfloat16" if on_cuda else "float32"
+    parse_dtype(config.dtype)
+    if config.attention_backend == "auto":
+        config.attention_backend = "triton" if on_cuda else "torch"
+    tp = config.tensor_parallel_size
+    for what, n in (("attention heads", model_config.num_attention_heads),
+                    ("KV heads", model_config.num_key_value_heads),
+                    ("MLP features", model_config.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"the model's {n} {what} do not split over "
+                             f"tensor_parallel_size={tp}")
+    if on_cuda and tp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; "
+                         f"{torch.cuda.device_count()} are visible")
+    max_len = config.max_model_len or model_config.max_context
+    model_config.check_max_model_len(max_len)
+    return max_len
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: object | None) -> list[int]:
+    """The config's EOS ids and the tokenizer's."""
+    ids = set(model_config.eos_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        ids.add(eos)
+    return sorted(ids)
+
+
+class EngineCore:
+    """One model on one device (or tensor-parallel group), stepping every request it holds.
+
+    `step()` launches the next step before returning the outputs of the one before it, so the
+    host schedules step N+1 while the device still runs step N (overlap scheduling); step N's
+    sampled tokens feed step N+1 on the device and reach the host afterwards. A step whose
+    requests need every earlier token on the host (penalties) is read back before the next.
+
+    A step that raises fails its own requests (finish reason "error", blocks returned); the
+    others, and the core, go on.
+    """
+
+    def __init__(self, model: str, config: EngineConfig, load_format: str = "auto",
+                 tp_rank: int = 0, source: ModelSource | None = None):
+        """source: the model already resolved (a front end in the same process has it)."""
+        source = source or load_model_source(model, load_format)
+        self.model_config = ModelConfig.from_hf(source.hf_config)
+        self.config = config
+        self.max_model_len = resolve_config(config, self.model_config)
+        # Only the EOS ids: the tokenizer itself stays with the front end.
+        self.eos_token_ids = eos_token_ids(self.model_config, source.tokenizer)
+        # Rank 0 drives the other tensor-parallel ranks' cores (engine/tensor_parallel.py).
+        self.workers: WorkerGroup | None = None
+        if config.tensor_parallel_size > 1 and tp_rank == 0:
+            self.workers = WorkerGroup(model, config, load_format, run_tensor_parallel_rank)
+        self.runner = ModelRunner(self.model_config, config, source, source.load_format,
+                                  self.max_model_len, self.eos_token_ids, tp_rank)
+        self.max_model_len = self.runner.max_model_len  # within what its KV pool holds
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   config.mixed_prompt_tokens, self.eos_token_ids)
+        self.inflight: InFlight | None = None
+
+    @property
+    def info(self) -> EngineCoreInfo:
+        return EngineCoreInfo(self.max_model_len, self.model_config.vocab_size,
+                              self.block_manager.num_blocks, self.config.block_size)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a request the front end has validated (engine/processor.py); a ValueError
+        if it still cannot run."""
+        params = request.sampling_params
+        if params.max_tokens is None:
+            raise ValueError("max_tokens must be resolved before a request reaches the core")
+        n = len(request.prompt_token_ids)
+        if n == 0 or n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) must fit "
+                             f"in max_model_len={self.max_model_len}")
+        if self.workers is not None:
+            self.workers.call("add_request", request)
+        self.scheduler.add(Sequence(request.request_id, request.prompt_token_ids, params))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finishes the named requests (unknown or finished ones are ignored). No output is
+        sent for them: whoever aborts a request finishes it for its client."""
+        request_ids = list(request_ids)
+        if self.workers is not None:
+            self.workers.call("abort_requests", request_ids)
+        self.scheduler.finish_requests(request_ids, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or (
+            self.inflight is not None
+            and not all(s.is_finished for s in self.inflight.scheduled.seqs))
+
+    def reset_prefix_cache(self) -> None:
+        """Empties the prefix cache (on every tensor-parallel rank, whose schedulers must decide
+        alike), e.g. between benchmark runs."""
+        if self.workers is not None:
+            self.workers.call("reset_prefix_cache")
+        self.block_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do on one rank)."""
+        if self.workers is not None:
+            self.runner.release_graphs()
+            self.workers.shutdown()
+            self.workers = None
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """Launches the next step, then returns the outputs of the previous one."""
+        if self.workers is not None:
+            self.workers.call("step")
+        outputs: list[EngineCoreOutput] = []
+        inflight, self.inflight = self.inflight, None
+        if inflight is not None and not self._can_overlap(inflight):
+            outputs += self._resolve(inflight)
+            inflight = None
+        outputs += self._launch()
+        if inflight is not None:
+            outputs += self._resolve(inflight)
+        return EngineCoreOutputs(outputs, self.scheduler.stats(), time.perf_counter())
+
+    @staticmethod
+    def _can_overlap(inflight: InFlight) -> bool:
+        return not any(s.sampling_params.needs_penalties for s in inflight.scheduled.seqs)
+
+    def _launch(self) -> list[EngineCoreOutput]:
+        """Schedules and launches the next step (self.inflight); outputs only of requests
+        that failed."""
+        scheduled = None
+        try:
+            scheduled = self.scheduler.schedule()
+            if scheduled is None:
+                return []
+            output = self.runner.execute(scheduled)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the core goes on
+            seqs = scheduled.seqs if scheduled is not None else [
+                *self.scheduler.running, *self.scheduler.waiting]
+            return self._fail(seqs, e)
+        self.scheduler.mark_launched(scheduled)
+        self.inflight = InFlight(scheduled, output)
+        return []
+
+    def _resolve(self, inflight: InFlight) -> list[EngineCoreOutput]:
+        try:
+            return self.scheduler.update_from_output(inflight.scheduled, inflight.output)
+        except Exception as e:  # noqa: BLE001 - as in _launch
+            return self._fail(inflight.scheduled.seqs, e)
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> list[EngineCoreOutput]:
+        logger.error("a step failed; its %d requests are finished with an error:\n%s",
+                     len(seqs), "".join(traceback.format_exception(error)))
+        return self.scheduler.fail(seqs, f"{type(error).__name__}: {error}")
+
+
+def run_tensor_parallel_rank(rank: int, init_method: str, model: str, config: EngineConfig,
+                             load_format: str, conn: Connection) -> None:
+    """The main function of tensor-parallel rank `rank` > 0 (in a process of its own)."""
+    init_distributed(rank, config.tensor_parallel_size, init_method, config.device)
+    serve_rank(EngineCore(model, config, load_format, tp_rank=rank), conn)

@@ -1,0 +1,20 @@
+"""What the model runner hands the scheduler for one launched step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from liteinfer.engine.messages import TokenLogprobs
+from liteinfer.engine.sampler import SampledTokens, SamplerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results. The sampled tokens stay on the device (they feed the next step
+    there) until `wait()`; the prompt logprobs the step scored are on the host already, one
+    list per entry of the step's `prompt_logprob_spans`."""
+
+    sampled: SampledTokens | None  # None: no sequence reached its last token
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+
+    def wait(self) -> SamplerOutput:
+        return self.sampled.result() if self.sampled is not None else SamplerOutput([], [])

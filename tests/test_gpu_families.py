@@ -22,12 +22,16 @@ WIDTH = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
              num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=4096)
 HEAD_DIMS = {"qwen2": 64, "qwen3": 128, "mistral": 64}
 CONFIGS = {
-    "eager-splitk": {"enforce_eager": True},
-    "graphs": {"decode_split_k": False, "mixed_prompt_tokens": 0},
-    "gemv": {"mixed_steps": False, "mixed_prompt_tokens": 0},  # one-sequence steps: GEMV
-    "prompt-graphs": {},  # the default
-    "prompt-graphs-chunked": {"max_num_batched_tokens": 200, "mixed_prompt_tokens": 256},
-    "padded": {"packed_prefill": False},
+    # The Triton kernels eagerly: paged and split-K decode attention, packed and mixed prefill,
+    # the one-sequence GEMV steps (the q/k/v bias added after the kernel).
+    "eager": {"enforce_eager": True},
+    "default": {},  # decode steps and prompt steps of up to 2,048 tokens replay graphs
+    # Graphs for every step: prompt pieces of captured sizes beside decodes, and a decode
+    # bucket that is not a power of two (12).
+    "prompt-graphs-narrow": {"max_num_seqs": 12, "max_num_batched_tokens": 100,
+                             "mixed_prompt_tokens": 64},
+    "chunked": {"max_num_batched_tokens": 64},  # prompt chunks over cached prefixes, captured
+    "no-prefix-cache": {"enable_prefix_caching": False},
 }
 
 

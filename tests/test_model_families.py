@@ -75,7 +75,7 @@ def test_config_switches(family) -> None:
 
 @pytest.mark.parametrize("engine_args", [
     {},
-    {"attention_backend": "sdpa", "packed_prefill": False},
+    {"attention_backend": "sdpa", "enable_prefix_caching": False},
     {"max_num_batched_tokens": 16, "block_size": 32},   # prompts prefilled in chunks
     {"attention_backend": "triton", "num_kv_blocks": 40},   # Triton kernels, interpreted on CPU
 ], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default")
@@ -93,7 +93,7 @@ def test_bias_on_the_one_token_gemv_path(family) -> None:
     after the GEMV kernel)."""
     _, directory, prompts, reference = family
     llm = build_llm(str(directory), dtype="float32", device="cpu", max_model_len=MAX_LEN,
-                    attention_backend="triton", gemv_decode=True, num_kv_blocks=20)
+                    attention_backend="triton", num_kv_blocks=20)
     out = llm.generate([prompts[0]], greedy(6), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference[0][:6]
 
@@ -132,7 +132,7 @@ def test_default_max_model_len_shrinks_to_the_kv_pool(long_context_dir: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="liteinfer"):
         llm = build_llm(str(long_context_dir), device="cpu", num_kv_blocks=100)
-    assert llm.engine.max_model_len == llm.engine.scheduler.max_model_len == 1600
+    assert llm.engine.max_model_len == llm.engine.core.scheduler.max_model_len == 1600
     assert "exceeds the KV pool's 1600 tokens; serving at max_model_len=1600" in caplog.text
     prompt = random_prompts(1, TINY_LLAMA["vocab_size"], 1595, 1595, seed=5)[0]
     out = llm.generate([prompt], greedy(5), use_tqdm=False)[0]

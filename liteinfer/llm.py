@@ -13,7 +13,7 @@ from liteinfer.config import EngineConfig
 from liteinfer.engine.llm_engine import LLMEngine
 from liteinfer.engine.processor import Message, generation_defaults
 from liteinfer.outputs import RequestOutput
-from liteinfer.sampling_params import SamplingParams
+from liteinfer.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -65,8 +65,8 @@ class LLM:
             raise ValueError(f"{len(params)} SamplingParams for {n} prompts")
         return list(params)
 
-    def _add(self, prompts: list[str | list[int]], params: list[SamplingParams]
-             ) -> list[tuple[str, list[str]]]:
+    def _add(self, prompts: list[str | list[int]], params: list[SamplingParams],
+             output_kind: RequestOutputKind | None = None) -> list[tuple[str, list[str]]]:
         """Queues every prompt's n choices (choice i of a seeded request draws from seed + i,
         so that they differ and each can be reproduced); returns each prompt's request id and
         its choices' ids. One bad prompt queues none of the batch."""
@@ -76,6 +76,8 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 base = str(next(self._ids))
                 ids.append((base, [base] if p.n == 1 else [f"{base}-{i}" for i in range(p.n)]))
+                if output_kind is not None:
+                    p = dataclasses.replace(p, output_kind=output_kind)
                 for i, rid in enumerate(ids[-1][1]):
                     choice = p if p.seed is None or i == 0 else dataclasses.replace(
                         p, seed=p.seed + i)
@@ -93,7 +95,9 @@ class LLM:
         its SamplingParams.n choices. A request that fails (finish reason "error") does not
         take the others with it."""
         prompts = self._normalize(prompts)
-        groups = self._add(prompts, self._params_list(sampling_params, len(prompts)))
+        # Only the final outputs are wanted: no snapshot is built per token.
+        groups = self._add(prompts, self._params_list(sampling_params, len(prompts)),
+                           RequestOutputKind.FINAL_ONLY)
         wanted = {rid for _, group in groups for rid in group}
         final: dict[str, RequestOutput] = {}
         try:

@@ -1,12 +1,23 @@
 """Per-request sampling settings, validated before a request reaches the engine."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 # What torch.Generator.manual_seed takes: signed or unsigned 64-bit.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_N = 128
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a request's outputs hold while it runs (vLLM's): everything so far (CUMULATIVE),
+    only what is new (DELTA: streaming, at no cost per token for the tokens before), or
+    nothing until it finishes (FINAL_ONLY)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -38,6 +49,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

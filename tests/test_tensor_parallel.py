@@ -47,3 +47,68 @@ def test_a_bad_request_reaches_no_rank(tp_llm, tiny_llm):
 def test_a_model_that_does_not_split_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="KV heads do not split over tensor_parallel_size=4"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=4, device="cpu")
+
+
+def test_a_rank_that_dies_stops_the_engine_in_bounded_time(tiny_llama_dir):
+    """Rank 1 killed mid-generation: generate() raises RankDiedError within seconds (rank 0
+    does not wait in a collective forever), and no rank process is left behind."""
+    import threading
+    import time
+
+    from liteinfer.engine.tensor_parallel import RankDiedError
+
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", device="cpu",
+              max_model_len=256)
+    procs = list(llm.engine.core.workers.procs)
+    threading.Timer(1.0, procs[0].kill).start()
+    start = time.monotonic()
+    with pytest.raises(RankDiedError, match="liteinfer-tp1 exited"):
+        llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=200,
+                                                     ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    assert all(p.exitcode is not None for p in procs)
+    llm.shutdown()
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from liteinfer import LLM, SamplingParams
+model, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+llm = LLM(model, tensor_parallel_size=2, dtype="float32", device="cpu", max_model_len=256)
+params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+          SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True)]
+outs = llm.generate(prompts, [params[i % 2] for i in range(len(prompts))], use_tqdm=False)
+import torch.distributed as dist
+with open(f"{out}.{dist.get_rank()}", "w") as f:
+    json.dump([o.outputs[0].token_ids for o in outs], f)
+llm.shutdown()
+"""
+
+
+def test_two_torchrun_nodes_match_one_process(tiny_llama_dir, tiny_llm, tmp_path):
+    """Two single-rank "nodes" started by torchrun with the c10d rendezvous, as on two
+    machines, each running the same program: both give one process's tokens for greedy
+    requests, and the same sampled tokens as each other for unseeded ones."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from liteinfer.utils import free_port
+
+    script = tmp_path / "tp_script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [str(torchrun), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", "liteinfer-test", str(script), str(tiny_llama_dir), json.dumps(prompts),
+         str(tmp_path / "tokens")]) for rank in range(2)]
+    assert [node.wait(timeout=240) for node in nodes] == [0, 0]
+    got = [json.loads((tmp_path / f"tokens.{r}").read_text()) for r in range(2)]
+    assert got[0] == got[1]
+    ref = tiny_llm.generate(prompts[::2], SamplingParams(temperature=0.0, max_tokens=16,
+                                                         ignore_eos=True), use_tqdm=False)
+    assert got[0][::2] == [o.outputs[0].token_ids for o in ref]

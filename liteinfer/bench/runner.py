@@ -21,7 +21,7 @@ from liteinfer.bench.workloads import (
 )
 from liteinfer.llm import LLM
 from liteinfer.loader import load_model_source
-from liteinfer.sampling_params import SamplingParams
+from liteinfer.sampling_params import RequestOutputKind, SamplingParams
 from liteinfer.utils import model_label
 
 _request_ids: Iterator[int] = itertools.count()
@@ -64,7 +64,8 @@ def drive(engine: Any, prompts: list[list[int]], max_tokens: list[int], width: i
         i = len(traces)
         rid = f"bench-{next(_request_ids)}"
         owner[rid] = i
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
         traces.append(Trace(submit=time.perf_counter()))
         engine.add_request(rid, prompts[i], params)
 

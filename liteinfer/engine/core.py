@@ -5,6 +5,7 @@ engine/async_llm.py over engine/core_process.py) tokenize, detokenize and match 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from collections.abc import Iterable
@@ -21,7 +22,8 @@ from liteinfer.engine.model_runner import ModelRunner
 from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.scheduler import Scheduler, SchedulerOutput
 from liteinfer.engine.sequence import Sequence
-from liteinfer.engine.tensor_parallel import WorkerGroup, init_distributed, serve_rank
+from liteinfer.engine.tensor_parallel import (WorkerGroup, init_distributed, serve_rank,
+                                              torchrun_rank)
 from liteinfer.loader import ModelSource, load_model_source
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
         if n % tp:
             raise ValueError(f"the model's {n} {what} do not split over "
                              f"tensor_parallel_size={tp}")
-    if on_cuda and tp > torch.cuda.device_count():
+    if on_cuda and tp > torch.cuda.device_count() and torchrun_rank() is None:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; "
                          f"{torch.cuda.device_count()} are visible")
     max_len = config.max_model_len or model_config.max_context
@@ -79,7 +81,7 @@ class EngineCore:
     requests need every earlier token on the host (penalties) is read back before the next.
 
     A step that raises fails its own requests (finish reason "error", blocks returned); the
-    others, and the core, go on.
+    others, and the core, go on. A tensor-parallel rank that exits is fatal (RankDiedError).
     """
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto",
@@ -91,10 +93,23 @@ class EngineCore:
         self.max_model_len = resolve_config(config, self.model_config)
         # Only the EOS ids: the tokenizer itself stays with the front end.
         self.eos_token_ids = eos_token_ids(self.model_config, source.tokenizer)
-        # Rank 0 drives the other tensor-parallel ranks' cores (engine/tensor_parallel.py).
+        # Rank 0 drives the other tensor-parallel ranks' cores (engine/tensor_parallel.py),
+        # unless torchrun started every rank.
         self.workers: WorkerGroup | None = None
-        if config.tensor_parallel_size > 1 and tp_rank == 0:
+        self.external_rank = torchrun_rank() if config.tensor_parallel_size > 1 else None
+        if self.external_rank is not None:
+            tp_rank = self.external_rank
+            world = int(os.environ["WORLD_SIZE"])
+            if world != config.tensor_parallel_size:
+                raise ValueError(f"torchrun started {world} ranks for tensor_parallel_size="
+                                 f"{config.tensor_parallel_size}")
+            init_distributed(tp_rank, world, "env://", config.device,
+                             int(os.environ.get("LOCAL_RANK", 0)))
+        elif config.tensor_parallel_size > 1 and tp_rank == 0:
             self.workers = WorkerGroup(model, config, load_format, run_tensor_parallel_rank)
+        if config.tensor_parallel_size > 1:
+            # Unseeded requests draw from the default generator: the same on every rank.
+            torch.manual_seed(config.seed)
         self.runner = ModelRunner(self.model_config, config, source, source.load_format,
                                   self.max_model_len, self.eos_token_ids, tp_rank)
         self.max_model_len = self.runner.max_model_len  # within what its KV pool holds
@@ -146,11 +161,15 @@ class EngineCore:
         self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing to do on one rank)."""
+        """Stops the other tensor-parallel ranks, or leaves torchrun's group (nothing to do on
+        one rank)."""
         if self.workers is not None:
             self.runner.release_graphs()
             self.workers.shutdown()
             self.workers = None
+        elif self.external_rank is not None and torch.distributed.is_initialized():
+            self.runner.release_graphs()
+            torch.distributed.destroy_process_group()
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -195,6 +214,8 @@ class EngineCore:
             return self._fail(inflight.scheduled.seqs, e)
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[EngineCoreOutput]:
+        if self.workers is not None:
+            self.workers.check()  # a dead rank is fatal: every later step would fail too
         logger.error("a step failed; its %d requests are finished with an error:\n%s",
                      len(seqs), "".join(traceback.format_exception(error)))
         return self.scheduler.fail(seqs, f"{type(error).__name__}: {error}")

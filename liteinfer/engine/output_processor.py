@@ -15,6 +15,7 @@ from liteinfer.engine.detokenizer import IncrementalDetokenizer
 from liteinfer.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from liteinfer.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMetrics,
                                RequestOutput, SampleLogprobs)
+from liteinfer.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -80,6 +81,8 @@ class OutputProcessor:
             if finish_reason is not None:
                 state.metrics.finished_time = now
                 del self.requests[out.request_id]
+            elif state.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
             processed.request_outputs.append(
                 self._output(state, out.new_token_ids, new_text, finish_reason, stop_reason,
                              out.error))
@@ -136,11 +139,20 @@ class OutputProcessor:
     def _output(state: RequestState, new_token_ids: list[int], new_text: str,
                 finish_reason: str | None, stop_reason: int | str | None,
                 error: str | None) -> RequestOutput:
-        """A snapshot: later steps never change what a caller holds."""
-        completion = CompletionOutput(
-            index=0, text=state.text, token_ids=list(state.output_token_ids),
-            logprobs=None if state.logprobs is None else list(state.logprobs),
-            finish_reason=finish_reason, stop_reason=stop_reason)
+        """A snapshot: later steps never change what a caller holds. With DELTA outputs the
+        completion holds only what is new."""
+        if state.params.output_kind == RequestOutputKind.DELTA:
+            n = len(new_token_ids)
+            completion = CompletionOutput(
+                index=0, text=new_text, token_ids=list(new_token_ids),
+                logprobs=None if state.logprobs is None else state.logprobs[len(state.logprobs)
+                                                                            - n:],
+                finish_reason=finish_reason, stop_reason=stop_reason)
+        else:
+            completion = CompletionOutput(
+                index=0, text=state.text, token_ids=list(state.output_token_ids),
+                logprobs=None if state.logprobs is None else list(state.logprobs),
+                finish_reason=finish_reason, stop_reason=stop_reason)
         m = state.metrics
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt,

@@ -288,6 +288,8 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give a running sequence room for `num_tokens`, preempting the newest running ones as
         needed. False if `seq` itself had to be preempted."""
+        if self.block_manager.blocks_needed(seq, num_tokens) == 0:  # most decode steps
+            return True
         while not self.block_manager.can_allocate(seq, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)

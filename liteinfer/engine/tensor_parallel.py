@@ -1,9 +1,11 @@
 """Tensor parallelism: one process per rank, each running an engine core over its shard of the
-model (layers/linear.py splits the projections; the KV pool holds the rank's KV heads). Only
-rank 0's core has a front end: the other ranks never tokenize or detokenize.
+model (layers/linear.py splits the projections; the KV pool holds the rank's KV heads).
 
-Every rank runs the same EngineCore calls in the same order: rank 0, in the caller's process,
-sends each add_request / abort_requests / step to the other ranks before running it itself. Their
+Every rank runs the same EngineCore calls in the same order. Started from one process, rank 0
+spawns the others (WorkerGroup) and sends each add_request / abort_requests / step to them
+before running it itself; only rank 0's core has a front end, so the other ranks never tokenize
+or detokenize. Started by torchrun on one or several nodes, every rank runs the same program,
+so the same calls, by itself (as vLLM's external launcher does). Their
 schedulers therefore make the same decisions with the same number of KV blocks, their layers meet
 in the all-reduces of the row-parallel projections, and since the embedding, LM head and sampler
 are replicated, every rank samples the same tokens. Only rank 0's outputs reach the caller.
@@ -11,6 +13,8 @@ are replicated, every rank samples the same tokens. Only rank 0's outputs reach 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+from datetime import timedelta
 import threading
 from multiprocessing.connection import Connection
 from collections.abc import Callable
@@ -26,13 +30,31 @@ from liteinfer.utils import free_port
 RankMain = Callable[[int, str, str, EngineConfig, str, Connection], None]
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device: str) -> None:
-    """Joins the tensor-parallel group: NCCL with one GPU per rank, gloo on CPU."""
+# A collective that waits this long for a rank that stopped answering fails instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+class RankDiedError(RuntimeError):
+    """A tensor-parallel rank exited: the engine cannot go on."""
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torch's launcher (torchrun, one process per rank on each node)
+    started it, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"])
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: str,
+                     local_rank: int | None = None) -> None:
+    """Joins the tensor-parallel group: NCCL with one GPU per rank (the rank's GPU on its own
+    node), gloo on CPU."""
     on_cuda = torch.device(device).type == "cuda"
     if on_cuda:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
     dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size)
+                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
 
 
 class WorkerGroup:
@@ -81,13 +103,42 @@ class WorkerGroup:
 
     def call(self, method: str, *args: Any) -> None:
         """Has every other rank's engine run `method(*args)`."""
-        for conn in self.conns:
-            conn.send((method, args))
+        self.check()
+        try:
+            for conn in self.conns:
+                conn.send((method, args))
+        except OSError as e:  # a rank's end of the pipe closed: it is exiting
+            for proc in self.procs:
+                proc.join(timeout=1.0)
+            self.check()
+            raise RankDiedError(f"a tensor-parallel rank stopped answering: {e}") from e
+
+    def check(self) -> None:
+        """RankDiedError (the other ranks stopped) if any rank has exited. Called before each
+        call and when a step fails: a collective with a dead rank fails (gloo) or times out
+        (COLLECTIVE_TIMEOUT) rather than waiting forever."""
+        dead = [p for p in self.procs if p.exitcode is not None]
+        if dead:
+            self.kill()
+            raise RankDiedError(f"tensor-parallel {dead[0].name} exited (code "
+                                f"{dead[0].exitcode}); the engine has stopped")
+
+    def kill(self) -> None:
+        """Stops every other rank at once (no collective is waited for)."""
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.join()
 
     def shutdown(self) -> None:
         """Stops the other ranks; the caller has freed its own graphs (ModelRunner.release_graphs).
         All ranks leave the group at once, as NCCL's teardown waits for every one."""
-        self.call("shutdown")
+        try:
+            self.call("shutdown")
+        except RankDiedError:
+            dist.destroy_process_group()
+            return
         dist.destroy_process_group()
         for proc in self.procs:
             proc.join()

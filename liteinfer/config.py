@@ -183,6 +183,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Ranks the model is split over, one process (and on CUDA one GPU) each.
     tensor_parallel_size: int = 1
+    # "fp8": e4m3 linear layers (a bf16/fp16 checkpoint is quantized at load; a checkpoint's own
+    # FP8 quantization_config is used whatever this says). The LM head stays in the model dtype.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"          # auto: the model dtype; fp8: e4m3 K/V, twice the tokens
     seed: int = 0                         # dummy weights' seed (and sampling's in the CLI)
 
     @property

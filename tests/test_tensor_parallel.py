@@ -62,7 +62,7 @@ def test_a_rank_that_dies_stops_the_engine_in_bounded_time(tiny_llama_dir):
     procs = list(llm.engine.core.workers.procs)
     threading.Timer(1.0, procs[0].kill).start()
     start = time.monotonic()
-    with pytest.raises(RankDiedError, match="liteinfer-tp1 exited"):
+    with pytest.raises(RankDiedError, match="tensor-parallel"):
         llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=200,
                                                      ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - start < 30

@@ -1,7 +1,8 @@
 """Attention backends: each applies RoPE, writes K/V into the paged pool and attends over it."""
 from __future__ import annotations
 
-from liteinfer.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_pool
+from liteinfer.attention.base import (AttentionBackend, AttentionMetadata, allocate_kv_pool,
+                                      kv_cache_dtype)
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -17,4 +18,5 @@ def get_backend(name: str) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "allocate_kv_pool", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "allocate_kv_pool", "get_backend",
+           "kv_cache_dtype"]

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from liteinfer.kernels import FP8_DTYPE
+
 
 @dataclass
 class AttentionMetadata:
@@ -36,6 +38,21 @@ class AttentionMetadata:
     # and the partials' workspace, which a mixed step's split decoding rows use too.
     max_splits: int = 1
     workspace: Any = None
+
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type: "auto" the model dtype, "fp8" e4m3. FP8 K/V are stored unscaled
+    (scale 1, as vLLM without calibrated scales): e4m3's relative precision (2^-4) is the same
+    anywhere in its normal range [2^-6, 448], where a Llama model's K and V sit, so a
+    per-tensor scale would only matter beyond it; values past 448 are clamped."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8":
+        return FP8_DTYPE
+    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
 
 
 def allocate_kv_pool(*leading: int, num_blocks: int, block_size: int, num_kv_heads: int,

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from liteinfer.attention.base import AttentionBackend, AttentionMetadata
+from liteinfer.kernels import FP8_DTYPE, FP8_MAX
 from liteinfer.layers.rotary import apply_rotary_torch
 from liteinfer.utils import cdiv
 
@@ -16,18 +17,28 @@ def slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, t
     return slots // cache.shape[1], slots % cache.shape[1]
 
 
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a pool of `dtype` stores it; an e4m3 pool clamps to its finite range first."""
+    if dtype == FP8_DTYPE:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     valid = slot_mapping >= 0
     at = slot_rows(k_cache, slot_mapping[valid])
-    k_cache[at] = k[valid]
-    v_cache[at] = v[valid]
+    k_cache[at] = to_cache(k[valid], k_cache.dtype)
+    v_cache[at] = to_cache(v[valid], v_cache.dtype)
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, length, Hkv, D]: the first `length` cached tokens of each sequence."""
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, length, Hkv, D]: the first `length` cached tokens of each sequence, as `dtype`
+    (default: the pool's)."""
     num_blocks = cdiv(length, cache.shape[1])
-    return cache[block_tables[:, :num_blocks].long()].flatten(1, 2)[:, :length]
+    kv = cache[block_tables[:, :num_blocks].long()].flatten(1, 2)[:, :length]
+    return kv if dtype is None else kv.to(dtype)
 
 
 class TorchBackend(AttentionBackend):
@@ -51,16 +62,16 @@ class TorchBackend(AttentionBackend):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.is_prefill:
             length = max(meta.context_lens_host)
-            keys = gather_kv(k_cache, meta.block_tables, length)
-            values = gather_kv(v_cache, meta.block_tables, length)
+            keys = gather_kv(k_cache, meta.block_tables, length, q.dtype)
+            values = gather_kv(v_cache, meta.block_tables, length, q.dtype)
             mask = torch.arange(length, device=q.device)[None, None, :] < \
                 meta.context_lens[:, None, None]
             return self.attend(q[:, None], keys, values, mask, scale)[:, 0]
         out = torch.empty_like(q)
         start = 0
         for b, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):
-            keys = gather_kv(k_cache, meta.block_tables[b:b + 1], ctx)
-            values = gather_kv(v_cache, meta.block_tables[b:b + 1], ctx)
+            keys = gather_kv(k_cache, meta.block_tables[b:b + 1], ctx, q.dtype)
+            values = gather_kv(v_cache, meta.block_tables[b:b + 1], ctx, q.dtype)
             q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
             out[start:start + q_len] = self.attend(q[None, start:start + q_len], keys, values,

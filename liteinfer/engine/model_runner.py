@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend
+from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.runner_output import ModelRunnerOutput
@@ -15,6 +15,7 @@ from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
+from liteinfer.layers.quantization import process_weights_after_loading, quant_config
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
@@ -87,7 +88,8 @@ class ModelRunner:
             # Parameters are created on the device and filled tensor by tensor: the checkpoint
             # is never held twice.
             with torch.device(self.device):
-                ops = LayerOps(triton=self.use_triton, gemv=self.use_triton)
+                quant = quant_config(self.config.quantization, source.hf_config, load_format)
+                ops = LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
                 model = LlamaForCausalLM(self.model_config, self.backend, ops, self.tp_rank,
                                          self.tp_size)
         finally:
@@ -96,6 +98,7 @@ class ModelRunner:
             model.init_dummy_weights(self.config.seed)
         else:
             model.load_weights(source.iter_weights())
+        process_weights_after_loading(model)
         cfg = self.model_config
         model.cos_sin_cache = cos_sin_cache(cfg.head_dim, self.max_model_len, cfg.rope_theta,
                                             cfg.rope_scaling, self.device)
@@ -104,7 +107,8 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> torch.Tensor:
         cfg = self.model_config
         shape = (2, cfg.num_hidden_layers, self.block_size, self.num_kv_heads, cfg.head_dim)
-        block_bytes = torch.Size(shape).numel() * self.dtype.itemsize
+        dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
+        block_bytes = torch.Size(shape).numel() * dtype.itemsize
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         else:
@@ -127,7 +131,7 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         kv = allocate_kv_pool(2, cfg.num_hidden_layers, num_blocks=num_blocks,
                               block_size=self.block_size, num_kv_heads=self.num_kv_heads,
-                              head_dim=cfg.head_dim, dtype=self.dtype, device=self.device)
+                              head_dim=cfg.head_dim, dtype=dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0, i], kv[1, i]
         return kv

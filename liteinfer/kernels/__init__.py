@@ -1,12 +1,19 @@
 """Triton kernels: paged KV cache writes (with fused RoPE), paged decode attention (which also
 rotates and writes the step's own K/V), packed prefill attention, one-token linear layers with
-RMSNorm and SiLU-and-mul fused in, and the standalone RMSNorm and SiLU-and-mul.
+RMSNorm and SiLU-and-mul fused in, the standalone RMSNorm and SiLU-and-mul, and FP8 activation
+quantization.
 Import the submodules directly; importing this package pulls in nothing heavy."""
 from __future__ import annotations
 
 import functools
 
 import torch
+
+# FP8 (e4m3) as the kernels and the torch paths store it: values clamped to +-FP8_MAX, a row's
+# scale max|row| / FP8_MAX with max|row| at least MIN_AMAX (an all-zero row gets a finite one).
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_AMAX = 1e-10
 
 
 @functools.cache

@@ -24,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import num_sms, supports_pdl
+from liteinfer.kernels import FP8_DTYPE, num_sms, supports_pdl
 from liteinfer.kernels.decode_splits import (MAX_SPLITS_CAP, MIN_SPLIT_TOKENS, DecodeWorkspace,
                                              program_slots)
 from liteinfer.kernels.kv_cache import (first_tile_blocks, kv_tile_blocks, load_kv_rows,
-                                       pool_strides, slot_offset)
+                                       pool_strides, slot_offset, to_cache)
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
 MERGE_TILE = 4096  # fp32 partial elements the merging program loads at once (32 per thread)
@@ -58,7 +58,10 @@ def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
     """One online-softmax step over a K/V tile. Scores are in base 2; every row must have a
     visible key in its first tile so that m_i is finite from then on. The scale multiplies the
     row maxima and enters the exponent through one FMA a score, instead of a pass of its own
-    over the raw scores; the rescaled accumulator is the second product's addend."""
+    over the raw scores; the rescaled accumulator is the second product's addend. Tiles of an
+    e4m3 pool are widened to q's dtype here, in registers."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if APPLY_MASK:
         s = tl.where(mask, s, float("-inf"))
@@ -172,9 +175,9 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
         pos = tl.load(pos_ptr + b).to(tl.int64)
         cos = tl.load(cos_sin + pos * stride_cs + d % HALF)
         sin = tl.load(cos_sin + pos * stride_cs + HALF + d % HALF)
-        # Rounded to the cache dtype, as a separate RoPE kernel would store it.
+        # Rounded to the activation dtype, as a separate RoPE kernel would store it.
         q = _rope_rows(q_ptrs, d, h_mask[:, None], cos, sin, HALF, HEAD_DIM)
-        q = q.to(k_cache.dtype.element_ty)
+        q = q.to(q_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + b)
         # The new token is the row's last KV position: the split whose range holds it writes it
         # (padding rows have slot -1). The barrier makes the write visible to all the
@@ -185,8 +188,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
             v = tl.load(v_new + b * stride_vb + kvh * stride_vh + d)
             dst = (slot_offset(slot, BLOCK_SIZE, stride_pool_block, stride_pool_row)
                    + kvh * stride_pool_head + d)
-            tl.store(k_cache + dst[None, :], k.to(k_cache.dtype.element_ty))
-            tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty))
+            tl.store(k_cache + dst[None, :], to_cache(k, k_cache))
+            tl.store(v_cache + dst, to_cache(v, v_cache))
             tl.debug_barrier()
     else:
         q = tl.load(q_ptrs + d[None, :], mask=h_mask[:, None], other=0.0)
@@ -317,7 +320,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: torch.Tensor | None = None,
                            min_split_tokens: int = MIN_SPLIT_TOKENS) -> torch.Tensor:
     """q, out: [B, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D] with
-    equal strides, D contiguous;
+    equal strides, D contiguous, in q's dtype or e4m3;
     block_tables: int32 [B, max_blocks]; context_lens: int32 [B], 0 for padding rows (their
     output rows are zeros). With max_splits > 1 rows split as `decode_splits` describes (with
     `min_split_tokens`), or into num_splits[b] programs when that int32 [B] tensor is given,
@@ -332,7 +335,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
     assert num_q_heads % num_kv_heads == 0 and head_dim == triton.next_power_of_2(head_dim)
     assert block_tables.stride(-1) == 1 and 1 <= max_splits <= MAX_SPLITS_CAP
-    assert q.dtype == k_cache.dtype
+    assert k_cache.dtype in (q.dtype, FP8_DTYPE)
     group = num_q_heads // num_kv_heads
     tiles = decode_tiles(head_dim, block_size)
     splits_given = num_splits is not None

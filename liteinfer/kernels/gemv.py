@@ -14,6 +14,11 @@ flight, then reads the input row and reduces. Fused in:
 - `residual`: the output is added to the residual stream in place (an output projection); each
   program reads and writes only its own features.
 
+FP8 weights (e4m3, one scale per output row, `weight_scale`) are read as they are stored, so a
+step streams half the bytes; the input row stays in the activation dtype (weight-only
+dequantization: with one row the activation's bytes are nothing next to the weight's) and each
+output is multiplied by its row's scale after the reduction.
+
 Rounding follows the unfused layers of Hugging Face's Llama (norm.py, activation.py): each
 intermediate that is a tensor there is rounded to the activation dtype here.
 
@@ -29,16 +34,18 @@ import triton.language as tl
 
 from liteinfer.kernels import supports_pdl
 
-# Weight elements a program loads (16 KiB in bf16). The H200 sweep (scripts/bench_gemv.py)
-# found 4k-32k within a few percent on every projection of the 1B model.
+# Weight elements a program loads (16 KiB in bf16; twice as many, the same bytes, in fp8). The
+# H200 sweep (scripts/bench_gemv.py) found 4k-32k within a few percent on every projection of
+# the 1B model.
 TILE_ELEMENTS = 8192
 ELEMENTS_PER_THREAD = 64  # wider rows (K past 8k, e.g. an 8B model's down) get more warps
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
+def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                 ADD: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr):
+                 ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs < N
     k = tl.arange(0, BLOCK_K)
@@ -48,6 +55,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
     w = tl.load(w_rows, mask=w_mask, other=0.0)
     if GATED:
         w_up = tl.load(w_rows + N * stride_wn, mask=w_mask, other=0.0)
+    if W_SCALE:
+        scale = tl.load(w_scale_ptr + offs, mask=n_mask, other=0.0)
+        if GATED:
+            scale_up = tl.load(w_scale_ptr + N + offs, mask=n_mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -60,9 +71,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
         norm_w = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         xf = (norm_w * (xf * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     y = tl.sum(w.to(tl.float32) * xf[None, :], 1)
+    if W_SCALE:
+        y = y * scale
     if GATED:
         g = y.to(dtype).to(tl.float32)
-        up = tl.sum(w_up.to(tl.float32) * xf[None, :], 1).to(dtype).to(tl.float32)
+        up = tl.sum(w_up.to(tl.float32) * xf[None, :], 1)
+        if W_SCALE:
+            up = up * scale_up
+        up = up.to(dtype).to(tl.float32)
         y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
     if ADD:  # residual + (x W^T rounded), as Hugging Face's separate add
         y = y.to(dtype).to(tl.float32) + res
@@ -71,13 +87,19 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
          eps: float = 0.0, gated: bool = False, residual: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K]; weight: [N, K], or [2N, K] = [gate; up] when gated (rows contiguous).
+         out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """x: [1, K]; weight: [N, K], or [2N, K] = [gate; up] when gated (rows contiguous), in x's
+    dtype, or e4m3 with weight_scale (fp32, one per weight row).
     Returns out [1, N] = f(x) W^T, where f RMS-normalizes with norm_weight and eps when given.
     With residual ([1, N]), adds f(x) W^T to it in place instead and returns it."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
     in_features = x.shape[1]
-    assert weight.shape[1] == in_features and x.dtype == weight.dtype
+    assert weight.shape[1] == in_features
+    if weight_scale is not None:
+        assert weight_scale.shape == weight.shape[:1] and weight_scale.dtype == torch.float32
+    else:
+        assert x.dtype == weight.dtype
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if residual is not None:
         assert out is None and residual.dtype == x.dtype
@@ -85,13 +107,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     out = x.new_empty(1, n) if out is None else out
     assert out.shape == (1, n) and out.stride(-1) == 1
     block_k = triton.next_power_of_2(in_features)
-    block_n = max(1, TILE_ELEMENTS // ((1 + gated) * block_k))
+    tile_elements = TILE_ELEMENTS * (2 if weight_scale is not None else 1)
+    block_n = max(1, tile_elements // ((1 + gated) * block_k))
     tile = (1 + gated) * block_n * block_k
     num_warps = min(16, max(4, tile // (32 * ELEMENTS_PER_THREAD)))
     pdl = supports_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, norm_weight if norm_weight is not None else weight, eps, n, in_features,
+        x, weight, weight_scale if weight_scale is not None else x, out,
+        norm_weight if norm_weight is not None else weight, eps, n, in_features,
         weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-        ADD=residual is not None, GATED=gated, USE_PDL=pdl, num_warps=num_warps,
+        ADD=residual is not None, GATED=gated, W_SCALE=weight_scale is not None, USE_PDL=pdl,
+        num_warps=num_warps,
         launch_pdl=pdl)
     return out

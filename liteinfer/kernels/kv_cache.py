@@ -4,13 +4,27 @@ attention kernels share.
 A layer's pool is indexed [num_blocks, block_size, num_kv_heads, head_dim] (head_dim
 contiguous); the kernels take its other strides from the tensor, so the memory order of
 blocks, rows and heads is the allocator's (attention.base.allocate_kv_pool). A token's flat
-slot is block_id * block_size + row; slot -1 marks a padding token that is not written.
+slot is block_id * block_size + row; slot -1 marks a padding token that is not written. A pool
+of e4m3 holds K/V unscaled (attention.base.kv_cache_dtype): writes clamp to its range, and the
+attention kernels widen the tiles they load to the query's dtype in registers.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from liteinfer.kernels import FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def to_cache(x, cache):
+    """x as the pool `cache` stores it; an e4m3 pool clamps to its finite range first."""
+    if cache.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX)
+    return x.to(cache.dtype.element_ty)
 
 
 @triton.jit
@@ -128,10 +142,10 @@ def _store_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache, v_cache
     if slot >= 0:
         dst = (slot_offset(slot, BLOCK_SIZE, stride_pool_block, stride_pool_row)
                + kh[:, None] * stride_pool_head + d[None, :])
-        tl.store(k_cache + dst, k1.to(k_cache.dtype.element_ty), mask=kv_mask)
-        tl.store(k_cache + dst + HALF, k2.to(k_cache.dtype.element_ty), mask=kv_mask)
-        tl.store(v_cache + dst, v1.to(v_cache.dtype.element_ty), mask=kv_mask)
-        tl.store(v_cache + dst + HALF, v2.to(v_cache.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache + dst, to_cache(k1, k_cache), mask=kv_mask)
+        tl.store(k_cache + dst + HALF, to_cache(k2, k_cache), mask=kv_mask)
+        tl.store(v_cache + dst, to_cache(v1, v_cache), mask=kv_mask)
+        tl.store(v_cache + dst + HALF, to_cache(v2, v_cache), mask=kv_mask)
 
 
 def _launch(query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor,

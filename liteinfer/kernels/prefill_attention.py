@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from liteinfer.kernels import FP8_DTYPE
 from liteinfer.kernels.decode_attention import (LOG2E, attend_kv_range, decode_tiles,
                                                 dot_precision, finish_split, query_rows,
                                                 softmax_tile, split_range, workspace_args)
@@ -139,7 +140,7 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              workspace: DecodeWorkspace | None = None,
                              with_decodes: bool = False) -> torch.Tensor:
     """q, out: [T, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D] with
-    equal strides, D contiguous;
+    equal strides, D contiguous, in q's dtype or e4m3;
     cu_seqlens_q: int32 [B+1]; context_lens: int32 [B] (>= each q_len; KV of this step
     already in the pool); block_tables: int32 [B, max_blocks]; tile_map: int32 [N, 2] from
     prefill_tile_map with `tile_tokens` query tokens a tile (prefill_tile_tokens), decoding rows
@@ -155,7 +156,7 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     assert num_q_heads % num_kv_heads == 0 and head_dim == triton.next_power_of_2(head_dim)
     assert cu_seqlens_q.shape[0] == context_lens.shape[0] + 1 and block_tables.stride(-1) == 1
     assert tile_map.is_contiguous() and tile_map.shape[1:] == (2,)
-    assert q.dtype == k_cache.dtype
+    assert k_cache.dtype in (q.dtype, FP8_DTYPE)
     if num_tokens == 0 or tile_map.shape[0] == 0:
         return out
     group = num_q_heads // num_kv_heads

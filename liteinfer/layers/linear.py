@@ -2,7 +2,9 @@
 
 Fused projections (q/k/v, gate/up) are one matmul each; their `weight_loader` copies each
 checkpoint shard into its rows. The tensor-parallel split (column or row) is a constructor
-argument so sharded serving reuses these classes; with tp_size 1 they are plain linears.
+argument so sharded serving reuses these classes; with tp_size 1 they are plain linears. How the
+weight is stored and multiplied is the layer's `LinearMethod` (unquantized here, FP8 in
+layers/quantization/fp8.py), chosen by the quantization config the model passes.
 
 Llama's residual stream flows through them: a pre-norm projection (`forward_normed`) reads
 norm(stream), and an output projection (`forward_add`) adds its result to the stream in place,
@@ -14,14 +16,50 @@ behind gate/up and the residual add behind an output projection.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from liteinfer.layers.quantization.base import LinearMethod
+
 if TYPE_CHECKING:
     from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
+    from liteinfer.layers.quantization import QuantConfig
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """The weight in the model dtype; cuBLAS, or the GEMV kernel for one token."""
+
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features))
+        layer.weight.weight_loader = layer.weight_loader
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing to convert: the weight is used as loaded."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.one_token(x):
+            from liteinfer.kernels.gemv import gemv
+            return gemv(x, layer.weight, residual=residual)
+        if residual is None:
+            return nn.functional.linear(x, layer.weight)
+        return residual.addmm_(x, layer.weight.t())
+
+    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
+                     act: SiluAndMul | None) -> torch.Tensor:
+        if layer.one_token(x):
+            from liteinfer.kernels.gemv import gemv
+            return gemv(x, layer.weight, norm_weight=norm.weight, eps=norm.eps,
+                        gated=act is not None)
+        y = nn.functional.linear(norm(x), layer.weight)
+        return y if act is None else act(y)
+
+
+def linear_method(quant_config: QuantConfig | None) -> LinearMethod:
+    return UnquantizedLinearMethod() if quant_config is None else quant_config.linear_method()
 
 
 class _ShardedLinear(nn.Module):
@@ -29,7 +67,7 @@ class _ShardedLinear(nn.Module):
     1: input columns); each rank holds and loads its own slice."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int, tp_size: int,
-                 dim: int, use_gemv: bool):
+                 dim: int, use_gemv: bool, quant_config: QuantConfig | None):
         super().__init__()
         shape = [out_features, in_features]
         if shape[dim] % tp_size:
@@ -38,102 +76,92 @@ class _ShardedLinear(nn.Module):
         shape[dim] //= tp_size
         self.tp_rank, self.tp_size, self.dim = tp_rank, tp_size, dim
         self.use_gemv = use_gemv
-        self.weight = nn.Parameter(torch.empty(shape))
-        self.weight.weight_loader = self.weight_loader
+        # Checkpoint shard -> (first row, rows) of this rank's output rows.
+        self.offsets: dict[str | None, tuple[int, int]] = {None: (0, shape[0])}
+        self.quant_method = linear_method(quant_config)
+        self.quant_method.create_weights(self, *shape)
 
-    def _one_token(self, x: torch.Tensor) -> bool:
-        return self.use_gemv and x.shape[0] == 1
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, self.weight)
-        return nn.functional.linear(x, self.weight)
+    def one_token(self, x: Any) -> bool:
+        return self.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] == 1
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: str | None = None) -> None:
-        size = param.shape[self.dim]
-        param.data.copy_(loaded.narrow(self.dim, self.tp_rank * size, size))
+        """Copies this rank's part of a checkpoint tensor (a whole projection, or shard `shard`
+        of a fused one) into param's output rows. A 1-D param (per-row scales) follows the
+        output rows only."""
+        start, rows = self.offsets[shard]
+        if self.dim == 0:
+            loaded = loaded.narrow(0, self.tp_rank * rows, rows)
+        elif param.dim() == 2:
+            cols = param.shape[1]
+            loaded = loaded.narrow(1, self.tp_rank * cols, cols)
+        param.data[start:start + rows].copy_(loaded)
 
 
 class ColumnParallelLinear(_ShardedLinear):
     """y = x W^T with W's output rows split across tensor-parallel ranks."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
-                 use_gemv: bool = False, bias: bool = False):
-        super().__init__(in_features, out_features, tp_rank, tp_size, dim=0, use_gemv=use_gemv)
-        # Split like the weight's rows (Qwen2's q/k/v biases).
-        self.bias = nn.Parameter(torch.empty(self.weight.shape[0])) if bias else None
+                 use_gemv: bool = False, quant_config: QuantConfig | None = None,
+                 bias: bool = False):
+        super().__init__(in_features, out_features, tp_rank, tp_size, 0, use_gemv, quant_config)
+        # Added after the projection, split like its rows (Qwen2's q/k/v biases; no layer that
+        # an activation follows has one).
+        self.bias = nn.Parameter(torch.empty(self.offsets[None][1])) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._add_bias(self._matmul(x))
+    def forward(self, x: Any) -> torch.Tensor:
+        return self._add_bias(self.quant_method.apply(self, x))
 
     def forward_normed(self, x: torch.Tensor, norm: RMSNorm,
-                       act: SiluAndMul | None = None) -> torch.Tensor:
-        """act(norm(x) W^T + b): the pre-norm projection of a Llama block. act, when given, is
-        the SwiGLU over this layer's [gate; up] output."""
-        if self._one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            fuse_act = act is not None and self.bias is None
-            y = gemv(x, self.weight, norm_weight=norm.weight, eps=norm.eps, gated=fuse_act)
-            if fuse_act:
-                return y
-        else:
-            y = self._matmul(norm(x))
-        y = self._add_bias(y)
-        return y if act is None else act(y)
+                       act: SiluAndMul | None = None) -> Any:
+        """act(norm(x) W^T) or norm(x) W^T + b: the pre-norm projection of a Llama block. act,
+        when given, is the SwiGLU over this layer's [gate; up] output."""
+        y = self.quant_method.apply_normed(self, x, norm, act)
+        return y if act is not None else self._add_bias(y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stacked into one matmul (gate and up)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], tp_rank: int = 0,
-                 tp_size: int = 1, use_gemv: bool = False, bias: bool = False):
+                 tp_size: int = 1, use_gemv: bool = False,
+                 quant_config: QuantConfig | None = None, bias: bool = False):
         super().__init__(in_features, sum(shard_sizes.values()), tp_rank, tp_size, use_gemv,
-                         bias)
-        self.offsets: dict[str, tuple[int, int]] = {}
+                         quant_config, bias)
         start = 0
         for name, size in shard_sizes.items():
             self.offsets[name] = (start, size // tp_size)
             start += size // tp_size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard: str | None = None) -> None:
-        start, rows = self.offsets[shard]
-        param.data[start:start + rows].copy_(loaded[self.tp_rank * rows:(self.tp_rank + 1) * rows])
-
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  tp_rank: int = 0, tp_size: int = 1, use_gemv: bool = False,
-                 bias: bool = False):
+                 quant_config: QuantConfig | None = None, bias: bool = False):
         if num_kv_heads % tp_size:
             raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
         super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
                                        "v": num_kv_heads * head_dim}, tp_rank, tp_size,
-                         use_gemv, bias)
+                         use_gemv, quant_config, bias)
 
 
 class RowParallelLinear(_ShardedLinear):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
-                 use_gemv: bool = False):
-        super().__init__(in_features, out_features, tp_rank, tp_size, dim=1, use_gemv=use_gemv)
+                 use_gemv: bool = False, quant_config: QuantConfig | None = None):
+        super().__init__(in_features, out_features, tp_rank, tp_size, 1, use_gemv, quant_config)
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+    def forward_add(self, x: Any, residual: torch.Tensor) -> None:
         """residual += x W^T, in place (under tensor parallelism, the all-reduced sum)."""
         if self.tp_size > 1:
-            y = self._matmul(x)
+            y = self.quant_method.apply(self, x)
             dist.all_reduce(y)
             residual.add_(y)
-        elif self._one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            gemv(x, self.weight, residual=residual)
         else:
-            residual.addmm_(x, self.weight.t())
+            self.quant_method.apply(self, x, residual)

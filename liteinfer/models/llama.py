@@ -19,15 +19,18 @@ from liteinfer.layers.linear import (
     RowParallelLinear,
 )
 from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
+from liteinfer.layers.quantization import QuantConfig
 
 
 @dataclass(frozen=True)
 class LayerOps:
     """Which kernels the layers run: `triton` for RMSNorm and SiLU-and-mul (else plain torch),
-    `gemv` for one-token projections with the norms and SwiGLU fused in (kernels/gemv.py)."""
+    `gemv` for one-token projections with the norms and SwiGLU fused in (kernels/gemv.py),
+    `quant` for the decoder layers' linears (the LM head stays in the model dtype)."""
 
     triton: bool = False
     gemv: bool = False
+    quant: QuantConfig | None = None
 
 
 class LlamaAttention(nn.Module):
@@ -40,9 +43,9 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv,
-                                          bias=cfg.qkv_bias)
+                                          ops.quant, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        tp_rank, tp_size, ops.gemv)
+                                        tp_rank, tp_size, ops.gemv, ops.quant)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton)
@@ -74,8 +77,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": size, "up": size},
-                                                       tp_rank, tp_size, ops.gemv)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv)
+                                                       tp_rank, tp_size, ops.gemv, ops.quant)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv,
+                                           ops.quant)
         self.act = SiluAndMul(ops.triton)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:

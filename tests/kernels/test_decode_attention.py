@@ -30,9 +30,9 @@ def _workspace(batch, num_q_heads, head_dim, max_splits, device) -> DecodeWorksp
 
 def _check(PagedKV, attention_ref, assert_close, contexts, num_q_heads, num_kv_heads, head_dim,
            block_size, dtype, device, max_splits, num_splits=None, ws=None, head_major=True,
-           min_split_tokens=MIN_SPLIT_TOKENS):
+           min_split_tokens=MIN_SPLIT_TOKENS, kv_dtype=None):
     kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device,
-                 head_major=head_major)
+                 head_major=head_major, kv_dtype=kv_dtype)
     batch = len(contexts)
     q = torch.randn(batch, num_q_heads, head_dim, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))
@@ -62,6 +62,19 @@ def test_decode_matches_reference(PagedKV, attention_ref, assert_close, needs_do
     num_kv_heads = 32 // group if full else 2
     _check(PagedKV, attention_ref, assert_close, _contexts(full, block_size),
            num_kv_heads * group, num_kv_heads, head_dim, block_size, dtype, device, max_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("max_splits", [1, 4])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_reads_fp8_pool(PagedKV, attention_ref, assert_close, needs_dot, device, full,
+                               group, max_splits, dtype):
+    """An e4m3 pool: its tiles are widened to q's dtype in registers, so the output matches
+    attention over the pool's own (e4m3) values within q's dtype's tolerance."""
+    needs_dot(dtype)
+    num_kv_heads = 8 if full else 2
+    _check(PagedKV, attention_ref, assert_close, _contexts(full, 16), num_kv_heads * group,
+           num_kv_heads, 128, 16, dtype, device, max_splits, kv_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
@@ -160,19 +173,24 @@ def test_kernel_split_counts(PagedKV, device):
     assert _kernel_split_counts(PagedKV, contexts, 2, heads, device, 16) == [1] * 30 + [2, 1, 1, 2]
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["kv-auto", "kv-fp8"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("max_splits", [1, 4, 8])
 @pytest.mark.parametrize("group", [1, 4])
 def test_decode_writes_new_token(PagedKV, at, attention_ref, rope_ref, qkv_views, assert_close,
-                                 needs_dot, device, full, group, max_splits, dtype):
+                                 needs_dot, request, device, full, group, max_splits, dtype,
+                                 kv_dtype):
     """With NewKV the kernel rotates q and the new key, writes key and value at the row's last
     KV position (poisoned with NaN until then, so reading it unwritten fails), and attends over
-    it. Per-row split counts put that position in first, middle and last splits."""
+    it. Per-row split counts put that position in first, middle and last splits. An e4m3 pool
+    stores the key and value rounded to e4m3, and the output is attention over what it holds."""
     needs_dot(dtype)
+    if kv_dtype is not None:
+        request.getfixturevalue("needs_fp8_store")
     contexts = _contexts(full, 16, batch=24) if full else [1, 16, 129, 300, 0, 257]
     num_kv_heads, head_dim, batch = (8 if full else 2), 64, len(contexts)
     num_q_heads = num_kv_heads * group
-    kv = PagedKV(contexts, num_kv_heads, head_dim, 16, dtype, device)
+    kv = PagedKV(contexts, num_kv_heads, head_dim, 16, dtype, device, kv_dtype=kv_dtype)
     last = torch.tensor([kv.slots(b)[-1].item() if c else -1 for b, c in enumerate(contexts)],
                         device=device)
     kv.k_cache[at(kv.k_cache, last[last >= 0])] = float("nan")
@@ -193,7 +211,11 @@ def test_decode_writes_new_token(PagedKV, at, attention_ref, rope_ref, qkv_views
     rows = [b for b, c in enumerate(contexts) if c > 0]
     assert (out[[b for b in range(batch) if b not in rows]] == 0).all()
     written = at(kv.k_cache, last[rows])
-    assert torch.equal(kv.v_cache[written], v[rows])
+    if kv_dtype is None:
+        assert torch.equal(kv.v_cache[written], v[rows])
+    else:
+        assert torch.equal(kv.v_cache[written].view(torch.uint8),
+                           v[rows].to(kv_dtype).view(torch.uint8))
     assert_close(kv.k_cache[written], rope_ref(k[rows], positions[rows], cos_sin))
     q_rot = rope_ref(q, positions, cos_sin)
     ref = torch.stack([attention_ref(q_rot[b:b + 1], *kv.kv64(b, num_q_heads), contexts[b] - 1,

@@ -72,3 +72,36 @@ def test_gemv_normed(assert_close, device, full, dtype, gated):
             gate, up = _rounded(y[:, :n], dtype), _rounded(y[:, n:], dtype)
             y = _rounded(torch.nn.functional.silu(gate), dtype) * up
         assert_close(out, y)
+
+
+def _fp8_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 rows with per-row scales, and their float64 value."""
+    w = torch.randn(n, k, device=device) * k ** -0.5
+    scale = w.abs().amax(1) / 448
+    q = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gated", [False, True])
+def test_gemv_fp8_weight(assert_close, device, full, dtype, gated):
+    """e4m3 weights with a scale per row, the input in the model dtype: plain, with the
+    residual add, and normed (SwiGLU-gated or not), against float64 over the e4m3 values."""
+    for k, n in _shapes(full):
+        x = torch.randn(1, k, dtype=dtype, device=device)
+        weight, scale = _fp8_weight(2 * n if gated else n, k, device)
+        w64 = weight.double() * scale.double()[:, None]
+        norm_weight = torch.rand(k, dtype=dtype, device=device) + 0.5
+        out = gemv(x, weight, norm_weight=norm_weight, eps=1e-5, gated=gated,
+                   weight_scale=scale)
+        y = _normed_ref(x, norm_weight, 1e-5) @ w64.T
+        if gated:
+            gate, up = _rounded(y[:, :n], dtype), _rounded(y[:, n:], dtype)
+            y = _rounded(torch.nn.functional.silu(gate), dtype) * up
+        assert_close(out, y)
+        if gated:
+            continue
+        residual = torch.randn(1, n, dtype=dtype, device=device)
+        before = residual.clone()
+        gemv(x, weight, residual=residual, weight_scale=scale)
+        assert_close(residual, before.double() + _rounded(x.double() @ w64.T, dtype))

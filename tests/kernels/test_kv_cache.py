@@ -69,3 +69,24 @@ def test_rope_store_kv(random_pool, expected_pool, assert_close, rope_ref, qkv_v
     # The pool holds exactly the rotated key written back in place; nothing else changed.
     assert torch.equal(k_cache, expected_pool(k_cache_before, slots, k))
     assert torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_fp8_pool(pool, expected_pool, qkv_views, needs_fp8_store, device, full,
+                           dtype):
+    """An e4m3 pool holds each K/V value rounded to nearest e4m3, values past its +-448 range
+    clamped, and nothing else changes."""
+    num_tokens, heads, dim = (4096, 8, 128) if full else (37, 2, 64)
+    num_blocks = -(-2 * num_tokens // 16) + 1
+    k_cache, v_cache = (pool(num_blocks, 16, heads, dim, torch.float32, device).normal_()
+                        .to(torch.float8_e4m3fn) for _ in range(2))
+    slots = torch.randperm(num_blocks * 16, device=device)[:num_tokens]
+    slots[::3] = -1
+    _, key, value = qkv_views(num_tokens, heads, heads, dim, dtype, device)
+    key.mul_(200)  # about 3% of the keys past 448
+    stored = [(t.float().clamp(-448, 448)).to(torch.float8_e4m3fn) for t in (key, value)]
+    expected_k = expected_pool(k_cache, slots, stored[0])
+    expected_v = expected_pool(v_cache, slots, stored[1])
+    store_kv(key, value, k_cache, v_cache, slots)
+    for got, expected in ((k_cache, expected_k), (v_cache, expected_v)):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))

@@ -15,7 +15,7 @@ from liteinfer.kernels.prefill_tiles import (DECODE_CHUNK_TOKENS, decode_entries
 
 def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads, head_dim,
            block_size, dtype, device, first_seq=0, spare_tiles=0, head_major=True,
-           decode_splits=()):
+           decode_splits=(), kv_dtype=None):
     """seqs: (q_len, context_len) per sequence; context_len - q_len tokens are a cached
     prefix. Only the decoding rows (the first sequences, one query token each, in
     decode_splits[b] programs) and the sequences from `first_seq` on are mapped (the rows of
@@ -24,7 +24,7 @@ def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads
     q_lens = [q for q, _ in seqs]
     contexts = [c for _, c in seqs]
     kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device,
-                 head_major=head_major)
+                 head_major=head_major, kv_dtype=kv_dtype)
     cu = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))
@@ -65,6 +65,21 @@ def test_prefill_matches_reference(PagedKV, attention_ref, assert_close, needs_d
         seqs, num_kv_heads = [(1, 1), (150, 150), (20, 37), (3, 70), (64, 64)], 1
     _check(PagedKV, attention_ref, assert_close, seqs, num_kv_heads * group, num_kv_heads,
            head_dim, block_size, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_reads_fp8_pool(PagedKV, attention_ref, assert_close, needs_dot, device, full,
+                                group, dtype):
+    """An e4m3 pool, widened in registers: prompts, chunks after cached prefixes and decoding
+    rows in splits, against attention over the pool's own values."""
+    needs_dot(dtype)
+    if full:
+        seqs, num_kv_heads = [(1, 3000), (1, 90), (700, 700), (3000, 5000), (64, 2111)], 8
+    else:
+        seqs, num_kv_heads = [(1, 300), (1, 40), (150, 150), (20, 37), (3, 70)], 1
+    _check(PagedKV, attention_ref, assert_close, seqs, num_kv_heads * group, num_kv_heads, 128,
+           16, dtype, device, first_seq=2, decode_splits=(3, 1), kv_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(9, 3), (6, 1)])

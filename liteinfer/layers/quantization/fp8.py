@@ -1,0 +1,174 @@
+"""FP8 (e4m3) linear layers: per-output-channel weight scales, activations quantized per token.
+
+y = (x_q W_q^T) * s_x * s_w, where W_q holds each output row divided by its scale s_w (max |row| /
+448) and x_q each token's row divided by its s_x (dynamic: max |x| / 448; static: the
+checkpoint's `input_scale`). The activation is quantized by the kernel that produces it: the
+RMSNorm in front of qkv and gate/up, the SwiGLU in front of down (kernels/norm.py,
+kernels/activation.py); only o_proj's input, the attention output, takes a pass of its own.
+On CUDA the product is `torch._scaled_mm` (an FP8 GEMM with row-wise scales) and a one-token
+step the GEMV kernel, which streams the e4m3 weight and keeps the activation in the model dtype.
+Elsewhere (the CPU) the weight is dequantized once loaded, and each activation is quantized and
+dequantized per token before a plain matmul: the same operands the GPU multiplies, so CPU tests
+check the numbers it computes, at the speed of an unquantized model.
+
+A bf16/fp16/fp32 checkpoint is quantized after loading (`process_weights_after_loading`); an FP8
+checkpoint (compressed-tensors) loads e4m3 weights and their scales as they are, per-tensor
+scales spread over their shard's rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
+
+from liteinfer.kernels import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from liteinfer.layers.norm_act import rms_norm_torch, silu_and_mul_torch
+from liteinfer.layers.quantization.base import LinearMethod
+
+if TYPE_CHECKING:
+    from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """serialized: the checkpoint holds e4m3 weights and `weight_scale`s (else the weights are
+    quantized at load). static_input: activations use the checkpoint's `input_scale`."""
+
+    serialized: bool = False
+    static_input: bool = False
+
+    def linear_method(self) -> LinearMethod:
+        return Fp8LinearMethod(self)
+
+
+class Fp8Activation(NamedTuple):
+    """An activation quantized per token: e4m3 [T, K] and fp32 scales [T, 1]."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                       ) -> Fp8Activation:
+    """torch's version of kernels/quant_fp8.py: each row of x [T, K] over its own scale (or
+    static_scale, fp32 [1])."""
+    xf = x.float()
+    if static_scale is None:
+        scale = xf.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    return Fp8Activation((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 rows of weight [N, K] and their fp32 scales [N]."""
+    q = quantize_per_token(weight)
+    return q.data, q.scale.reshape(-1)
+
+
+def dequantize(x: Fp8Activation, dtype: torch.dtype) -> torch.Tensor:
+    return (x.data.float() * x.scale).to(dtype)
+
+
+def fp8_matmul(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """(x.data weight^T) * x.scale * weight_scale as out_dtype, on CUDA. `torch._scaled_mm`
+    with row-wise scales writes bf16 only; other dtypes (GPU tests in fp32) multiply the e4m3
+    values in fp32."""
+    if out_dtype == torch.bfloat16:
+        return torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
+                                scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype)
+    y = x.data.float() @ weight.float().t()
+    return (y * x.scale * weight_scale.reshape(1, -1)).to(out_dtype)
+
+
+class Fp8LinearMethod(LinearMethod):
+    def __init__(self, config: Fp8Config):
+        self.config = config
+        self.out_dtype = torch.get_default_dtype()  # the model dtype, as the layer is built
+
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        dtype = FP8_DTYPE if self.config.serialized else None  # None: the model dtype
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                    requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+        if self.config.serialized:
+            layer.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32),
+                                              requires_grad=False)
+            layer.weight_scale.weight_loader = self._scale_loader(layer)
+        if self.config.static_input:
+            # The largest of a fused layer's shards' scales: none of them clips.
+            layer.input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32),
+                                             requires_grad=False)
+            layer.input_scale.weight_loader = _max_loader
+
+    @staticmethod
+    def _scale_loader(layer: nn.Module):
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+            rows = layer.offsets[shard][1] * (layer.tp_size if layer.dim == 0 else 1)
+            loaded = loaded.float().reshape(-1)
+            if loaded.numel() == 1:  # per-tensor: the shard's rows share it
+                loaded = loaded.expand(rows)
+            layer.weight_loader(param, loaded, shard)
+        return load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.config.serialized:
+            weight, scale = quantize_weight(layer.weight.data)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if not layer.weight.is_cuda:
+            deq = layer.weight.data.float() * layer.weight_scale.data[:, None]
+            layer.weight = nn.Parameter(deq.to(self.out_dtype), requires_grad=False)
+            layer.weight_scale = None
+
+    def _input_scale(self, layer: nn.Module) -> torch.Tensor | None:
+        return layer.input_scale if self.config.static_input else None
+
+    def _quantize(self, layer: nn.Module, x: torch.Tensor) -> Fp8Activation:
+        if x.is_cuda:
+            from liteinfer.kernels.quant_fp8 import per_token_quant_fp8
+            return Fp8Activation(*per_token_quant_fp8(x, self._input_scale(layer)))
+        return quantize_per_token(x, self._input_scale(layer))
+
+    def _matmul(self, layer: nn.Module, x: Fp8Activation) -> torch.Tensor:
+        if layer.weight_scale is None:  # dequantized (off CUDA)
+            return nn.functional.linear(dequantize(x, self.out_dtype), layer.weight)
+        return fp8_matmul(x, layer.weight, layer.weight_scale, self.out_dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.one_token(x):
+            from liteinfer.kernels.gemv import gemv
+            return gemv(x, layer.weight, weight_scale=layer.weight_scale, residual=residual)
+        y = self._matmul(layer, x if isinstance(x, Fp8Activation) else self._quantize(layer, x))
+        return y if residual is None else residual.add_(y)
+
+    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
+                     act: SiluAndMul | None) -> torch.Tensor | Fp8Activation:
+        if layer.one_token(x):
+            from liteinfer.kernels.gemv import gemv
+            return gemv(x, layer.weight, norm_weight=norm.weight, eps=norm.eps,
+                        gated=act is not None, weight_scale=layer.weight_scale)
+        static = self._input_scale(layer)
+        if x.is_cuda:
+            from liteinfer.kernels.norm import rms_norm_fp8
+            xq = Fp8Activation(*rms_norm_fp8(x, norm.weight, norm.eps, static))
+        else:
+            xq = quantize_per_token(rms_norm_torch(x, norm.weight, norm.eps), static)
+        y = self._matmul(layer, xq)
+        if act is None:
+            return y
+        if self.config.static_input:  # down_proj quantizes it over its own static scale
+            return act(y)
+        # Dynamic scales: the SwiGLU kernel quantizes its output for down_proj on its way out.
+        if y.is_cuda:
+            from liteinfer.kernels.activation import silu_and_mul_fp8
+            return Fp8Activation(*silu_and_mul_fp8(y))
+        return quantize_per_token(silu_and_mul_torch(y))
+
+
+def _max_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1)))

@@ -5,6 +5,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from liteinfer.structured_output import StructuredOutputsParams
+
 # What torch.Generator.manual_seed takes: signed or unsigned 64-bit.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_N = 128
@@ -50,6 +52,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match this JSON schema, regex, choice or grammar (vLLM's).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

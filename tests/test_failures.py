@@ -75,10 +75,10 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_llama_dir
                     max_num_seqs=2)
     sample = Sampler.sample
 
-    def poisoned(self, logits, seqs):
+    def poisoned(self, logits, seqs, *rest):
         if any(s.sampling_params.max_tokens == 7 for s in seqs):
             raise RuntimeError("sampler exploded")
-        return sample(self, logits, seqs)
+        return sample(self, logits, seqs, *rest)
 
     monkeypatch.setattr(Sampler, "sample", poisoned)
     params = [greedy(7)] + [greedy()] * (len(prompts) - 1)

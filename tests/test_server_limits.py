@@ -135,8 +135,8 @@ def test_framework_errors_are_openai_errors(url):
 def test_unsupported_fields_and_zero_lengths_are_refused(url):
     cases = [("/v1/completions", {"suffix": "!"}, "suffix"),
              ("/v1/completions", {"best_of": 3}, "best_of"),
-             ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-             ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+             ("/v1/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+             ("/v1/completions", {"guided_json": {"type": "objectx"}}, "JSON schema"),
              ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
              ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
              ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
@@ -162,7 +162,8 @@ def test_unsupported_fields_and_zero_lengths_are_refused(url):
                                 needle)
         # Their neutral values are accepted; so are the ends of the seed range.
         ok = c.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [{}],
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
             "tool_choice": "none", "response_format": {"type": "text"}, "seed": 2**64 - 1})
         assert ok.status_code == 200, ok.text
         ok = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2,

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -25,6 +25,7 @@ from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import (WorkerGroup, init_distributed, serve_rank,
                                               torchrun_rank)
 from liteinfer.loader import ModelSource, load_model_source
+from liteinfer.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ class InFlight:
 
     scheduled: SchedulerOutput
     output: ModelRunnerOutput
+    # Set once the step's tokens are read (early when the next step's grammar needs them).
+    outputs: list[EngineCoreOutput] | None = None
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -79,6 +82,9 @@ class EngineCore:
     host schedules step N+1 while the device still runs step N (overlap scheduling); step N's
     sampled tokens feed step N+1 on the device and reach the host afterwards. A step whose
     requests need every earlier token on the host (penalties) is read back before the next.
+    A step that samples for constrained requests (structured outputs) reads the step before it
+    once its own forward pass is launched, so that their grammars have every token before the
+    bitmask is filled: the device keeps running, and only sampling waits for the host.
 
     A step that raises fails its own requests (finish reason "error", blocks returned); the
     others, and the core, go on. A tensor-parallel rank that exits is fatal (RankDiedError).
@@ -119,6 +125,10 @@ class EngineCore:
                                    config.max_num_batched_tokens, self.max_model_len,
                                    config.mixed_prompt_tokens, self.eos_token_ids)
         self.inflight: InFlight | None = None
+        self.structured_output = StructuredOutputManager(
+            source.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        # Constrained requests whose grammar is still compiling; queued once it is ready.
+        self.compiling: list[Sequence] = []
 
     @property
     def info(self) -> EngineCoreInfo:
@@ -136,9 +146,19 @@ class EngineCore:
         if n == 0 or n + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) must fit "
                              f"in max_model_len={self.max_model_len}")
+        constraint = params.structured_outputs
+        if constraint is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError("structured outputs are not supported with tensor parallelism")
         if self.workers is not None:
             self.workers.call("add_request", request)
-        self.scheduler.add(Sequence(request.request_id, request.prompt_token_ids, params))
+        seq = Sequence(request.request_id, request.prompt_token_ids, params)
+        if constraint is not None:
+            self.structured_output.add_request(request.request_id, constraint)
+        # A grammar compiled before (cached) is ready at once and keeps the request's place.
+        if constraint is None or self.structured_output.is_ready(request.request_id):
+            self.scheduler.add(seq)
+        else:
+            self.compiling.append(seq)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finishes the named requests (unknown or finished ones are ignored). No output is
@@ -147,9 +167,13 @@ class EngineCore:
         if self.workers is not None:
             self.workers.call("abort_requests", request_ids)
         self.scheduler.finish_requests(request_ids, "abort")
+        aborted = set(request_ids)
+        self.compiling = [s for s in self.compiling if s.request_id not in aborted]
+        for rid in request_ids:
+            self.structured_output.finish_request(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or (
+        return self.scheduler.has_unfinished() or bool(self.compiling) or (
             self.inflight is not None
             and not all(s.is_finished for s in self.inflight.scheduled.seqs))
 
@@ -170,27 +194,49 @@ class EngineCore:
         elif self.external_rank is not None and torch.distributed.is_initialized():
             self.runner.release_graphs()
             torch.distributed.destroy_process_group()
+        self.structured_output.shutdown()
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """Launches the next step, then returns the outputs of the previous one."""
         if self.workers is not None:
             self.workers.call("step")
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self._queue_compiled()
         inflight, self.inflight = self.inflight, None
         if inflight is not None and not self._can_overlap(inflight):
             outputs += self._resolve(inflight)
             inflight = None
-        outputs += self._launch()
+        outputs += self._launch(inflight)
         if inflight is not None:
             outputs += self._resolve(inflight)
+        for out in outputs:
+            if out.finished:
+                self.structured_output.finish_request(out.request_id)
         return EngineCoreOutputs(outputs, self.scheduler.stats(), time.perf_counter())
+
+    def _queue_compiled(self) -> list[EngineCoreOutput]:
+        """Queues the constrained requests whose grammar is ready; fails those whose grammar
+        did not compile."""
+        ready = [s for s in self.compiling if self.structured_output.is_ready(s.request_id)]
+        if not ready:
+            return []
+        self.compiling = [s for s in self.compiling if s not in ready]
+        failed = []
+        for seq in ready:
+            error = self.structured_output.error(seq.request_id)
+            if error is None:
+                self.scheduler.add(seq)
+            else:
+                seq.finish_reason = "error"
+                failed.append(EngineCoreOutput(seq.request_id, [], finish_reason="error",
+                                               error=error))
+        return failed
 
     @staticmethod
     def _can_overlap(inflight: InFlight) -> bool:
         return not any(s.sampling_params.needs_penalties for s in inflight.scheduled.seqs)
 
-    def _launch(self) -> list[EngineCoreOutput]:
+    def _launch(self, previous: InFlight | None) -> list[EngineCoreOutput]:
         """Schedules and launches the next step (self.inflight); outputs only of requests
         that failed."""
         scheduled = None
@@ -198,7 +244,7 @@ class EngineCore:
             scheduled = self.scheduler.schedule()
             if scheduled is None:
                 return []
-            output = self.runner.execute(scheduled)
+            output = self.runner.execute(scheduled, self._grammar_bitmask(scheduled, previous))
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the core goes on
             seqs = scheduled.seqs if scheduled is not None else [
                 *self.scheduler.running, *self.scheduler.waiting]
@@ -207,11 +253,48 @@ class EngineCore:
         self.inflight = InFlight(scheduled, output)
         return []
 
+    def _grammar_bitmask(self, scheduled: SchedulerOutput, previous: InFlight | None
+                         ) -> Callable[[], GrammarBitmask | None] | None:
+        """What fills the step's bitmask, if it samples for constrained requests: it reads
+        the previous step's tokens first (their grammars need them)."""
+        ids = [s.request_id for s in scheduled.sampling_seqs]
+        if not any(self.structured_output.is_constrained(r) for r in ids):
+            return None
+
+        def fill() -> GrammarBitmask | None:
+            if previous is not None:
+                self._resolve(previous)
+            return self.structured_output.grammar_bitmask(ids)
+
+        return fill
+
     def _resolve(self, inflight: InFlight) -> list[EngineCoreOutput]:
-        try:
-            return self.scheduler.update_from_output(inflight.scheduled, inflight.output)
-        except Exception as e:  # noqa: BLE001 - as in _launch
-            return self._fail(inflight.scheduled.seqs, e)
+        """The step's outputs, read once (later calls return them again)."""
+        if inflight.outputs is None:
+            try:
+                inflight.outputs = self.scheduler.update_from_output(inflight.scheduled,
+                                                                     inflight.output)
+                self._advance_grammars(inflight.outputs)
+            except Exception as e:  # noqa: BLE001 - as in _launch
+                inflight.outputs = self._fail(inflight.scheduled.seqs, e)
+        return inflight.outputs
+
+    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
+        """Gives each constrained request's new token to its grammar: one at the grammar's
+        end finishes the request ("stop"); one the grammar forbids (none can be sampled, unless
+        min_tokens held back the only stop token allowed) fails it."""
+        manager = self.structured_output
+        for out in outputs:
+            rid = out.request_id
+            if out.finished or not manager.is_constrained(rid):
+                continue
+            if not manager.accept_tokens(rid, out.new_token_ids):
+                out.finish_reason = "error"
+                out.error = "the sampled token is not one the output's grammar allows"
+            elif manager.is_terminated(rid):
+                out.finish_reason = "stop"
+            if out.finished:
+                self.scheduler.finish_requests([rid], out.finish_reason)
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[EngineCoreOutput]:
         if self.workers is not None:

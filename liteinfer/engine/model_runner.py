@@ -2,6 +2,8 @@
 sampler, and the logprobs of prompt tokens that asked for them."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend, kv_cache_dtype
@@ -12,6 +14,7 @@ from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
 from liteinfer.engine.scheduler import SchedulerOutput
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.engine.step_model import StepModel
+from liteinfer.structured_output.manager import GrammarBitmask
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
@@ -180,15 +183,20 @@ class ModelRunner:
                 as_tensor(step.sample_rows, torch.int64), prompt_rows)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, batch: SchedulerOutput,
+                grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None
+                ) -> ModelRunnerOutput:
         """Launches one step and its sampling without waiting for the device. The sampled
-        tokens stay in the step model's buffer, where the next step reads the pending ones."""
+        tokens stay in the step model's buffer, where the next step reads the pending ones.
+        `grammar_bitmask` gives the constrained rows' bitmask; it is called once the forward
+        pass is launched, so the host fills it while the device runs the model."""
         logits, prompt_hidden = self._forward(batch)
         prompt_logprobs = ([] if prompt_hidden is None else
                            self._prompt_logprobs(batch, prompt_hidden))
         if logits is None:
             return ModelRunnerOutput(None, prompt_logprobs)
-        sampled = self.sampler.sample(logits, batch.sampling_seqs)
+        bitmask = grammar_bitmask() if grammar_bitmask is not None else None
+        sampled = self.sampler.sample(logits, batch.sampling_seqs, bitmask)
         self.step_model.keep_sampled(sampled.token_ids)
         return ModelRunnerOutput(sampled, prompt_logprobs)
 

@@ -11,6 +11,7 @@ from typing import Any
 from liteinfer.config import ModelConfig
 from liteinfer.engine.messages import EngineCoreRequest
 from liteinfer.sampling_params import SamplingParams
+from liteinfer.structured_output.backend import build_grammar
 
 Message = dict[str, Any]
 
@@ -92,6 +93,10 @@ class InputProcessor:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size "
                                  f"{vocab}")
         self.check_token_ids(params.logit_bias or (), "logit_bias")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer")
+            build_grammar(params.structured_outputs)  # the parser's message if it is invalid
         n = len(token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt of {n} tokens leaves no room in "

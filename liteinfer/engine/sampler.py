@@ -1,6 +1,6 @@
 """Turns one step's logits into one token per sequence, vectorised across the batch.
 
-Order (vLLM's): fp32 → min_tokens stop-token mask → logit bias → repetition/presence/frequency
+Order (vLLM's): fp32 → grammar bitmask (structured outputs) → min_tokens stop-token mask → logit bias → repetition/presence/frequency
 penalties →
 greedy argmax | temperature → top-k → top-p → min-p → exponential-race sample.
 Logprobs come from the raw model logits, before any of that (vLLM's default).
@@ -16,6 +16,7 @@ import torch
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.sequence import Sequence
 from liteinfer.sampling_params import SamplingParams
+from liteinfer.structured_output.manager import GrammarBitmask, apply_grammar_bitmask
 from liteinfer.utils import to_device
 
 @dataclass
@@ -56,9 +57,11 @@ class Sampler:
     def __init__(self, eos_token_ids: Iterable[int]):
         self.eos_token_ids = sorted(set(eos_token_ids))
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               grammar_bitmask: GrammarBitmask | None = None) -> SampledTokens:
         """Samples without waiting for the device. Penalties read the sequences' token ids, so
-        those must hold every earlier token (no pending ones)."""
+        those must hold every earlier token (no pending ones). `grammar_bitmask` masks the
+        rows of constrained requests."""
         params = [s.sampling_params for s in seqs]
         greedy = [p.greedy for p in params]
         # len(s) counts tokens still pending on the device: they are outputs too.
@@ -67,12 +70,15 @@ class Sampler:
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(greedy) and not (min_tok_rows or bias_rows or pen_rows or want_logprobs):
+        if all(greedy) and grammar_bitmask is None and not (min_tok_rows or bias_rows or pen_rows
+                                                            or want_logprobs):
             token_ids = logits.argmax(dim=-1)
             return SampledTokens(token_ids, token_ids, params, None)
 
         # A copy: the caller's logits buffer may be reused (CUDA graphs) and feeds the logprobs.
         x = logits.to(torch.float32, copy=True)
+        if grammar_bitmask is not None:
+            apply_grammar_bitmask(x, grammar_bitmask)
         if min_tok_rows:
             self._mask_stop_tokens(x, seqs, min_tok_rows)
         if bias_rows:

@@ -34,6 +34,7 @@ from liteinfer.engine.async_llm import (AsyncLLM, EngineError, Prompt, RequestSt
                                         ServerBusyError)
 from liteinfer.entrypoints.openai.cli_args import ServerArgs
 from liteinfer.entrypoints.openai.metrics import ServerMetrics
+from liteinfer.entrypoints.openai.structured import ToolCalls
 from liteinfer.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, SamplingRequest,
                                                    TokenizeRequest, conversation)
@@ -127,15 +128,19 @@ class OpenAIServing:
         except ValueError as e:
             raise RequestError(400, str(e)) from None
         return await self._serve(body, request, "cmpl", "text_completion", lambda: prompts,
-                                 len(prompts), body.max_tokens, body.logprobs)
+                                 len(prompts), body.max_tokens, body.logprobs, None)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         def prompts() -> list[Prompt]:
-            return [self.engine.processor.apply_chat_template(body.conversation(),
-                                                              body.add_generation_prompt)]
+            return [self.engine.processor.apply_chat_template(
+                body.conversation(), body.add_generation_prompt, tools=body.tool_dicts())]
 
+        try:
+            tools = ToolCalls(body.tools, body.tool_choice, self.args.tool_call_parser)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
         return await self._serve(body, request, "chatcmpl", "chat.completion", prompts, 1,
-                                 body.max_new_tokens, body.num_logprobs)
+                                 body.max_new_tokens, body.num_logprobs, tools)
 
     async def tokenize(self, body: TokenizeRequest) -> Chunk:
         self._check_model(body.model)
@@ -180,7 +185,8 @@ class OpenAIServing:
 
     async def _serve(self, body: SamplingRequest, request: Request, prefix: str, kind: str,
                      prompts: Callable[[], list[Prompt]], num_prompts: int,
-                     max_tokens: int | None, logprobs: int | None) -> Response:
+                     max_tokens: int | None, logprobs: int | None,
+                     tools: ToolCalls | None) -> Response:
         self._check_model(body.model)
         self._check_admitting()
         try:
@@ -207,7 +213,8 @@ class OpenAIServing:
             raise RequestError(503, str(e)) from None
         meta = {"id": response_id, "created": int(time.time()), "model": self.model_name}
         render = ChoiceRenderer(self.tokenizer, kind == "chat.completion", logprobs,
-                                echo=getattr(body, "echo", False))
+                                echo=getattr(body, "echo", False),
+                                tools=tools if tools is not None and tools.active else None)
         if body.stream:
             return StreamingResponse(self._events(stream, render, meta, kind, body),
                                      media_type="text/event-stream")
@@ -297,11 +304,21 @@ class ChoiceRenderer:
     (completions), the prompt and its tokens' logprobs come first (in a stream's first chunk of
     each choice)."""
 
-    def __init__(self, tokenizer: Any, chat: bool, logprobs: int | None, echo: bool = False):
+    def __init__(self, tokenizer: Any, chat: bool, logprobs: int | None, echo: bool = False,
+                 tools: ToolCalls | None = None):
         self.tokenizer, self.chat, self.logprobs, self.echo = tokenizer, chat, logprobs, echo
+        self.tools = tools  # chat choices that may hold tool calls
 
     def final(self, out: RequestOutput) -> Chunk:
         c = out.outputs[0]
+        if self.chat and self.tools is not None:
+            content, calls = self.tools.final(c.text)
+            message: Chunk = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            return {"index": choice_index(out), "message": message,
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": self.tools.finish_reason(bool(calls), finish_reason(out))}
         if self.chat:
             return {"index": choice_index(out), "message": {"role": "assistant",
                                                             "content": c.text},
@@ -315,6 +332,12 @@ class ChoiceRenderer:
         if not self.chat:
             return self._completion(out, out.new_text, out.new_token_ids, entries,
                                     first=len(c.token_ids) == n)
+        if self.tools is not None:
+            delta, calls = self.tools.delta(choice_index(out), out.new_text, out.finished)
+            reason = finish_reason(out)
+            return {"index": choice_index(out), "delta": delta,
+                    "logprobs": self._logprobs(out.new_token_ids, entries),
+                    "finish_reason": reason and self.tools.finish_reason(calls, reason)}
         return {"index": choice_index(out),
                 "delta": {"content": out.new_text} if out.new_text else {},
                 "logprobs": self._logprobs(out.new_token_ids, entries),

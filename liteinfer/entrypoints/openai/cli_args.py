@@ -19,6 +19,8 @@ class ServerArgs:
     # Requests beyond a full batch that may wait for a slot; past them, a 503.
     max_waiting_requests: int = 1024
     shutdown_grace_s: float = 5.0
+    # How tool calls are read from outputs under tool_choice "auto" (tool_parsers/).
+    tool_call_parser: str = "llama3_json"
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +43,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests,
                    help="requests that may wait beyond a full batch; more get a 503 "
                         "(default: %(default)s)")
+    p.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
+                   choices=["hermes", "llama3_json"],
+                   help="how tool calls are read from outputs (default: %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s,
                    help="seconds streams in flight may run after SIGTERM (default: %(default)s)")
 
@@ -52,4 +57,5 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
                       max_prompts_per_request=args.max_prompts_per_request,
                       max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
                       max_waiting_requests=args.max_waiting_requests,
-                      shutdown_grace_s=args.shutdown_grace)
+                      shutdown_grace_s=args.shutdown_grace,
+                      tool_call_parser=args.tool_call_parser)

@@ -9,7 +9,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from liteinfer.entrypoints.openai.structured import (ResponseFormat, StructuredOutputsRequest,
+                                                     Tool, ToolChoice, check_tools,
+                                                     forced_tool_schema, structured_outputs_params,
+                                                     template_message)
 from liteinfer.sampling_params import SamplingParams
+from liteinfer.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
@@ -52,11 +57,15 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's, vLLM's and vLLM's older fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Fields that would change the answer and are not implemented: refused unless they hold
     # their neutral value (a request that sets them expects what they do).
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     prompt_logprobs: int | None = None
@@ -64,28 +73,16 @@ class SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
     def unsupported(self) -> list[str]:
         """Names of the fields set that this server does not implement."""
         names = [name for name in ("functions", "allowed_token_ids", "bad_words",
-                                   "prompt_logprobs", "truncate_prompt_tokens", "guided_json",
-                                   "guided_regex", "guided_choice", "guided_grammar",
-                                   "structured_outputs")
+                                   "prompt_logprobs", "truncate_prompt_tokens")
                  if getattr(self, name) not in (None, [])]
-        if self.tools and self.tool_choice != "none":
-            names.append("tools")
         if self.use_beam_search:
             names.append("use_beam_search")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            names.append("response_format")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                names.append(name)
+        if self.function_call not in (None, "none"):
+            names.append("function_call")
         return names
 
     def check_supported(self) -> None:
@@ -109,7 +106,14 @@ class SamplingRequest(BaseModel):
             min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.output_constraint())
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """What the output must match (ValueError for conflicting fields)."""
+        return structured_outputs_params(self.response_format, self.structured_outputs,
+                                         self.guided_json, self.guided_regex,
+                                         self.guided_choice, self.guided_grammar)
 
     @property
     def include_usage(self) -> bool:
@@ -166,6 +170,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # which call a tool message answers
 
     def text(self) -> str:
         """The message's text; a list of content parts may hold text parts only."""
@@ -179,9 +186,12 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    return [template_message({"role": m.role, "content": m.text(),
+                              **m.model_dump(include={"name", "tool_calls", "tool_call_id"},
+                                             exclude_none=True)})
+            for m in messages]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -197,6 +207,10 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
 
     def unsupported(self) -> list[str]:
         names = super().unsupported()
@@ -207,8 +221,28 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_tools(self.tools, self.tool_choice)
+        if self.reasoning_effort is not None:
+            raise ValueError("reasoning_effort is not supported: liteinfer serves no "
+                             "reasoning models")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """A forced tool call's schema (a constraint of its own beside none other)."""
+        schema = (forced_tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+                  if self.tools and self.tool_choice is not None else None)
+        constraint = super().output_constraint()
+        if schema is None:
+            return constraint
+        if constraint is not None:
+            raise ValueError("a forced tool call cannot be combined with response_format or "
+                             "structured outputs")
+        return StructuredOutputsParams(json=schema)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -219,7 +253,7 @@ class ChatCompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation(self.messages)
 
 

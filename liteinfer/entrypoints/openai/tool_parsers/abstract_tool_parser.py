@@ -1,0 +1,108 @@
+"""The interface of tool-call parsers: a model's output text -> content and OpenAI tool calls,
+whole or streamed. A parser object serves one choice of one request (streaming keeps state).
+
+A parser says where an output's calls begin (`find_calls`), how much of a text's end may be
+the beginning of a call marker still (`holdback`), and how its calls are written
+(`parse_calls`); extracting them, whole or streamed, follows from those."""
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+
+def tool_call(name: str, arguments: Any) -> dict[str, Any]:
+    """An OpenAI tool call; `arguments` as a JSON text."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments,
+                                                                   ensure_ascii=False)
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": text}}
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class ParsedCalls:
+    calls: list[ParsedCall]  # the complete calls, in order
+    end: int  # where the complete calls (and what separates them) end
+    unfinished: bool  # what follows `end` is the beginning of another call
+
+
+class ToolParser(ABC):
+    def __init__(self) -> None:
+        self._text = ""
+        self._calls_at: int | None = None  # where the calls begin, once found
+        self._malformed = False
+        self._sent_calls = 0
+        self._sent_upto = 0  # characters of the text sent, as content or calls
+
+    @abstractmethod
+    def find_calls(self, text: str) -> int | None:
+        """Where the calls begin in `text`; None if none does (yet)."""
+
+    @abstractmethod
+    def holdback(self, text: str) -> int:
+        """How many characters at the end of `text` (in which `find_calls` found no calls)
+        may begin a call once more text comes: not sent as content yet."""
+
+    @abstractmethod
+    def parse_calls(self, text: str) -> ParsedCalls | None:
+        """The calls `text` (where `find_calls` said they begin) starts with; None if it is
+        not made of calls (malformed)."""
+
+    def extract_tool_calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool calls) of a whole output: the text before its calls and the calls
+        if all after them is complete calls, else the text as content and no calls."""
+        at = self.find_calls(text)
+        parsed = self.parse_calls(text[at:]) if at is not None else None
+        if parsed is None or not parsed.calls or text[at + parsed.end:].strip():
+            return text, []
+        return text[:at] or None, [tool_call(c.name, c.arguments) for c in parsed.calls]
+
+    def extract_tool_calls_streaming(self, delta_text: str, finished: bool
+                                     ) -> dict[str, Any]:
+        """The chat delta ({"content"} and/or {"tool_calls"}, possibly empty) for the output's
+        next piece of text. Content goes out as it comes, but for what may begin a call; a call
+        goes out whole (one entry per call) once complete; what turns out malformed, or is left
+        unfinished at the end, is content."""
+        self._text += delta_text
+        text = self._text
+        if self._calls_at is None and not self._malformed:
+            self._calls_at = self.find_calls(text)
+            if self._calls_at is None:
+                return self._content(len(text) if finished else len(text) - self.holdback(text))
+        delta = self._content(self._calls_at) if self._calls_at is not None else {}
+        parsed = None if self._malformed else self.parse_calls(text[self._calls_at:])
+        if parsed is None:
+            self._malformed = True
+            return {**delta, **self._content(len(text))}
+        if len(parsed.calls) > self._sent_calls:
+            delta["tool_calls"] = [
+                {"index": i, **tool_call(c.name, c.arguments)}
+                for i, c in enumerate(parsed.calls[self._sent_calls:], start=self._sent_calls)]
+            self._sent_calls = len(parsed.calls)
+        if parsed.calls:  # what separates the calls sent is theirs
+            self._sent_upto = max(self._sent_upto, self._calls_at + parsed.end)
+        if finished:
+            rest = self._content(len(text))
+            if rest.get("content", "").strip():
+                delta.setdefault("content", "")
+                delta["content"] += rest["content"]
+        return delta
+
+    def _content(self, end: int) -> dict[str, Any]:
+        """A delta of the text not sent yet, up to `end`."""
+        text = self._text[self._sent_upto:end]
+        self._sent_upto = max(self._sent_upto, end)
+        return {"content": text} if text else {}
+
+    @property
+    def saw_tool_calls(self) -> bool:
+        """Whether streaming has sent any tool call (the choice then finishes "tool_calls")."""
+        return self._sent_calls > 0

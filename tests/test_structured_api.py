@@ -1,0 +1,120 @@
+"""The API's structured-output and tool fields translated without a server: constraints from
+each field, forced tool schemas (each tool's $defs hoisted), and tool turns rendered through a
+chat template that takes `tools` and assistant `tool_calls` (arguments as objects)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar as xgr
+from pydantic import BaseModel
+
+from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest
+from liteinfer.entrypoints.openai.structured import (
+    NamedToolChoice,
+    Tool,
+    forced_tool_calls,
+    forced_tool_schema,
+)
+from liteinfer.structured_output import StructuredOutputsParams
+from liteinfer.structured_output.backend import XgrammarBackend
+from test_structured_output import Color, Point
+
+# Llama 3.1's way of rendering tools and tool turns, cut down.
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }}"
+    "({{ t.function.parameters | tojson }});{% endfor %}|{% endif %}"
+    "{% for m in messages %}{{ m.role }}: "
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} "
+    "{{ c.function.arguments.city }}{% endfor %}"
+    "{% elif m.role == 'tool' %}RESULT {{ m.tool_call_id }} {{ m.content }}"
+    "{% else %}{{ m.content }}{% endif %}|{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+class Trip(BaseModel):
+    start: Point
+    color: Color
+
+
+TOOLS = [Tool.model_validate({"type": "function", "function": {
+    "name": n, "parameters": m.model_json_schema()}}) for n, m in (("trip", Trip),
+                                                                   ("point", Point))]
+
+
+def test_constraint_from_each_field():
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    schema = Point.model_json_schema()
+    cases = [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "p", "schema": schema, "strict": True}}},
+         {"json": schema}),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"response_format": {"type": "text"}}, None),
+        ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+         {"regex": "a+", "disable_any_whitespace": True}),
+        ({"guided_json": json.dumps(schema)}, {"json": json.dumps(schema)}),
+        ({"guided_grammar": 'root ::= "x"'}, {"grammar": 'root ::= "x"'}),
+        ({"tools": [t.model_dump() for t in TOOLS],
+          "tool_choice": {"type": "function", "function": {"name": "point"}}},
+         {"json": schema}),
+        ({"tools": [t.model_dump() for t in TOOLS]}, None),  # auto: nothing forced
+    ]
+    for fields, expected in cases:
+        constraint = ChatCompletionRequest.model_validate({**base, **fields}).output_constraint()
+        if expected is None:
+            assert constraint is None
+        else:
+            assert {k: v for k, v in vars(constraint).items() if v not in (None, False)} \
+                == expected
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_schema_hoists_defs(tiny_llm, parallel):
+    schema = forced_tool_schema(TOOLS, "required", parallel)
+    assert set(schema["$defs"]) == {"tool0_Point", "tool0_Color"}  # Point alone has none
+    assert ("maxItems" in schema) != parallel
+    engine = tiny_llm.engine
+    backend = XgrammarBackend(engine.tokenizer, engine.model_config.vocab_size,
+                              engine.core.eos_token_ids)
+    # Every reference resolves, and the grammar takes the calls and nothing else.
+    grammar = backend.compile(StructuredOutputsParams(json=schema))
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(grammar).accept_string(text)
+
+    calls_made = [{"name": "trip", "parameters": {"start": {"x": 1, "y": 2},
+                                                     "color": "red"}},
+                     {"name": "point", "parameters": {"x": 0, "y": -3}}]
+    text = json.dumps(calls_made if parallel else calls_made[:1])
+    assert accepts(text)
+    assert accepts(json.dumps(calls_made)) == parallel
+    assert not accepts(json.dumps([{"name": "trip", "parameters": {"x": 0, "y": 0}}]))
+    assert not accepts("[]")
+    calls = forced_tool_calls(text, "required")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == [(c["name"], c["parameters"]) for c in json.loads(text)]
+    named = NamedToolChoice.model_validate({"function": {"name": "point"}})
+    assert forced_tool_calls('{"x": 1, "y": 2}', named)[0]["function"]["name"] == "point"
+    assert forced_tool_calls('{"x": 1, "y"', named) == []
+
+
+def test_tool_turns_render_through_the_template(tiny_llm):
+    processor = tiny_llm.engine.processor
+    tokenizer = processor.tokenizer
+    tokenizer.chat_template, saved = TOOLS_TEMPLATE, tokenizer.chat_template
+    try:
+        body = ChatCompletionRequest.model_validate({"tools": [t.model_dump() for t in TOOLS],
+                                                     "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call-1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call-1", "content": "sunny"}]})
+        ids = processor.apply_chat_template(body.conversation(), True, tools=body.tool_dicts())
+    finally:
+        tokenizer.chat_template = saved
+    text = tokenizer.decode(ids)
+    assert text.startswith("TOOLS:trip(") and ";point(" in text
+    assert text.endswith("|user: Weather in Paris?|assistant: CALL get_weather Paris|"
+                         "tool: RESULT call-1 sunny|assistant:")

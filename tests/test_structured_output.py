@@ -1,0 +1,254 @@
+"""Structured outputs in the engine, offline, on the tiny random model (whose raw outputs are
+noise, so everything it produces that parses is the grammar's doing): outputs match their JSON
+schema, regex or choice; every sampled token is one xgrammar's own matcher allows, replayed
+from the start; the bitmask the manager fills equals xgrammar's; unconstrained requests in the
+same batch keep the tokens they get alone; invalid constraints are a ValueError."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from enum import StrEnum
+
+import pytest
+import torch
+import xgrammar as xgr
+from pydantic import BaseModel, Field
+
+from liteinfer import SamplingParams
+from liteinfer.structured_output import StructuredOutputsParams
+from liteinfer.structured_output.backend import XgrammarBackend
+from liteinfer.structured_output.manager import StructuredOutputManager
+
+
+class Color(StrEnum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+# Strings are bounded by patterns: xgrammar 0.2.9's maxLength strings admit raw control
+# characters, which JSON forbids.
+class Item(BaseModel):
+    name: str = Field(pattern=r"^[a-z]{1,6}$")
+    qty: int = Field(ge=0, le=99)
+
+
+class Order(BaseModel):
+    color: Color
+    items: list[Item] = Field(min_length=1, max_length=3)
+    rush: bool
+    note: str | None = Field(None, pattern=r"^[A-Z][a-z ]{0,4}$")
+
+
+class Point(BaseModel):
+    x: int = Field(ge=-9, le=9)
+    y: int = Field(ge=-9, le=9)
+
+
+class Path(BaseModel):
+    start: Point
+    end: Point
+    tags: list[Color] = Field(max_length=2)
+
+
+def generate(llm, prompts, constraint: StructuredOutputsParams, **params):
+    params = SamplingParams(**{"max_tokens": 120, **params}, structured_outputs=constraint)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def replay(llm, constraint: StructuredOutputsParams, token_ids: list[int]) -> xgr.GrammarMatcher:
+    """A fresh xgrammar matcher for `constraint` that has accepted `token_ids`, each checked."""
+    engine = llm.engine
+    backend = XgrammarBackend(engine.tokenizer, engine.model_config.vocab_size,
+                              engine.core.eos_token_ids)
+    matcher = xgr.GrammarMatcher(backend.compile(constraint))
+    for i, t in enumerate(token_ids):
+        assert matcher.accept_token(t), f"token {i} ({t}) is not one the grammar allows"
+    return matcher
+
+
+@pytest.mark.parametrize("model", [Order, Path])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_outputs_validate(tiny_llm, model, temperature):
+    constraint = StructuredOutputsParams(json=model.model_json_schema(),
+                                         disable_any_whitespace=True)
+    outs = generate(tiny_llm, ["The quick brown fox", "Hello world"], constraint,
+                    temperature=temperature, seed=3)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        model.model_validate_json(out.text)
+        # The grammar's end is a stop token: the output ends with it, and the matcher too.
+        assert out.token_ids[-1] in tiny_llm.engine.core.eos_token_ids
+        assert replay(tiny_llm, constraint, out.token_ids).is_terminated()
+
+
+def test_json_object_regex_and_choice(tiny_llm):
+    obj = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    regex = StructuredOutputsParams(regex=r"[a-c]{2,5}-\d\d")
+    choice = StructuredOutputsParams(choice=["Paris", "London", "New \"York\""])
+    for constraint in (regex, choice):
+        for out in generate(tiny_llm, ["The quick", "Once upon", "Hello"], constraint,
+                            temperature=1.0, seed=5):
+            assert out.finish_reason == "stop"
+            if constraint is regex:
+                assert re.fullmatch(r"[a-c]{2,5}-\d\d", out.text), out.text
+            else:
+                assert out.text in choice.choice
+            replay(tiny_llm, constraint, out.token_ids)
+    for out in generate(tiny_llm, ["The quick"], obj, max_tokens=200):
+        # Any JSON object; noise rarely closes one within the limit, so only check the prefix.
+        assert out.text.startswith("{")
+        replay(tiny_llm, obj, out.token_ids)
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+
+
+def test_grammar_constraint(tiny_llm):
+    ebnf = 'root ::= "(" item (", " item)* ")"\nitem ::= [0-9] | "x"'
+    constraint = StructuredOutputsParams(grammar=ebnf)
+    for out in generate(tiny_llm, ["Numbers:", "The"], constraint, temperature=1.0, seed=1,
+                        max_tokens=60):
+        assert re.fullmatch(r"\(([0-9x])(, [0-9x])*\)?", out.text) or \
+            re.fullmatch(r"\(([0-9x])(, [0-9x])*(, )?", out.text), out.text
+        replay(tiny_llm, constraint, out.token_ids)
+
+
+def test_rows_are_independent(tiny_llm):
+    """Greedy: unconstrained requests batched with constrained ones get the tokens they get
+    alone, and constrained ones the tokens they get alone; with penalties (each step read
+    back before the next instead of overlapped) outputs still validate."""
+    prompts = ["The quick brown fox", "Hello world! How are", "Once upon a time there"]
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    constraint = StructuredOutputsParams(json=Path.model_json_schema(),
+                                         disable_any_whitespace=True)
+    held = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=constraint)
+
+    def tokens(outs):
+        return [o.outputs[0].token_ids for o in outs]
+
+    alone = tokens(tiny_llm.generate(prompts, free, use_tqdm=False))
+    held_alone = tokens(tiny_llm.generate(prompts, held, use_tqdm=False))
+    mixed = tiny_llm.generate(prompts + prompts, [free] * 3 + [held] * 3, use_tqdm=False)
+    assert tokens(mixed) == alone + held_alone
+    penalized = SamplingParams(temperature=0.0, max_tokens=120, repetition_penalty=1.3,
+                               structured_outputs=constraint)
+    for o in tiny_llm.generate(prompts, penalized, use_tqdm=False):
+        Path.model_validate_json(o.outputs[0].text)
+        replay(tiny_llm, constraint, o.outputs[0].token_ids)
+
+
+def test_manager_bitmask_equals_xgrammar(tiny_llm):
+    engine = tiny_llm.engine
+    vocab = engine.model_config.vocab_size
+    manager = StructuredOutputManager(engine.tokenizer, vocab, engine.core.eos_token_ids)
+    a = StructuredOutputsParams(json=Order.model_json_schema())
+    b = StructuredOutputsParams(regex=r"(ab|cd)+")
+    manager.add_request("a", a)
+    manager.add_request("b", b)
+    manager.add_request("a2", StructuredOutputsParams(json=Order.model_json_schema()))
+    deadline = time.monotonic() + 60
+    while not all(manager.is_ready(r) for r in ("a", "b", "a2")):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert manager.error("a") is None
+    assert len(manager._compiled) == 2  # the same schema compiles once
+    backend = XgrammarBackend(engine.tokenizer, vocab, engine.core.eos_token_ids)
+    refs = {"a": xgr.GrammarMatcher(backend.compile(a)),
+            "b": xgr.GrammarMatcher(backend.compile(b))}
+    steps = {"a": ['{"', 'color', '":', ' "', 'red'], "b": ["a", "b", "c"]}
+    for i in range(3):
+        rows = [None, "a", "unconstrained", "b"]
+        mask = manager.grammar_bitmask(rows)
+        assert mask.rows == [1, 3]
+        for row, rid in ((1, "a"), (3, "b")):
+            want = xgr.allocate_token_bitmask(1, vocab)
+            refs[rid].fill_next_token_bitmask(want)
+            assert torch.equal(mask.bitmask[row], want[0])
+            text = steps[rid][i]
+            token = engine.tokenizer.encode(text, add_special_tokens=False)
+            assert manager.accept_tokens(rid, token)
+            for t in token:
+                assert refs[rid].accept_token(t)
+    bad = engine.tokenizer.encode("zzz", add_special_tokens=False)
+    assert not manager.accept_tokens("b", bad)
+    for rid in ("a", "b", "a2"):
+        manager.finish_request(rid)
+    assert manager.grammar_bitmask(["a", "b"]) is None
+    manager.shutdown()
+
+
+def test_compiled_grammars_are_evicted_least_recently_used_first(tiny_llm):
+    engine = tiny_llm.engine
+    manager = StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size,
+                                      engine.core.eos_token_ids, cache_size=2)
+    keys = [StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+")]
+    manager.add_request("1", keys[0])
+    manager.add_request("2", keys[1])
+    manager.add_request("3", keys[0])  # a hit: "a+" is now the most recent
+    manager.add_request("4", keys[2])  # evicts "b+"
+    assert list(manager._compiled) == [keys[0].key, keys[2].key]
+    deadline = time.monotonic() + 60
+    while not all(manager.is_ready(r) for r in "1234"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # An evicted grammar's request keeps its matcher.
+    assert manager.grammar_bitmask(["2"]).rows == [0]
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("constraint, message", [
+    ({"regex": "a(b"}, "invalid regex for structured outputs: Regex parsing error"),
+    ({"json": '{"type": '}, "invalid JSON schema for structured outputs"),
+    ({"json": {"type": "objectx"}}, 'Unsupported type "objectx"'),
+    ({"grammar": 'root ::= "a" |'}, "invalid grammar for structured outputs: EBNF parser"),
+])
+def test_invalid_constraints_are_value_errors(tiny_llm, constraint, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny_llm.generate(["Hi"], SamplingParams(
+            structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
+
+
+@pytest.mark.parametrize("fields", [{}, {"regex": "a", "choice": ["b"]}, {"choice": []},
+                                    {"choice": ["a", 1]}, {"json": 3}])
+def test_params_take_exactly_one_valid_constraint(fields):
+    with pytest.raises(ValueError, match="structured outputs"):
+        StructuredOutputsParams(**fields)
+
+
+@pytest.mark.gpu
+def test_constrained_generation_on_cuda(tiny_llama_dir):
+    """The bitmask copied from pinned memory and applied by xgrammar's Triton kernel, with
+    overlap scheduling and CUDA graphs: outputs validate, every token is one the grammar
+    allows, unconstrained rows beside them keep their tokens."""
+    from fixtures import build_llm
+
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cuda", max_model_len=256)
+    prompts = ["The quick brown fox", "Hello world! How are", "Once upon a time there"]
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
+    constraint = StructuredOutputsParams(json=Order.model_json_schema(),
+                                         disable_any_whitespace=True)
+    held = SamplingParams(temperature=1.0, seed=7, max_tokens=150,
+                          structured_outputs=constraint)
+    mixed = llm.generate(prompts + prompts, [free] * 3 + [held] * 3, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+    for o in mixed[3:]:
+        Order.model_validate_json(o.outputs[0].text)
+        assert replay(llm, constraint, o.outputs[0].token_ids).is_terminated()
+
+
+def test_params_cross_the_engine_core_boundary():
+    """The constraint travels inside SamplingParams in msgspec-encoded engine-core requests."""
+    import msgspec
+
+    from liteinfer.engine.messages import EngineCoreRequest
+
+    for constraint in (StructuredOutputsParams(json=Order.model_json_schema()),
+                       StructuredOutputsParams(choice=["a", "b"], disable_any_whitespace=True),
+                       StructuredOutputsParams(json_object=True)):
+        request = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=constraint),
+                                    0.0)
+        decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
+        assert decoded.sampling_params.structured_outputs == constraint
+        assert decoded.sampling_params.structured_outputs.key == constraint.key

@@ -2,58 +2,172 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import logging
 import sys
+import tokenize
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from liteinfer.config import EngineConfig, parse_overrides
+from liteinfer.loader.overrides import (
+    GENERATION_CONFIG_CHOICES,
+    ModelOverrides,
+    load_chat_template,
+    load_generation_config,
+)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="HF model directory, .gguf file or a known name (default: %(default)s)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
+def field_help(cls: type) -> dict[str, str]:
+    """Each dataclass field's `metadata["help"]`, else the comments written beside it or on the
+    lines just above it in the class's source."""
+    source = inspect.getsource(cls)
+    lines = source.splitlines()
+    comments: dict[int, str] = {}
+    alone: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            row = tok.start[0]
+            comments[row] = tok.string.lstrip("#").strip()
+            if not lines[row - 1][:tok.start[1]].strip():
+                alone.add(row)
+    found: dict[str, str] = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            above, row = [], node.lineno - 1
+            while row in alone:
+                above.insert(0, comments[row])
+                row -= 1
+            beside = [] if node.end_lineno in alone else [comments.get(node.end_lineno, "")]
+            found[node.target.id] = " ".join(c for c in above + beside if c)
+    return {f.name: f.metadata.get("help") or found.get(f.name, "")
+            for f in dataclasses.fields(cls)}
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    """Engine and sampling arguments of the offline commands."""
-    _add_engine_args(p)
+def _value_parser(annotation: Any) -> tuple[Callable[[str], Any], bool]:
+    """argparse's `type` for a field annotation, and whether the field is a bool."""
+    kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is \
+        typing.Union
+    base = kinds[0] if optional and len(kinds) == 1 else annotation
+    if base is bool:
+        return bool, True
+    if not optional:
+        return base, False
+
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "null") else base(text)
+
+    return parse, False
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The model and every EngineConfig field as a flag (`max_num_seqs` as --max-num-seqs,
+    booleans as --x / --no-x), `--set KEY=VALUE`, and the model-file overrides. `engine_kwargs`
+    and `model_overrides` read them back."""
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help=f"HF model directory or id (org/name, from the local Hugging Face "
+                             f"cache), .gguf file or a known name (default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", help="the same as MODEL")
+    parser.add_argument("--load-format", default="auto",
+                        choices=["auto", "safetensors", "gguf", "dummy"])
+    engine = parser.add_argument_group("engine arguments (EngineConfig, liteinfer/config.py)")
+    hints = typing.get_type_hints(EngineConfig)
+    helps = field_help(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        parse, is_bool = _value_parser(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{helps[f.name]} (default: {f.default})".lstrip()
+        # Unset flags stay out of the namespace, so EngineConfig keeps its own defaults.
+        if is_bool:
+            engine.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            engine.add_argument(flag, dest=f.name, type=parse, default=argparse.SUPPRESS,
+                                help=help_text, metavar=f.name.upper())
+    engine.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="an engine argument by its field name, e.g. "
+                                                  "max_num_seqs=64 (a flag of it wins)")
+    engine.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                        help="a Jinja chat template (a file or the template itself) used in "
+                             "place of the tokenizer's")
+    engine.add_argument("--generation-config", default="auto", metavar=GENERATION_CONFIG_CHOICES,
+                        help="default sampling settings: auto = the model's "
+                             "generation_config.json, vllm = none, DIR = that directory's "
+                             "(default: %(default)s)")
+
+
+def model_name(args: argparse.Namespace) -> str:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    return args.model_tag or args.model or DEFAULT_MODEL
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig keyword arguments: `--set` pairs, then the flags given."""
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+             if hasattr(args, f.name)}
+    return {**parse_overrides(args.overrides), **flags}
+
+
+def model_overrides(args: argparse.Namespace) -> ModelOverrides:
+    """--chat-template and --generation-config read (None: the model's own)."""
+    template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    return ModelOverrides(template, load_generation_config(args.generation_config))
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampling arguments of the offline commands; unset ones take the generation config's
+    values, and greedy decoding when it states no temperature. --seed seeds sampling too."""
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
 
 
 def _llm(args: argparse.Namespace):
     from liteinfer import LLM
-    return LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len)
+
+    overrides = model_overrides(args)
+    llm = LLM(model_name(args), load_format=args.load_format, **engine_kwargs(args))
+    overrides.apply(llm.engine)
+    return llm
 
 
-def _params(args: argparse.Namespace):
+def _params(args: argparse.Namespace, llm: Any):
     from liteinfer import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          seed=args.seed, max_tokens=args.max_tokens)
+    from liteinfer.llm import generation_defaults
+
+    given = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k")
+             if getattr(args, k) is not None}
+    defaults = {"temperature": 0.0, **generation_defaults(llm.engine.generation_config)}
+    return SamplingParams(**{**defaults, **given}, seed=getattr(args, "seed", None),
+                          max_tokens=args.max_tokens)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     llm = _llm(args)
-    params = _params(args)
+    params = _params(args, llm)
     prompts = args.prompt or ["What is the capital of France?"]
-    if args.chat_template:
+    if args.use_chat_template:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
                            use_tqdm=False)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         print(f"> {prompt}\n{out.outputs[0].text.strip()}\n")
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
     llm = _llm(args)
-    params = _params(args)
+    params = _params(args, llm)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -76,41 +190,52 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from liteinfer.bench.cli import parse_overrides
     from liteinfer.entrypoints.openai.api_server import run_server
     from liteinfer.entrypoints.openai.cli_args import server_args
 
-    run_server(args.model, args.host, args.port, args.served_model_name, args.load_format,
-               server_args(args), device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len, **parse_overrides(args.overrides))
+    run_server(model_name(args), args.host, args.port, args.served_model_name, args.load_format,
+               server_args(args), model_overrides(args), **engine_kwargs(args))
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    from liteinfer.entrypoints.openai.cli_args import add_server_args
+
     parser = argparse.ArgumentParser(prog="liteinfer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
-    _add_model_args(gen)
+    add_engine_args(gen)
+    _add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+    gen.add_argument("--no-chat-template", dest="use_chat_template", action="store_false",
                      help="send prompts as raw text instead of as chat messages")
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive, streaming chat")
-    _add_model_args(chat)
+    add_engine_args(chat)
+    _add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="a system message")
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, "
                                          "/v1/chat/completions, /v1/models)")
-    _add_engine_args(serve)
-    from liteinfer.entrypoints.openai.cli_args import add_server_args
+    add_engine_args(serve)
     add_server_args(serve)
-    serve.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="KEY=VALUE", help="any engine argument, e.g. max_num_seqs=64")
     serve.set_defaults(func=cmd_serve)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    # The engine's notes (e.g. max_model_len fitted to the KV pool) are part of the output.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("liteinfer")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    finally:
+        logger.removeHandler(handler)
 
 
 if __name__ == "__main__":

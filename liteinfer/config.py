@@ -1,6 +1,10 @@
 """Engine and model configuration."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +13,8 @@ import torch
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
            "fp32": torch.float32, "float": torch.float32}
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton")
 # The fewest prompt tokens a captured prompt step is sized for (scheduler.prompt_piece_sizes);
@@ -26,9 +32,40 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# The families the Llama model serves, by model_type, with their architecture names. Each differs
+# from Llama by a few named switches in ModelConfig (q/k/v biases, q/k norms, a sliding window).
+MODEL_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _family(cfg: dict[str, Any]) -> str:
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    if model_type in MODEL_FAMILIES:
+        return model_type
+    for family, arch in MODEL_FAMILIES.items():
+        if arch in archs:
+            return family
+    raise ValueError(
+        f"unsupported model (model_type={model_type!r}, architectures={archs}); liteinfer "
+        f"serves {', '.join(MODEL_FAMILIES.values())}")
+
+
+def _sliding_window(cfg: dict[str, Any], family: str) -> int | None:
+    """The attention window of the config, None when every layer attends to the whole context.
+    Qwen configs carry a window that applies only with `use_sliding_window`."""
+    window = cfg.get("sliding_window")
+    if family.startswith("qwen") and not cfg.get("use_sliding_window"):
+        return None
+    if "sliding_attention" not in (cfg.get("layer_types") or ["sliding_attention"]):
+        return None
+    return window
+
+
 @dataclass
 class ModelConfig:
-    """The Llama hyper-parameters liteinfer needs, read from a Hugging Face config dict."""
+    """The hyper-parameters liteinfer needs, read from a Hugging Face config dict: Llama's, and
+    the switches of the families built on it (MODEL_FAMILIES)."""
 
     vocab_size: int
     hidden_size: int
@@ -44,21 +81,27 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    model_type: str = "llama"
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    qk_norm: bool = False   # Qwen3: RMSNorm over each query and key head before RoPE
+    # Mistral v0.1: each token attends to the last `sliding_window` positions only (not
+    # implemented: such a model runs only with max_model_len <= sliding_window).
+    sliding_window: int | None = None
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
-            raise ValueError(
-                f"not a Llama-architecture model (model_type={cfg.get('model_type')!r}, "
-                f"architectures={archs}); liteinfer serves LlamaForCausalLM models")
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        family = _family(cfg)
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         missing = [k for k in required if k not in cfg]
         if missing:
             raise ValueError(f"model config is missing {missing}")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError("Llama models with attention or MLP biases are not supported")
+        # Qwen2 always has q/k/v biases and no output bias; elsewhere attention_bias puts a
+        # bias on the output projection too, which the model does not have.
+        if family != "qwen2" and cfg.get("attention_bias"):
+            raise ValueError(f"{family} models with attention biases are not supported")
+        if cfg.get("mlp_bias"):
+            raise ValueError("models with MLP biases are not supported")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
         heads = cfg["num_attention_heads"]
@@ -79,7 +122,41 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            model_type=family,
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            sliding_window=_sliding_window(cfg, family),
         )
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the model runs at: its positions, within its sliding window."""
+        return min(self.max_position_embeddings, self.sliding_window or sys.maxsize)
+
+    def fit_max_model_len(self, max_model_len: int, explicit: bool, pool_tokens: int) -> int:
+        """max_model_len for a KV pool of `pool_tokens` tokens: a default longer than one
+        sequence could hold there shrinks to fit (logged); an explicit one is an error."""
+        if max_model_len <= pool_tokens:
+            return max_model_len
+        if explicit:
+            raise ValueError(f"max_model_len={max_model_len} does not fit in the KV pool "
+                             f"({pool_tokens} tokens); lower max_model_len or give the pool "
+                             f"more memory (gpu_memory_utilization, cpu_kv_cache_gb, "
+                             f"num_kv_blocks)")
+        logger.info("max_model_len %d (the model's context) exceeds the KV pool's %d tokens; "
+                    "serving at max_model_len=%d", max_model_len, pool_tokens, pool_tokens)
+        return pool_tokens
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """A ValueError unless the model runs correctly at `max_model_len` tokens."""
+        if max_model_len > self.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"{self.max_position_embeddings} positions")
+        if self.sliding_window is not None and self.sliding_window < max_model_len:
+            raise ValueError(
+                f"this {self.model_type} model attends within a sliding window of "
+                f"{self.sliding_window} tokens, which liteinfer does not implement; set "
+                f"max_model_len <= {self.sliding_window} (full attention is the same there)")
 
 
 @dataclass
@@ -88,14 +165,14 @@ class EngineConfig:
 
     dtype: str = "auto"                   # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"                  # auto: cuda if available, else cpu
-    max_model_len: int | None = None      # default: min(max_position_embeddings, 16384)
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 16384
-    block_size: int = 16
+    max_model_len: int | None = None      # default: the model's context, as the KV pool allows
+    max_num_seqs: int = 128               # most sequences running at once
+    max_num_batched_tokens: int = 16384   # most tokens a step computes; prompts are chunked
+    block_size: int = 16                  # tokens a KV block holds (a power of two)
     gpu_memory_utilization: float = 0.85  # fraction of free device memory given to the KV pool
     num_kv_blocks: int | None = None      # explicit pool size; overrides the memory budget
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU
-    attention_backend: str = "auto"       # torch | sdpa | triton; auto: triton on CUDA, torch on CPU
+    attention_backend: str = "auto"       # torch | sdpa | triton; auto: triton on CUDA, else torch
     enforce_eager: bool = False           # True: no CUDA graphs
     # A step that decodes carries at most this many prompt tokens (a power of two), trimmed to a
     # size that makes its rows a power of two; steps of up to this many prompt tokens replay
@@ -103,14 +180,14 @@ class EngineConfig:
     mixed_prompt_tokens: int = 2048
     # Prompts reuse the KV blocks of prefixes computed before (shared system prompts, earlier
     # turns of a conversation) instead of computing them again.
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     # Ranks the model is split over, one process (and on CUDA one GPU) each.
     tensor_parallel_size: int = 1
     # "fp8": e4m3 linear layers (a bf16/fp16 checkpoint is quantized at load; a checkpoint's own
     # FP8 quantization_config is used whatever this says). The LM head stays in the model dtype.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"          # auto: the model dtype; fp8: e4m3 K/V, twice the tokens
-    seed: int = 0
+    seed: int = 0                         # dummy weights' seed (and sampling's in the CLI)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -133,3 +210,19 @@ class EngineConfig:
         if m < MIN_PROMPT_PIECE or m & (m - 1):
             raise ValueError(f"mixed_prompt_tokens must be a power of two >= "
                              f"{MIN_PROMPT_PIECE}, got {m}")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """EngineConfig fields from KEY=VALUE pairs (`--set`); values are JSON where they parse
+    (true, 4096, null), else strings."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

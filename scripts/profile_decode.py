@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from liteinfer import LLM, SamplingParams
-from liteinfer.bench.cli import parse_overrides
+from liteinfer.config import parse_overrides
 
 
 def cuda_ms(fn, iters: int = 100) -> float:

@@ -28,7 +28,7 @@ from profile_decode import cuda_ms
 from torch.profiler import ProfilerActivity, profile
 
 from liteinfer import LLM, SamplingParams
-from liteinfer.bench.cli import parse_overrides
+from liteinfer.config import parse_overrides
 
 # Attention first: SDPA's kernels (flash, cuDNN, cutlass fmha) would otherwise count as matmuls.
 CATEGORIES = (("attention", ("_prefill_kernel", "flash", "fmha", "sdpa", "attention")),

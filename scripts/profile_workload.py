@@ -18,10 +18,10 @@ import torch
 from profile_prefill import category
 from torch.profiler import ProfilerActivity, profile
 
-from liteinfer.bench.cli import parse_overrides
 from liteinfer.bench.registry import DEFAULT
 from liteinfer.bench.runner import drive, engine_args_for, make_llm, staggered_lengths, workload
 from liteinfer.bench.workloads import SEED, WARMUP_SEED, Shape
+from liteinfer.config import parse_overrides
 
 
 def instrument(engine) -> list[dict]:

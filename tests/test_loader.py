@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from fixtures import (TINY_LLAMA, llama_cpp_rope_freqs, make_tiny_gguf, make_tiny_llama_dir,
-                      smollm2_gguf_path)
+from fixtures import (
+    TINY_LLAMA,
+    llama_cpp_rope_freqs,
+    make_tiny_gguf,
+    make_tiny_llama_dir,
+    smollm2_gguf_path,
+)
 from liteinfer.loader import hf, known_models, load_model_source, source
 
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
@@ -66,7 +71,7 @@ def test_iter_weights_reads_one_tensor_at_a_time(tiny_dir: Path,
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self.inner = real_safe_open(*args, **kwargs)
 
-        def __enter__(self) -> "CountingSafeOpen":
+        def __enter__(self) -> CountingSafeOpen:
             self.inner.__enter__()
             return self
 
@@ -172,8 +177,66 @@ def test_bad_inputs(tiny_dir: Path, tmp_path: Path) -> None:
     cfg = json.loads((not_llama / "config.json").read_text())
     cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (not_llama / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="not a Llama"):
+    with pytest.raises(ValueError, match=r"unsupported model .*gpt2.*LlamaForCausalLM"):
         load_model_source(not_llama)
+
+
+# ---- Hugging Face model ids, from the local cache ---------------------------------------------
+
+def _fake_hub_cache(cache: Path, repo_id: str, snapshots: dict[str, Path], main: str) -> None:
+    """huggingface_hub's cache layout: models--org--name/snapshots/<commit>/... and refs/main."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    for commit, source_dir in snapshots.items():
+        shutil.copytree(source_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(main)
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the network was reached")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_model_id_resolves_through_the_hub_cache(tiny_dir: Path, tmp_path: Path,
+                                                 tiny_state_dict: dict[str, torch.Tensor],
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 no_network: None) -> None:
+    old, new = "a" * 40, "b" * 40
+    tied = make_tiny_llama_dir(tmp_path / "other", tie_word_embeddings=True)
+    cache = tmp_path / "hub"
+    _fake_hub_cache(cache, "org/Tiny-Llama", {old: tied, new: tiny_dir}, main=new)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    src = load_model_source("org/Tiny-Llama")
+    assert src.path == cache / "models--org--Tiny-Llama" / "snapshots" / new  # refs/main's
+    assert src.load_format == "safetensors" and src.tokenizer is not None
+    assert {name for name, _ in src.iter_weights()} == set(tiny_state_dict)
+
+
+def test_model_id_under_hf_home(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                no_network: None) -> None:
+    _fake_hub_cache(tmp_path / "home" / "hub", "org/tiny", {"c" * 40: tiny_dir}, main="c" * 40)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert load_model_source("org/tiny", "dummy").path.parent.name == "snapshots"
+
+
+def test_missing_model_id_says_where_and_how(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             no_network: None) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    message = (rf"'meta-llama/Llama-3.2-1B-Instruct' is not a local path and is not in the "
+               rf"Hugging Face cache \({tmp_path / 'empty'}.*huggingface-cli download "
+               rf"meta-llama/Llama-3.2-1B-Instruct")
+    with pytest.raises(ValueError, match=message):
+        load_model_source("meta-llama/Llama-3.2-1B-Instruct")
+    with pytest.raises(ValueError, match="not a Hugging Face model id"):
+        load_model_source("no/such/path")
 
 
 def test_missing_smollm2_names_install_command(monkeypatch: pytest.MonkeyPatch) -> None:

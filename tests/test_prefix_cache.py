@@ -117,6 +117,9 @@ def test_block_manager_refcounts_and_eviction_order():
     assert bm.num_free_blocks == free
     bm.free(d)
     assert sorted(bm.unreferenced_blocks()) == list(range(6)) and not any(bm.ref_counts)
+    bm.reset_prefix_cache()
+    assert not bm.evictable and sorted(bm.free_blocks) == list(range(6))
+    assert seq("f", prompt).num_cached_tokens == 0
 
 
 @pytest.mark.parametrize("config", [{"attention_backend": "sdpa"}, {"block_size": 32},

@@ -32,7 +32,7 @@ def chat_prompts(smollm2_llm):
 
 
 def test_greedy_batch_matches_transformers(smollm2_llm, hf_smollm2, chat_prompts):
-    eos = sorted(smollm2_llm.engine.eos_token_ids)
+    eos = smollm2_llm.engine.core.eos_token_ids
     reference = hf_greedy(hf_smollm2, chat_prompts, 32, stop_at_eos=True, eos_token_id=eos)
     params = SamplingParams(temperature=0.0, max_tokens=32)
     outputs = smollm2_llm.generate(chat_prompts, params, use_tqdm=False)

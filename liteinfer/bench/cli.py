@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
+import os
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from liteinfer.bench import registry, runner
-from liteinfer.bench.registry import TRANSFORMERS, Run
+from liteinfer.bench.registry import LITEINFER, TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
 from liteinfer.bench.report_html import render_html
 from liteinfer.bench.serve import add_serve_parser
@@ -31,7 +33,7 @@ from liteinfer.bench.store import (
 )
 from liteinfer.bench.tables import build_page, mismatches, ratio
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
-from liteinfer.config import EngineConfig
+from liteinfer.config import EngineConfig, parse_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,21 +103,6 @@ def add_report_parser(subparsers: Any) -> None:
     p.set_defaults(func=cmd_report)
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """KEY=VALUE pairs; values are JSON where they parse (true, 4096, null), else strings."""
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def plan(args: argparse.Namespace) -> list[Run]:
     for name in args.config or []:
         _check_runnable(registry.get(name))
@@ -149,6 +136,20 @@ def _check_runnable(config: registry.BenchConfig) -> None:
                      f"{where or f'none under {RESULTS_DIR}/'})")
 
 
+def check_device(runs: list[Run], overrides: dict[str, Any]) -> None:
+    """A ValueError naming the configs that need a GPU when none is visible: their Triton
+    kernels have no CPU driver (Triton's interpreter, TRITON_INTERPRET=1, runs them slowly)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    triton = sorted({r.config for r in runs if registry.get(r.config).engine == LITEINFER and
+                     runner.engine_args_for(r.config, overrides).get("attention_backend")
+                     == "triton"})
+    if triton:
+        raise ValueError(f"{', '.join(triton)} with attention_backend=triton runs Triton "
+                         f"kernels, which need a CUDA GPU, and none is visible; on CPU leave "
+                         f"attention_backend to auto (torch there)")
+
+
 def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
                    overrides: dict[str, Any], out: Path) -> list[Row]:
     """Loads the model once for all runs of one config; each row is saved as soon as it exists."""
@@ -160,6 +161,9 @@ def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
     else:
         args = runner.engine_args_for(config.name, overrides)
         handle, measure_one = runner.make_llm(model, args), runner.measure
+        if args.get("enable_prefix_caching", EngineConfig.enable_prefix_caching):
+            print(f"{config.name}: the prefix cache is emptied before each measured run",
+                  flush=True)
     try:
         for run in runs:
             row = measure_one(handle, run, model, args)
@@ -200,6 +204,7 @@ def cmd_run(args: argparse.Namespace) -> None:
                   f"prompts={r.prompts}")
         return
     overrides = parse_overrides(args.overrides)
+    check_device(runs, overrides)
     out = results_file(args.out, environment()["gpu"], now_iso())
     rows: list[Row] = []
     failed: list[str] = []

@@ -20,10 +20,12 @@ from liteinfer.bench.workloads import (
     make_prompts,
 )
 from liteinfer.llm import LLM
+from liteinfer.loader import load_model_source
 from liteinfer.sampling_params import RequestOutputKind, SamplingParams
 from liteinfer.utils import model_label
 
 _request_ids: Iterator[int] = itertools.count()
+BENCH_MAX_MODEL_LEN = 16384
 
 
 def engine_args_for(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -32,6 +34,11 @@ def engine_args_for(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_llm(model: str, engine_args: dict[str, Any]) -> LLM:
+    """The engine at WORKLOADS.md's context (the vLLM rows' 16,384 tokens, or the model's own
+    if shorter) unless the config sets max_model_len."""
+    if "max_model_len" not in engine_args:
+        context = load_model_source(model, "dummy").model_config.max_context
+        engine_args = {**engine_args, "max_model_len": min(BENCH_MAX_MODEL_LEN, context)}
     return LLM(model=model, load_format="dummy", **engine_args)
 
 
@@ -113,6 +120,8 @@ def measure(llm: Any, run: Run, model: str, engine_args: dict[str, Any]) -> Row:
     vocab = engine.model_config.vocab_size
     n_warm = warm_up(engine, run.shape, run.width, vocab)
     prompts, fold = workload(run.shape, run.prompts, SEED, vocab)
+    # No measured prompt finds the KV of an earlier run's prompts (or the warm-up's).
+    engine.reset_prefix_cache()
     with progress(run) as bar:
         traces = drive(engine, prompts, [run.shape.osl] * len(prompts), run.width, bar)
     return make_row(run, LITEINFER, traces, prompts, fold, model, engine_args=engine_args,

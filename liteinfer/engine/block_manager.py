@@ -105,6 +105,14 @@ class BlockManager:
         seq.block_key_hashes = []
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix: evictable blocks become free, and blocks that running
+        sequences hold are no longer found by new prompts."""
+        self.free_blocks.extend(self.evictable)
+        self.evictable.clear()
+        self.cached.clear()
+        self.block_keys.clear()
+
     def _key(self, seq: Sequence, i: int, parent: int) -> BlockKey:
         return parent, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 

@@ -61,10 +61,8 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
     if on_cuda and tp > torch.cuda.device_count() and torchrun_rank() is None:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; "
                          f"{torch.cuda.device_count()} are visible")
-    max_len = config.max_model_len or min(model_config.max_position_embeddings, 16384)
-    if max_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_len} exceeds the model's "
-                         f"{model_config.max_position_embeddings} positions")
+    max_len = config.max_model_len or model_config.max_context
+    model_config.check_max_model_len(max_len)
     return max_len
 
 
@@ -120,6 +118,7 @@ class EngineCore:
             torch.manual_seed(config.seed)
         self.runner = ModelRunner(self.model_config, config, source, source.load_format,
                                   self.max_model_len, self.eos_token_ids, tp_rank)
+        self.max_model_len = self.runner.max_model_len  # within what its KV pool holds
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -177,6 +176,13 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.compiling) or (
             self.inflight is not None
             and not all(s.is_finished for s in self.inflight.scheduled.seqs))
+
+    def reset_prefix_cache(self) -> None:
+        """Empties the prefix cache (on every tensor-parallel rank, whose schedulers must decide
+        alike), e.g. between benchmark runs."""
+        if self.workers is not None:
+            self.workers.call("reset_prefix_cache")
+        self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks, or leaves torchrun's group (nothing to do on

@@ -56,5 +56,8 @@ class LLMEngine:
             self.core.abort_requests(processed.requests_to_abort)
         return processed.request_outputs
 
+    def reset_prefix_cache(self) -> None:
+        self.core.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.core.shutdown()

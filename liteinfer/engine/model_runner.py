@@ -127,10 +127,10 @@ class ModelRunner:
             agreed = torch.tensor([num_blocks], device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             num_blocks = int(agreed.item())
-        if num_blocks < self.max_blocks_per_seq:
-            raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of "
-                             f"max_model_len={self.max_model_len}; lower max_model_len or give "
-                             f"the pool more memory")
+        self.max_model_len = self.model_config.fit_max_model_len(
+            self.max_model_len, self.config.max_model_len is not None,
+            num_blocks * self.block_size)
+        self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         self.num_kv_blocks = num_blocks
         kv = allocate_kv_pool(2, cfg.num_hidden_layers, num_blocks=num_blocks,
                               block_size=self.block_size, num_kv_heads=self.num_kv_heads,

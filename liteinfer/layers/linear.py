@@ -102,17 +102,27 @@ class ColumnParallelLinear(_ShardedLinear):
     """y = x W^T with W's output rows split across tensor-parallel ranks."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
-                 use_gemv: bool = False, quant_config: QuantConfig | None = None):
+                 use_gemv: bool = False, quant_config: QuantConfig | None = None,
+                 bias: bool = False):
         super().__init__(in_features, out_features, tp_rank, tp_size, 0, use_gemv, quant_config)
+        # Added after the projection, split like its rows (Qwen2's q/k/v biases; no layer that
+        # an activation follows has one).
+        self.bias = nn.Parameter(torch.empty(self.offsets[None][1])) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
     def forward(self, x: Any) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        return self._add_bias(self.quant_method.apply(self, x))
 
     def forward_normed(self, x: torch.Tensor, norm: RMSNorm,
                        act: SiluAndMul | None = None) -> Any:
-        """act(norm(x) W^T): the pre-norm projection of a Llama block. act, when given, is the
-        SwiGLU over this layer's [gate; up] output."""
-        return self.quant_method.apply_normed(self, x, norm, act)
+        """act(norm(x) W^T) or norm(x) W^T + b: the pre-norm projection of a Llama block. act,
+        when given, is the SwiGLU over this layer's [gate; up] output."""
+        y = self.quant_method.apply_normed(self, x, norm, act)
+        return y if act is not None else self._add_bias(y)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -120,9 +130,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], tp_rank: int = 0,
                  tp_size: int = 1, use_gemv: bool = False,
-                 quant_config: QuantConfig | None = None):
+                 quant_config: QuantConfig | None = None, bias: bool = False):
         super().__init__(in_features, sum(shard_sizes.values()), tp_rank, tp_size, use_gemv,
-                         quant_config)
+                         quant_config, bias)
         start = 0
         for name, size in shard_sizes.items():
             self.offsets[name] = (start, size // tp_size)
@@ -132,12 +142,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  tp_rank: int = 0, tp_size: int = 1, use_gemv: bool = False,
-                 quant_config: QuantConfig | None = None):
+                 quant_config: QuantConfig | None = None, bias: bool = False):
         if num_kv_heads % tp_size:
             raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
         super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
                                        "v": num_kv_heads * head_dim}, tp_rank, tp_size,
-                         use_gemv, quant_config)
+                         use_gemv, quant_config, bias)
 
 
 class RowParallelLinear(_ShardedLinear):

@@ -1,5 +1,5 @@
-"""Resolve a model argument (directory, GGUF file, or packaged name) into config, tokenizer and a
-lazy weight stream."""
+"""Resolve a model argument (directory, GGUF file, Hugging Face model id in the local cache, or
+packaged name) into config, tokenizer and a lazy weight stream."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from liteinfer.config import ModelConfig
-from liteinfer.loader import hf
+from liteinfer.loader import hf, hub
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -165,7 +165,8 @@ def _from_name(name: str, load_format: str) -> ModelSource:
 
 def load_model_source(model: str | os.PathLike[str], load_format: str = "auto") -> ModelSource:
     """Open `model`: a Hugging Face directory (safetensors), a .gguf file or a directory holding
-    exactly one, a config.json path (with load_format="dummy"), or a name from `known_models()`.
+    exactly one, a config.json path (with load_format="dummy"), a name from `known_models()`, or
+    a Hugging Face model id (`org/name`) whose snapshot is in the local cache (loader/hub.py).
 
     load_format "auto" picks safetensors / gguf from what the path holds, and "dummy" for the
     packaged configs that have no weights. Bad input raises ValueError.
@@ -180,5 +181,7 @@ def load_model_source(model: str | os.PathLike[str], load_format: str = "auto") 
         return _from_gguf(smollm2_gguf_path(), load_format)
     if name in known_models():
         return _from_name(name, load_format)
-    raise ValueError(f"model {str(model)!r}: no such path, and not a known model name "
-                     f"({', '.join(known_models())})")
+    if hub.is_repo_id(str(model)):
+        return _from_path(hub.cached_snapshot(str(model)), load_format)
+    raise ValueError(f"model {str(model)!r}: no such path, not a Hugging Face model id "
+                     f"(org/name) and not a known model name ({', '.join(known_models())})")

@@ -1,16 +1,23 @@
-"""The Llama architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP."""
+"""The Llama architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP; and the families
+built on it (config.MODEL_FAMILIES): Mistral as it is, Qwen2 with q/k/v biases, Qwen3 with an
+RMSNorm over each query and key head before RoPE."""
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from liteinfer.attention import AttentionBackend, AttentionMetadata
 from liteinfer.config import ModelConfig
-from liteinfer.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                     QKVParallelLinear, RowParallelLinear)
+from liteinfer.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
 from liteinfer.layers.quantization import QuantConfig
 
@@ -36,9 +43,13 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv,
-                                          ops.quant)
+                                          ops.quant, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         tp_rank, tp_size, ops.gemv, ops.quant)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton)
         self.backend = backend
         # Views into the engine's KV pool, bound by the model runner.
         self.k_cache = torch.empty(0)
@@ -53,6 +64,9 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # before the backend rotates q and k
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         out = self.backend.forward(q, k, v, positions, cos_sin_cache, self.k_cache, self.v_cache,
                                    meta, self.scale)
         self.o_proj.forward_add(out.reshape(-1, q_size), x)
@@ -93,9 +107,9 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint projections that live inside a fused parameter: name -> (fused name, shard).
-    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
-                      "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", "gate"),
-                      "up_proj": ("gate_up_proj", "up")}
+    stacked_params: ClassVar[dict[str, tuple[str, str]]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  ops: LayerOps = LayerOps(), tp_rank: int = 0, tp_size: int = 1):
@@ -138,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
                     name, shard = name.replace(ckpt, fused), shard_id
                     break
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the Llama model")
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the "
+                                 f"{self.config.model_type} model")
             param = params[name]
             with torch.no_grad():
                 loader = getattr(param, "weight_loader", None)

@@ -22,6 +22,10 @@ class FakeEngine:
         self.remaining: dict[str, int] = {}
         self.added: list[tuple[str, list[int], int]] = []  # (id, prompt, max_tokens)
         self.max_in_flight = 0
+        self.resets_at: list[int] = []  # requests added before each prefix-cache reset
+
+    def reset_prefix_cache(self) -> None:
+        self.resets_at.append(len(self.added))
 
     def add_request(self, request_id, prompt_token_ids, params) -> None:
         assert params.temperature == 0.0 and params.ignore_eos

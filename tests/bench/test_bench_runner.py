@@ -49,6 +49,7 @@ def test_throughput_row_excludes_warmup():
     assert [n for _, _, n in added[:3]] == [1, 3, 5]  # warm-up: the batch shrinks 3, 2, 1
     assert len(added) == 3 + 7 and all(n == 5 for _, _, n in added[3:])
     assert llm.engine.max_in_flight == 3
+    assert llm.engine.resets_at == [3]  # the prefix cache is emptied after the warm-up
     measured, _ = fold_into_vocab(make_prompts(16, 7), 512)
     assert [p for _, p, _ in added[3:]] == measured
     assert row["prompts"] == row["requests"] == 7 and row["out_tokens"] == 35 and row["all_forced"]
@@ -94,6 +95,7 @@ def test_cli_run_and_report(fake_llms, tiny_llama_dir, tmp_path, capsys):
     assert fake_llms[0].shut
     printed = capsys.readouterr().out
     assert "vs vLLM" in printed and registry.DEFAULT in printed
+    assert f"{registry.DEFAULT}: the prefix cache is emptied before each measured run" in printed
     md, html = tmp_path / "B.md", tmp_path / "r.html"
     cli("report", "--results", out.parent, "--reference", REFERENCE, "--md", md, "--html", html)
     assert "## throughput · tiny-llama · ISL=16 OSL=4" in md.read_text()

@@ -52,6 +52,7 @@ from liteinfer.entrypoints.openai.protocol import (
     conversation,
 )
 from liteinfer.entrypoints.openai.structured import ToolCalls
+from liteinfer.loader.overrides import ModelOverrides
 from liteinfer.outputs import Logprob, RequestOutput
 from liteinfer.utils import model_label
 
@@ -556,13 +557,17 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") 
 
 def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, load_format: str = "auto",
-               args: ServerArgs | None = None, **engine_args: Any) -> None:
+               args: ServerArgs | None = None, overrides: ModelOverrides | None = None,
+               **engine_args: Any) -> None:
+    """overrides: a chat template and generation config in place of the model's."""
     args = args or ServerArgs()
+    overrides = overrides or ModelOverrides()
     name = served_model_name or model_label(model)
     if args.api_server_count > 1:
-        run_api_servers(model, host, port, name, load_format, args, **engine_args)
+        run_api_servers(model, host, port, name, load_format, args, overrides, **engine_args)
         return
     engine = AsyncLLM.from_args(model, load_format, args.max_waiting_requests, **engine_args)
+    overrides.apply(engine)
     try:
         app = build_app(engine, name, args)
         Server(app, uvicorn_config(app, host, port)).run()
@@ -597,10 +602,11 @@ def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
 
 def run_api_server_process(model: str, config: EngineConfig, core: CoreHandle,
                            load_format: str, client_index: int, sock: socket.socket,
-                           name: str, args: ServerArgs) -> None:
+                           name: str, args: ServerArgs, overrides: ModelOverrides) -> None:
     """An API-server process: front end `client_index` of the core, serving on `sock`."""
     engine = AsyncLLM(model, config, core, load_format, client_index,
                       -(-args.max_waiting_requests // args.api_server_count))
+    overrides.apply(engine)
     try:
         app = build_app(engine, name, args)
         host, port = sock.getsockname()[:2]
@@ -613,7 +619,7 @@ def run_api_server_process(model: str, config: EngineConfig, core: CoreHandle,
 
 
 def run_api_servers(model: str, host: str, port: int, name: str, load_format: str,
-                    args: ServerArgs, **engine_args: Any) -> None:
+                    args: ServerArgs, overrides: ModelOverrides, **engine_args: Any) -> None:
     """`args.api_server_count` API-server processes, each front end of one engine core and
     listening on the same port. SIGTERM or SIGINT here drains them all; when the core dies
     they end their streams with an error and exit, and so does this process. /metrics counts
@@ -643,7 +649,7 @@ def run_api_servers(model: str, host: str, port: int, name: str, load_format: st
                 break
             proc = ctx.Process(target=run_api_server_process, name=f"liteinfer-api-server-{i}",
                                args=(model, config, core.handle, load_format, i, sock, name,
-                                     args))
+                                     args, overrides))
             proc.start()
             procs.append(proc)
         for sock in socks:  # each child holds its own

@@ -271,16 +271,17 @@ class ServeRun:
     warmup: bool = True
 
 
+def _send_environment(conn: Any) -> None:
+    conn.send(environment())
+
+
 def client_environment() -> Row:
-    """store.environment(), read in a child process: it asks torch for the GPU's name, which
-    initializes CUDA, after which this process could no longer fork clients safely."""
-    ctx = multiprocessing.get_context("fork")
+    """store.environment(), read in a fresh (spawned) process: it asks torch for the GPU's
+    name, which initializes CUDA, which a forked process cannot do, and after which this
+    process could no longer fork clients safely."""
+    ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-
-    def report() -> None:
-        child.send(environment())
-
-    proc = ctx.Process(target=report)
+    proc = ctx.Process(target=_send_environment, args=(child,))
     proc.start()
     try:
         return parent.recv()

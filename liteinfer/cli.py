@@ -1,4 +1,4 @@
-"""`liteinfer generate | chat | serve` (benchmarks: `liteinfer-bench`)."""
+"""`liteinfer generate | chat | serve | bench` (`liteinfer bench ...` is `liteinfer-bench ...`)."""
 from __future__ import annotations
 
 import argparse
@@ -219,10 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    # Listed for --help; main() hands `bench ...` to the harness, which parses its own arguments
+    # and is imported only then.
+    sub.add_parser("bench", add_help=False, help="benchmarks: run, serve, report "
+                                                 "(the same as liteinfer-bench)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from liteinfer.bench.cli import main as bench_main
+
+        bench_main(argv[1:])
+        return
     # The engine's notes (e.g. max_model_len fitted to the KV pool) are part of the output.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

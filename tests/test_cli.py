@@ -199,3 +199,11 @@ def test_bench_on_cpu_refuses_triton_and_runs_the_default(tiny_llama_dir, tmp_pa
     out = capsys.readouterr().out
     assert "prompt-graphs: the prefix cache is emptied before each measured run" in out
     assert "1 row(s) appended" in out
+
+
+def test_liteinfer_bench_is_the_benchmark_harness(capsys):
+    from liteinfer.cli import main
+
+    main(["bench", "run", "--dry-run", "--config", "prompt-graphs", "--quick"])
+    planned = capsys.readouterr().out
+    assert "prompt-graphs" in planned and "128" in planned

@@ -1,14 +1,130 @@
 """Tensor parallelism over two CPU processes (gloo): the same tokens as one rank, through
-batching, preemption, sampling and bad requests, and every rank in step throughout."""
+batching, preemption, sampling and bad requests, and every rank in step throughout; each rank
+holding its slice of every weight, the vocabulary's included."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from fixtures import ENGINES
+from fixtures import ENGINES, TINY_LLAMA, build_llm, make_tiny_llama_dir
 from liteinfer import LLM, SamplingParams
+from liteinfer.attention import get_backend
+from liteinfer.layers.linear import _ShardedLinear
+from liteinfer.layers.norm_act import RMSNorm
+from liteinfer.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from liteinfer.loader import load_model_source
+from liteinfer.models.llama import LlamaForCausalLM
 
 
+@pytest.fixture(scope="module")
+def tied_odd_vocab_dir(tmp_path_factory):
+    """Tied embeddings (as SmolLM2's and Qwen2's small models) over a vocabulary that does not
+    split evenly: 383 rows pad to 384, rank 1 holds 191 tokens and one zero row. Weights at ten
+    times the usual scale, so that the layers decide the next token (at 0.02 a tied model's
+    logits are its last token's embedding against the others, and it repeats that token)."""
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tied"), vocab_size=383,
+                               tie_word_embeddings=True, initializer_range=0.2)
+
+
+def test_tied_embeddings_over_an_odd_vocabulary_match_one_rank(tied_odd_vocab_dir):
+    args = dict(dtype="float32", device="cpu", max_model_len=256)
+    one = build_llm(str(tied_odd_vocab_dir), **args)
+    two = build_llm(str(tied_odd_vocab_dir), tensor_parallel_size=2, **args)
+    try:
+        model = two.engine.core.runner.model
+        assert model.embed_tokens.weight.shape == (192, TINY_LLAMA["hidden_size"])
+        assert model.lm_head.weight is model.embed_tokens.weight
+        rng = np.random.default_rng(1)
+        # The last ids live on rank 1, next to its padding row.
+        prompts = [rng.integers(3, 383, size=int(n)).tolist() + [382, 381, 191, 192]
+                   for n in rng.integers(5, 60, size=4)]
+        for p in (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                  SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)):
+            got = two.generate(prompts, p, use_tqdm=False)
+            ref = one.generate(prompts, p, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    finally:
+        for llm in (one, two):
+            ENGINES.remove(llm)
+            llm.shutdown()
+
+
+def _model(directory, tp_rank: int, tp_size: int, load_format: str):
+    """A rank's shard of the model, built and filled in this process (no collective runs)."""
+    source = load_model_source(str(directory), load_format)
+    model = LlamaForCausalLM(source.model_config, get_backend("torch"), tp_rank=tp_rank,
+                             tp_size=tp_size)
+    if load_format == "dummy":
+        model.init_dummy_weights(seed=7)
+    else:
+        model.load_weights(source.iter_weights())
+    return model
+
+
+def _assert_shard_of(shard: torch.nn.Module, whole: torch.nn.Module, rank: int) -> None:
+    """Every parameter of rank `rank`'s model is its slice of the one-rank model's."""
+    wholes = dict(whole.named_modules())
+    for name, part in shard.named_modules():
+        full = wholes[name]
+        if isinstance(part, VocabParallelEmbedding):
+            n, start = part.num_token_rows, part.vocab_start
+            assert part.weight.shape[0] == part.rows_per_rank < full.weight.shape[0]
+            assert torch.equal(part.weight[:n], full.weight[start:start + n]), name
+            assert not part.weight[n:].any(), f"{name}: padding rows are not zero"
+        elif isinstance(part, _ShardedLinear):
+            for param_name, param in part.named_parameters():
+                full_param = getattr(full, param_name)
+                shards = {s: o for s, o in part.offsets.items() if s is not None}
+                for s, (start, rows) in (shards or part.offsets).items():
+                    full_start = full.offsets[s][0]
+                    if part.dim == 0:
+                        expected = full_param[full_start + rank * rows:][:rows]
+                    else:
+                        cols = param.shape[1]
+                        expected = full_param[full_start:full_start + rows,
+                                              rank * cols:(rank + 1) * cols]
+                    assert torch.equal(param[start:start + rows], expected), f"{name}:{s}"
+        elif isinstance(part, RMSNorm):
+            assert torch.equal(part.weight, full.weight), name
+
+
+@pytest.mark.parametrize("load_format", ["safetensors", "dummy"])
+def test_each_rank_holds_its_slice_of_the_one_rank_model(tiny_llama_dir, tied_odd_vocab_dir,
+                                                         load_format):
+    """Checkpoint loading gives each rank its slice of every tensor, and so do dummy weights
+    (each tensor drawn whole): about vocab / 2 embedding and LM head rows, padding zero."""
+    for directory in (tiny_llama_dir, tied_odd_vocab_dir):
+        whole = _model(directory, 0, 1, load_format)
+        for rank in range(2):
+            shard = _model(directory, rank, 2, load_format)
+            assert shard.lm_head.weight.shape[0] == 192
+            _assert_shard_of(shard, whole, rank)
+
+
+def test_a_rank_that_dies_stops_the_engine_in_bounded_time(tiny_llama_dir):
+    """Rank 1 killed mid-generation: generate() raises RankDiedError within seconds (rank 0
+    does not wait in a collective forever), and no rank process is left behind."""
+    import threading
+    import time
+
+    from liteinfer.engine.tensor_parallel import RankDiedError
+
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", device="cpu",
+              max_model_len=256)
+    procs = list(llm.engine.core.workers.procs)
+    threading.Timer(1.0, procs[0].kill).start()
+    start = time.monotonic()
+    with pytest.raises(RankDiedError, match="tensor-parallel"):
+        llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=200,
+                                                     ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    assert all(p.exitcode is not None for p in procs)
+    llm.shutdown()
+
+
+# Lives to the end of the module: the tests that start tensor-parallel engines of their own (a
+# process is in one group at a time) come before the first test that uses it.
 @pytest.fixture(scope="module")
 def tp_llm(tiny_llama_dir):
     # A small pool, so that the ranks preempt (and must agree on whom) as well as batch.
@@ -47,27 +163,6 @@ def test_a_bad_request_reaches_no_rank(tp_llm, tiny_llm):
 def test_a_model_that_does_not_split_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="KV heads do not split over tensor_parallel_size=4"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=4, device="cpu")
-
-
-def test_a_rank_that_dies_stops_the_engine_in_bounded_time(tiny_llama_dir):
-    """Rank 1 killed mid-generation: generate() raises RankDiedError within seconds (rank 0
-    does not wait in a collective forever), and no rank process is left behind."""
-    import threading
-    import time
-
-    from liteinfer.engine.tensor_parallel import RankDiedError
-
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", device="cpu",
-              max_model_len=256)
-    procs = list(llm.engine.core.workers.procs)
-    threading.Timer(1.0, procs[0].kill).start()
-    start = time.monotonic()
-    with pytest.raises(RankDiedError, match="tensor-parallel"):
-        llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=200,
-                                                     ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - start < 30
-    assert all(p.exitcode is not None for p in procs)
-    llm.shutdown()
 
 
 TORCHRUN_SCRIPT = """

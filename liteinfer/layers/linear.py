@@ -84,6 +84,21 @@ class _ShardedLinear(nn.Module):
     def one_token(self, x: Any) -> bool:
         return self.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] == 1
 
+    def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[str | None, tuple[int, ...]]]:
+        """The checkpoint tensors that fill param (a weight or bias) on all ranks together, as
+        (shard, shape): what dummy weights draw, so that every tensor-parallel size holds
+        shards of the one model."""
+        shapes = []
+        for shard in [s for s in self.offsets if s is not None] or [None]:
+            shape = list(param.shape)
+            shape[0] = self.offsets[shard][1]
+            if self.dim == 0:
+                shape[0] *= self.tp_size
+            elif param.dim() == 2:
+                shape[1] *= self.tp_size
+            shapes.append((shard, tuple(shape)))
+        return shapes
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: str | None = None) -> None:
         """Copies this rank's part of a checkpoint tensor (a whole projection, or shard `shard`

@@ -13,13 +13,13 @@ from torch import nn
 from liteinfer.attention import AttentionBackend, AttentionMetadata
 from liteinfer.config import ModelConfig
 from liteinfer.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
 from liteinfer.layers.quantization import QuantConfig
+from liteinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
 @dataclass(frozen=True)
@@ -115,14 +115,16 @@ class LlamaForCausalLM(nn.Module):
                  ops: LayerOps = LayerOps(), tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank,
+                                                   tp_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, ops, tp_rank, tp_size)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
-        # Every rank computes the full logits.
-        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, use_gemv=ops.gemv)
+        # Every rank ends with the full logits.
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size,
+                                      use_gemv=ops.gemv)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.tie_weights(self.embed_tokens)
         # Set by the runner once the model sits on its device (fp32, see layers/rotary.py).
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
 
@@ -176,10 +178,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:
-        """Random weights for benchmarking without a checkpoint (vLLM's load_format="dummy")."""
+        """Random weights for benchmarking without a checkpoint (vLLM's load_format="dummy").
+        Each checkpoint tensor is drawn whole and loaded like a real one, so that every rank
+        holds its shard of the model one rank would get."""
         gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
+                continue
+            layer = self.get_submodule(name.rpartition(".")[0])
+            for shard, shape in layer.checkpoint_shapes(param):
+                full = torch.empty(shape, dtype=param.dtype, device=param.device)
+                param.weight_loader(param, full.normal_(0.0, 0.02, generator=gen), shard)

@@ -3,5 +3,5 @@ from liteinfer.llm import LLM
 from liteinfer.outputs import CompletionOutput, RequestOutput
 from liteinfer.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import defaultdict, deque
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from typing import Any
 
 from tqdm import tqdm

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Host timestamps (time.perf_counter seconds) of one request."""
 
@@ -15,7 +15,7 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """A token's log-probability, its rank in the vocabulary (1 = most likely) and its text
     (vLLM's)."""
@@ -30,7 +30,7 @@ SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -40,7 +40,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -84,7 +84,8 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
             bad(f"max_tokens must be a positive integer, got {self.max_tokens}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad(f"min_tokens must be a non-negative integer, got {self.min_tokens}")

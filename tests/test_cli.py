@@ -106,8 +106,9 @@ def test_serve_passes_model_engine_config_and_overrides(monkeypatch, tmp_path):
     main(["serve", "org/model", "--port", "9001", "--max-num-seqs", "4",
           "--chat-template", PLAIN_TEMPLATE, "--generation-config", str(tmp_path)])
     assert seen["args"][:3] == ("org/model", "127.0.0.1", 9001)
-    assert seen["kwargs"] == {"max_num_seqs": 4, "chat_template": PLAIN_TEMPLATE,
-                              "generation_config": {"temperature": 0.3}}
+    assert seen["kwargs"] == {"max_num_seqs": 4}
+    from liteinfer.loader.overrides import ModelOverrides
+    assert seen["args"][6] == ModelOverrides(PLAIN_TEMPLATE, {"temperature": 0.3})
     with pytest.raises(SystemExit, match="no such file, and not a Jinja template"):
         main(["serve", "org/model", "--chat-template", str(tmp_path / "absent.jinja")])
     with pytest.raises(SystemExit, match=r"expected auto\|vllm\|DIR"):

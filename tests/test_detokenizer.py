@@ -129,7 +129,7 @@ def test_stop_token_text_excluded_unless_included(tok, include):
 
 def test_incomplete_bytes_flushed_at_finish(tok):
     ids = tok.encode("ok 🎉").ids[:-1]  # ends inside the emoji
-    seq, pieces = run(tok, ids)
+    seq, _pieces = run(tok, ids)
     assert seq.output_text == tok.decode(ids) and seq.output_text.endswith("\ufffd")
 
 
@@ -147,7 +147,7 @@ def test_real_gguf_tokenizer():
     text = "Sure! Here's the plan: 1) café ☕ 2) 東京 🗼\nDone. <|im_end|>"
     ids = hf.encode(text, add_special_tokens=False)
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    seq, pieces = run(hf, ids, prompt=prompt)
+    seq, _pieces = run(hf, ids, prompt=prompt)
     assert seq.output_text == hf.decode(ids, skip_special_tokens=True)
     seq, _ = run(hf, ids, prompt=prompt, stop=["東京"])
     assert seq.output_text == "Sure! Here's the plan: 1) café ☕ 2) "

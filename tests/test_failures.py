@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from fixtures import build_llm
-from reference import random_prompts
 from liteinfer import SamplingParams
 from liteinfer.engine.sampler import Sampler
+from reference import random_prompts
 
 
 def greedy(n: int = 12, **kw) -> SamplingParams:

@@ -98,8 +98,7 @@ def test_smollm2_fp8_answers_as_fp32(smollm2_path, kwargs):
 def test_scaled_mm_matches_float64(rows):
     """cuBLASLt's FP8 GEMM with row-wise scales (the path of every multi-row step) against
     float64 over the same e4m3 operands, at row counts that are and are not multiples of 16."""
-    from liteinfer.layers.quantization.fp8 import (fp8_matmul, quantize_per_token,
-                                                   quantize_weight)
+    from liteinfer.layers.quantization.fp8 import fp8_matmul, quantize_per_token, quantize_weight
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     w, w_scale = quantize_weight(torch.randn(6144, 4096, device="cuda") * 0.02)
     xq = quantize_per_token(x)

@@ -156,7 +156,7 @@ def test_bad_inputs(tiny_dir: Path, tmp_path: Path) -> None:
         load_model_source(tmp_path / "nope")
     with pytest.raises(ValueError, match="load_format must be one of"):
         load_model_source(tiny_dir, "pt")
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config.json"):
         load_model_source(tmp_path)
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match="expected a model directory"):
@@ -170,7 +170,7 @@ def test_bad_inputs(tiny_dir: Path, tmp_path: Path) -> None:
 
     missing_shard = _copy_dir(tiny_dir, tmp_path / "missing_shard")
     (missing_shard / "model-00002-of-00006.safetensors").unlink()
-    with pytest.raises(ValueError, match="missing .*model-00002-of-00006"):
+    with pytest.raises(ValueError, match=r"missing .*model-00002-of-00006"):
         load_model_source(missing_shard)
 
     not_llama = _copy_dir(tiny_dir, tmp_path / "gpt2")
@@ -285,9 +285,9 @@ def test_gguf_rope_scaling(tmp_path: Path, tiny_state_dict: dict[str, torch.Tens
 @needs_gguf
 def test_gguf_bad_inputs(tmp_path: Path, tiny_state_dict: dict[str, torch.Tensor]) -> None:
     qwen = make_tiny_gguf(tmp_path / "qwen.gguf", tiny_state_dict, arch="qwen2")
-    with pytest.raises(ValueError, match="general.architecture is 'qwen2'"):
+    with pytest.raises(ValueError, match=r"general.architecture is 'qwen2'"):
         load_model_source(qwen)
-    with pytest.raises(ValueError, match="exactly one .gguf"):
+    with pytest.raises(ValueError, match=r"exactly one .gguf"):
         load_model_source(make_tiny_gguf(tmp_path / "b.gguf", tiny_state_dict).parent)
     with pytest.raises(ValueError, match="is a GGUF file"):
         load_model_source(qwen, "safetensors")

@@ -24,7 +24,8 @@ def make_seq(prompt=(1, 2), output=(), **kw) -> Sequence:
 def sample_many(logits_row: torch.Tensor, n: int, **kw) -> torch.Tensor:
     """n independent draws: one batch of n identical rows (default generator)."""
     torch.manual_seed(0)
-    out = sample(Sampler([EOS]), logits_row.expand(n, -1).clone(), [make_seq(**kw) for _ in range(n)])
+    out = sample(Sampler([EOS]), logits_row.expand(n, -1).clone(),
+                 [make_seq(**kw) for _ in range(n)])
     return torch.tensor(out.token_ids)
 
 
@@ -36,7 +37,8 @@ def test_greedy_fast_path_and_tiny_temperature_equal_argmax():
     torch.manual_seed(1)
     logits = torch.stack([torch.randperm(100).float() for _ in range(6)])  # gaps of >= 1
     ref = logits.argmax(-1).tolist()
-    assert sample(Sampler([EOS]), logits, [make_seq(temperature=0.0) for _ in range(6)]).token_ids == ref
+    greedy_seqs = [make_seq(temperature=0.0) for _ in range(6)]
+    assert sample(Sampler([EOS]), logits, greedy_seqs).token_ids == ref
     # 1e-2 is not greedy, but exp(-gap / 1e-2) underflows: the sampling path agrees.
     seqs = [make_seq(temperature=t) for t in (1e-6, 1e-2) * 3]
     assert sample(Sampler([EOS]), logits, seqs).token_ids == ref
@@ -105,7 +107,8 @@ def test_penalties_match_reference(rep, pres, freq):
     x = logits.clone()
     _apply_penalties(x, seqs, [1, 2])
     assert torch.equal(x[0], logits[0])
-    torch.testing.assert_close(x[1], reference_penalties(logits[1], prompt, output, rep, pres, freq))
+    torch.testing.assert_close(x[1],
+                               reference_penalties(logits[1], prompt, output, rep, pres, freq))
     torch.testing.assert_close(x[2], reference_penalties(logits[2], [4], [4, 4], 1.0, 0.0, 1.0))
 
 
@@ -131,7 +134,8 @@ def test_logit_bias_is_added_before_penalties():
 def test_repetition_penalty_changes_greedy_choice():
     logits = torch.tensor([[0.0, 2.0, 1.9, -1.0]])
     assert sample(Sampler([EOS]), logits, [make_seq(prompt=[1], temperature=0.0)]).token_ids == [1]
-    out = sample(Sampler([EOS]), logits, [make_seq(prompt=[1], temperature=0.0, repetition_penalty=1.2)])
+    out = sample(Sampler([EOS]), logits,
+                 [make_seq(prompt=[1], temperature=0.0, repetition_penalty=1.2)])
     assert out.token_ids == [2]
 
 

@@ -8,8 +8,12 @@ import torch
 from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.sampler import SampledTokens
-from liteinfer.engine.scheduler import (Scheduler, SchedulerOutput, padded_decodes,
-                                        prompt_piece_sizes)
+from liteinfer.engine.scheduler import (
+    Scheduler,
+    SchedulerOutput,
+    padded_decodes,
+    prompt_piece_sizes,
+)
 from liteinfer.engine.sequence import Sequence
 from liteinfer.sampling_params import SamplingParams
 

@@ -313,7 +313,8 @@ def test_logprobs_match_offline(client, tiny_llm):
     sampled = [e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs)]
     assert lp["token_logprobs"] == pytest.approx(sampled)
     for served_top, ref_top in zip(lp["top_logprobs"], ref.logprobs, strict=True):
-        assert sorted(served_top.values()) == pytest.approx(sorted(v.logprob for v in ref_top.values()))
+        expected = sorted(v.logprob for v in ref_top.values())
+        assert sorted(served_top.values()) == pytest.approx(expected)
     tokens = [tiny_llm.tokenizer.decode([t]) for t in ref.token_ids]
     assert lp["tokens"] == tokens  # the stop token too, though the text leaves it out
     assert lp["text_offset"] == [sum(map(len, tokens[:i])) for i in range(len(tokens))]

@@ -107,7 +107,8 @@ async def stream_text(client: httpx.AsyncClient, body: dict, stop_after: int | N
 
 def test_framework_errors_are_openai_errors(url):
     with httpx.Client(base_url=url) as c:
-        post = lambda content, **kw: c.post("/v1/completions", content=content, **kw)
+        def post(content, **kw):
+            return c.post("/v1/completions", content=content, **kw)
         assert_openai_error(post(b'{"prompt": "x", '), 400, "not valid JSON")
         assert_openai_error(post(b'{"prompt": "\xff\xfe"}'), 400, "UTF-8")
         assert_openai_error(post(b'{"prompt": "\\ud800"}'), 400, "surrogate")

@@ -1,8 +1,12 @@
 """Attention backends: each applies RoPE, writes K/V into the paged pool and attends over it."""
 from __future__ import annotations
 
-from liteinfer.attention.base import (AttentionBackend, AttentionMetadata, allocate_kv_pool,
-                                      kv_cache_dtype)
+from liteinfer.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    allocate_kv_pool,
+    kv_cache_dtype,
+)
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -17,10 +17,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from liteinfer.config import EngineConfig, ModelConfig
-from liteinfer.engine.core_process import (CoreDiedError, CoreHandle, CoreProcess,
-                                           EngineCoreClient)
-from liteinfer.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                                       SchedulerStats)
+from liteinfer.engine.core_process import CoreDiedError, CoreHandle, CoreProcess, EngineCoreClient
+from liteinfer.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
 from liteinfer.engine.output_processor import OutputProcessor
 from liteinfer.engine.processor import InputProcessor
 from liteinfer.loader import load_model_source

@@ -16,14 +16,22 @@ import torch
 
 from liteinfer.config import EngineConfig, ModelConfig, parse_dtype
 from liteinfer.engine.block_manager import BlockManager
-from liteinfer.engine.messages import (EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs,
-                                       EngineCoreRequest)
+from liteinfer.engine.messages import (
+    EngineCoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
 from liteinfer.engine.model_runner import ModelRunner
 from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.scheduler import Scheduler, SchedulerOutput
 from liteinfer.engine.sequence import Sequence
-from liteinfer.engine.tensor_parallel import (WorkerGroup, init_distributed, serve_rank,
-                                              torchrun_rank)
+from liteinfer.engine.tensor_parallel import (
+    WorkerGroup,
+    init_distributed,
+    serve_rank,
+    torchrun_rank,
+)
 from liteinfer.loader import ModelSource, load_model_source
 from liteinfer.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
@@ -245,7 +253,7 @@ class EngineCore:
             if scheduled is None:
                 return []
             output = self.runner.execute(scheduled, self._grammar_bitmask(scheduled, previous))
-        except Exception as e:  # noqa: BLE001 - the step's requests fail, the core goes on
+        except Exception as e:
             seqs = scheduled.seqs if scheduled is not None else [
                 *self.scheduler.running, *self.scheduler.waiting]
             return self._fail(seqs, e)
@@ -275,7 +283,7 @@ class EngineCore:
                 inflight.outputs = self.scheduler.update_from_output(inflight.scheduled,
                                                                      inflight.output)
                 self._advance_grammars(inflight.outputs)
-            except Exception as e:  # noqa: BLE001 - as in _launch
+            except Exception as e:
                 inflight.outputs = self._fail(inflight.scheduled.seqs, e)
         return inflight.outputs
 

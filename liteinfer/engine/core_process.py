@@ -33,8 +33,12 @@ import zmq.asyncio
 
 from liteinfer.config import EngineConfig
 from liteinfer.engine.core import EngineCore
-from liteinfer.engine.messages import (EngineCoreInfo, EngineCoreOutput, EngineCoreOutputs,
-                                       EngineCoreRequest)
+from liteinfer.engine.messages import (
+    EngineCoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
 
 # Input frames: [ADD, list[EngineCoreRequest]] | [ABORT, list[str]] | [SHUTDOWN].
 ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
@@ -129,7 +133,7 @@ class EngineCoreProc:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
-        except Exception as e:  # noqa: BLE001 - fail what is in flight, keep serving
+        except Exception as e:
             traceback.print_exc()
             ids = list(self.owner)
             with contextlib.suppress(Exception):
@@ -173,7 +177,7 @@ def run_engine_core(model: str, config: EngineConfig, load_format: str,
     try:
         core = EngineCore(model, config, load_format)
         proc = EngineCoreProc(core, ctx, addresses)
-    except Exception as e:  # noqa: BLE001 - reported to the front end, which exits with it
+    except Exception as e:
         handshake.send_multipart([FAILED, f"{type(e).__name__}: {e}".encode()])
         handshake.close()
         ctx.term()

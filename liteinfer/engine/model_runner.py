@@ -14,7 +14,6 @@ from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
 from liteinfer.engine.scheduler import SchedulerOutput
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.engine.step_model import StepModel
-from liteinfer.structured_output.manager import GrammarBitmask
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
@@ -22,6 +21,7 @@ from liteinfer.layers.quantization import process_weights_after_loading, quant_c
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
+from liteinfer.structured_output.manager import GrammarBitmask
 from liteinfer.utils import cdiv, free_device_memory, to_device
 
 # Prompt rows scored at once: their fp32 logits over a 128k vocabulary take 256 MiB.
@@ -152,7 +152,8 @@ class ModelRunner:
         """Token ids, positions, attention metadata, the rows whose logits are sampled and the
         rows scoring prompt tokens (`prompt_logprob_spans`; None if there are none)."""
         step = build_step_inputs(batch, self.block_size, self.max_blocks_per_seq)
-        as_tensor = lambda data, dtype: to_device(data, dtype, self.device)
+        def as_tensor(data, dtype):
+            return to_device(data, dtype, self.device)
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
             slot_mapping=as_tensor(step.slots, torch.int64),

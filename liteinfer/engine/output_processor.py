@@ -13,8 +13,14 @@ from typing import Any
 
 from liteinfer.engine.detokenizer import IncrementalDetokenizer
 from liteinfer.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
-from liteinfer.outputs import (CompletionOutput, Logprob, PromptLogprobs, RequestMetrics,
-                               RequestOutput, SampleLogprobs)
+from liteinfer.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from liteinfer.sampling_params import RequestOutputKind
 
 

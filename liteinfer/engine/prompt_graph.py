@@ -97,7 +97,8 @@ class PromptStepLayout:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Views of bucket (d, p)'s token ids, pending rows, positions and metadata."""
         t, rows = d + p, d + self._prompt_seqs(p)
-        view = lambda name, n: self._region(buffer, name, n)
+        def view(name, n):
+            return self._region(buffer, name, n)
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=view("slots", t), context_lens=view("context_lens", rows),
             block_tables=view("block_tables", rows * self.width).view(rows, self.width),
@@ -111,7 +112,8 @@ class PromptStepLayout:
 
     def fill(self, host: np.ndarray, step: StepInputs, d_size: int, p_size: int) -> int:
         """Writes the step into a host buffer in its bucket's layout; returns the used length."""
-        view = lambda name, n: self._region(host, name, n)
+        def view(name, n):
+            return self._region(host, name, n)
         d, n_seqs = step.num_decodes, len(step.query_lens)
         p = len(step.input_ids) - d
         t, rows = d_size + p_size, d_size + self._prompt_seqs(p_size)

@@ -1,15 +1,15 @@
 """Turns one step's logits into one token per sequence, vectorised across the batch.
 
-Order (vLLM's): fp32 → grammar bitmask (structured outputs) → min_tokens stop-token mask → logit bias → repetition/presence/frequency
-penalties →
+Order (vLLM's): fp32 → grammar bitmask (structured outputs) → min_tokens stop-token mask →
+logit bias → repetition/presence/frequency penalties →
 greedy argmax | temperature → top-k → top-p → min-p → exponential-race sample.
 Logprobs come from the raw model logits, before any of that (vLLM's default).
 """
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -18,6 +18,7 @@ from liteinfer.engine.sequence import Sequence
 from liteinfer.sampling_params import SamplingParams
 from liteinfer.structured_output.manager import GrammarBitmask, apply_grammar_bitmask
 from liteinfer.utils import to_device
+
 
 @dataclass
 class SamplerOutput:

@@ -5,19 +5,20 @@ Every rank runs the same EngineCore calls in the same order. Started from one pr
 spawns the others (WorkerGroup) and sends each add_request / abort_requests / step to them
 before running it itself; only rank 0's core has a front end, so the other ranks never tokenize
 or detokenize. Started by torchrun on one or several nodes, every rank runs the same program,
-so the same calls, by itself (as vLLM's external launcher does). Their
-schedulers therefore make the same decisions with the same number of KV blocks, their layers meet
-in the all-reduces of the row-parallel projections, and since the embedding, LM head and sampler
-are replicated, every rank samples the same tokens. Only rank 0's outputs reach the caller.
+so the same calls, by itself (as vLLM's external launcher does). Their schedulers therefore
+make the same decisions with the same number of KV blocks, their layers meet in the all-reduces
+of the row-parallel projections and the vocabulary-split embedding, and the LM head's logits are
+all-gathered, so every rank samples the same tokens from the same logits with the same
+generator state. Only rank 0's outputs reach the caller.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from datetime import timedelta
 import threading
-from multiprocessing.connection import Connection
 from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -85,7 +86,7 @@ class WorkerGroup:
         def join() -> None:
             try:
                 init_distributed(0, config.tensor_parallel_size, init_method, config.device)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+            except BaseException as e:
                 errors.append(e)
 
         thread = threading.Thread(target=join, daemon=True)

@@ -25,10 +25,20 @@ import triton
 import triton.language as tl
 
 from liteinfer.kernels import FP8_DTYPE, num_sms, supports_pdl
-from liteinfer.kernels.decode_splits import (MAX_SPLITS_CAP, MIN_SPLIT_TOKENS, DecodeWorkspace,
-                                             program_slots)
-from liteinfer.kernels.kv_cache import (first_tile_blocks, kv_tile_blocks, load_kv_rows,
-                                       pool_strides, slot_offset, to_cache)
+from liteinfer.kernels.decode_splits import (
+    MAX_SPLITS_CAP,
+    MIN_SPLIT_TOKENS,
+    DecodeWorkspace,
+    program_slots,
+)
+from liteinfer.kernels.kv_cache import (
+    first_tile_blocks,
+    kv_tile_blocks,
+    load_kv_rows,
+    pool_strides,
+    slot_offset,
+    to_cache,
+)
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
 MERGE_TILE = 4096  # fp32 partial elements the merging program loads at once (32 per thread)

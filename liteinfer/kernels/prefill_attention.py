@@ -25,12 +25,25 @@ import triton
 import triton.language as tl
 
 from liteinfer.kernels import FP8_DTYPE
-from liteinfer.kernels.decode_attention import (LOG2E, attend_kv_range, decode_tiles,
-                                                dot_precision, finish_split, query_rows,
-                                                softmax_tile, split_range, workspace_args)
+from liteinfer.kernels.decode_attention import (
+    LOG2E,
+    attend_kv_range,
+    decode_tiles,
+    dot_precision,
+    finish_split,
+    query_rows,
+    softmax_tile,
+    split_range,
+    workspace_args,
+)
 from liteinfer.kernels.decode_splits import DecodeWorkspace
-from liteinfer.kernels.kv_cache import (first_tile_blocks, kv_tile_blocks, load_kv_rows,
-                                       load_kv_tile, pool_strides)
+from liteinfer.kernels.kv_cache import (
+    first_tile_blocks,
+    kv_tile_blocks,
+    load_kv_rows,
+    load_kv_tile,
+    pool_strides,
+)
 from liteinfer.kernels.prefill_tiles import DECODE_SPLIT_BITS, prefill_tiles
 
 

@@ -31,14 +31,16 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
 
 
 def cos_sin_cache(head_dim: int, max_positions: int, theta: float,
-                  scaling: dict[str, Any] | None, device: torch.device | str = "cpu") -> torch.Tensor:
+                  scaling: dict[str, Any] | None,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
     """fp32 [max_positions, head_dim]: cos of the head_dim/2 frequencies, then their sin."""
     inv_freq = inv_frequencies(head_dim, theta, scaling)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-def apply_rotary_torch(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+def apply_rotary_torch(x: torch.Tensor, positions: torch.Tensor,
+                       cache: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]. Rotates in x's dtype as Hugging Face does (cos/sin cast first)."""
     cos, sin = cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)
     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)

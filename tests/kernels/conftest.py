@@ -11,10 +11,10 @@ if not torch.cuda.is_available():
     # Read by triton.jit when the kernel modules are imported, so it must be set first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from liteinfer.attention import allocate_kv_pool  # noqa: E402
-from liteinfer.attention.torch_backend import slot_rows  # noqa: E402
+from liteinfer.attention import allocate_kv_pool
+from liteinfer.attention.torch_backend import slot_rows
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -6,8 +6,14 @@ import torch
 
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_attention import NewKV, paged_decode_attention
-from liteinfer.kernels.decode_splits import (MIN_SPLIT_TOKENS, SPLIT_WAVES, DecodeWorkspace,
-                                             max_splits_for, program_slots, rows_may_split)
+from liteinfer.kernels.decode_splits import (
+    MIN_SPLIT_TOKENS,
+    SPLIT_WAVES,
+    DecodeWorkspace,
+    max_splits_for,
+    program_slots,
+    rows_may_split,
+)
 from liteinfer.layers.rotary import cos_sin_cache
 
 

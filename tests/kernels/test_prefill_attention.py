@@ -2,15 +2,18 @@
 import math
 
 import numpy as np
-
 import pytest
 import torch
 
 from liteinfer.kernels.decode_splits import DecodeWorkspace
 from liteinfer.kernels.prefill_attention import packed_prefill_attention
-from liteinfer.kernels.prefill_tiles import (DECODE_CHUNK_TOKENS, decode_entries,
-                                             decode_split_counts, prefill_tile_map,
-                                             prefill_tile_tokens)
+from liteinfer.kernels.prefill_tiles import (
+    DECODE_CHUNK_TOKENS,
+    decode_entries,
+    decode_split_counts,
+    prefill_tile_map,
+    prefill_tile_tokens,
+)
 
 
 def _check(PagedKV, attention_ref, assert_close, seqs, num_q_heads, num_kv_heads, head_dim,

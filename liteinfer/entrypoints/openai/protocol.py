@@ -9,10 +9,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from liteinfer.entrypoints.openai.structured import (ResponseFormat, StructuredOutputsRequest,
-                                                     Tool, ToolChoice, check_tools,
-                                                     forced_tool_schema, structured_outputs_params,
-                                                     template_message)
+from liteinfer.entrypoints.openai.structured import (
+    ResponseFormat,
+    StructuredOutputsRequest,
+    Tool,
+    ToolChoice,
+    check_tools,
+    forced_tool_schema,
+    structured_outputs_params,
+    template_message,
+)
 from liteinfer.sampling_params import SamplingParams
 from liteinfer.structured_output import StructuredOutputsParams
 

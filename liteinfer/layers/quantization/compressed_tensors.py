@@ -7,8 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from compressed_tensors import CompressionFormat
-from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
-                                             QuantizationStrategy, QuantizationType)
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationStrategy,
+    QuantizationType,
+)
 
 from liteinfer.layers.quantization.fp8 import Fp8Config
 

@@ -437,3 +437,31 @@ def test_sigterm_drains_then_exits(tiny_llama_dir):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_tokenization_never_blocks_the_event_loop(url, core, monkeypatch):
+    """A prompt that takes 2 s to tokenize (as a huge one does): /health and another request
+    are answered meanwhile. Tokenizing on the event loop held /health for 8-37 s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenize = core.processor.tokenize
+
+    def slow(text: str, *args, **kwargs):
+        if text == "slow to tokenize":
+            time.sleep(2.0)
+        return tokenize(text, *args, **kwargs)
+
+    monkeypatch.setattr(core.processor, "tokenize", slow)
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, url + "/v1/completions",
+                              json={**body, "prompt": "slow to tokenize"}, timeout=30)
+        time.sleep(0.3)  # the slow request is being tokenized now
+        start = time.monotonic()
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        other = httpx.post(url + "/v1/completions", json={**body, "prompt": "x"}, timeout=30)
+        assert other.status_code == 200, other.text
+        assert time.monotonic() - start < 1.5
+        assert not pending.done()
+        assert pending.result().status_code == 200
+    assert_idle(url)

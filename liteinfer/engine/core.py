@@ -253,7 +253,7 @@ class EngineCore:
             if scheduled is None:
                 return []
             output = self.runner.execute(scheduled, self._grammar_bitmask(scheduled, previous))
-        except Exception as e:
+        except Exception as e:  # the step's requests fail, the core goes on
             seqs = scheduled.seqs if scheduled is not None else [
                 *self.scheduler.running, *self.scheduler.waiting]
             return self._fail(seqs, e)
@@ -283,7 +283,7 @@ class EngineCore:
                 inflight.outputs = self.scheduler.update_from_output(inflight.scheduled,
                                                                      inflight.output)
                 self._advance_grammars(inflight.outputs)
-            except Exception as e:
+            except Exception as e:  # as in _launch
                 inflight.outputs = self._fail(inflight.scheduled.seqs, e)
         return inflight.outputs
 

@@ -133,7 +133,7 @@ class EngineCoreProc:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
-        except Exception as e:
+        except Exception as e:  # fail what is in flight, keep serving
             traceback.print_exc()
             ids = list(self.owner)
             with contextlib.suppress(Exception):
@@ -177,7 +177,7 @@ def run_engine_core(model: str, config: EngineConfig, load_format: str,
     try:
         core = EngineCore(model, config, load_format)
         proc = EngineCoreProc(core, ctx, addresses)
-    except Exception as e:
+    except Exception as e:  # reported to the front end, which exits with it
         handshake.send_multipart([FAILED, f"{type(e).__name__}: {e}".encode()])
         handshake.close()
         ctx.term()

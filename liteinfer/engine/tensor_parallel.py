@@ -86,7 +86,7 @@ class WorkerGroup:
         def join() -> None:
             try:
                 init_distributed(0, config.tensor_parallel_size, init_method, config.device)
-            except BaseException as e:
+            except BaseException as e:  # re-raised by the caller
                 errors.append(e)
 
         thread = threading.Thread(target=join, daemon=True)

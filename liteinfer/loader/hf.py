@@ -59,7 +59,7 @@ def iter_safetensors(files: list[Path], tie_word_embeddings: bool
     requested tensor), so the caller can copy each into place and drop it."""
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 # Old exports carry RoPE buffers; tied checkpoints sometimes repeat the embedding.
                 if name.endswith("rotary_emb.inv_freq"):
                     continue

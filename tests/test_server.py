@@ -203,6 +203,14 @@ def test_metrics_count_what_clients_receive(client, stream):
     assert delta["liteinfer:request_success_total,finished_reason=length"] == 4
     assert delta["liteinfer:time_to_first_token_seconds_count"] == 4
     assert delta["liteinfer:e2e_request_latency_seconds_count"] == 4
+    # Four tokens after each request's first, whether they came one or several at a time.
+    assert delta["liteinfer:inter_token_latency_seconds_count"] == 16
+    assert delta["liteinfer:request_time_per_output_token_seconds_count"] == 4
+    # The core's counters, as its step messages report them (prefix caching is on).
+    assert after["liteinfer:prefix_cache_queries_total"] > 0
+    assert 0 <= after["liteinfer:prefix_cache_hits_total"] <= after[
+        "liteinfer:prefix_cache_queries_total"]
+    assert after["liteinfer:num_preemptions_total"] >= 0
     assert 0 < delta["liteinfer:time_to_first_token_seconds_sum"] <= delta[
         "liteinfer:e2e_request_latency_seconds_sum"]
     assert after["liteinfer:num_requests_running"] == after["liteinfer:num_requests_waiting"] == 0

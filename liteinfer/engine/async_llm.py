@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -32,6 +33,8 @@ from liteinfer.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+STATS_INTERVAL_S = 10.0
 # Tokenizing and templating run here, off the event loop; tokenizers release the GIL.
 TOKENIZER_THREADS = 4
 
@@ -122,6 +125,8 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self.scheduler_stats = SchedulerStats()
         self.dead: EngineError | None = None
+        self._stats_task: asyncio.Task[None] | None = None
+        self._prompt_tokens = self._generation_tokens = 0
         self.on_death: list[Callable[[], None]] = []
 
     @classmethod
@@ -143,9 +148,31 @@ class AsyncLLM:
         self._client = EngineCoreClient(self.core_handle, self.client_index, self._on_outputs,
                                         self._on_core_death)
         self._client.start()
+        if self.client_index == 0:  # one stats line per core, as vLLM prints
+            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats())
+
+    async def _log_stats(self) -> None:
+        """Every STATS_INTERVAL_S while requests run: this front end's prompt and generation
+        tok/s, and the core's running, waiting, KV usage and prefix-cache hit rate."""
+        before = (0, 0, time.monotonic())
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            now = (self._prompt_tokens, self._generation_tokens, time.monotonic())
+            if now[:2] == before[:2]:
+                continue
+            s, dt = self.scheduler_stats, now[2] - before[2]
+            hits = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
+            logger.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, "
+                        "KV cache %.1f%%, prefix cache hit rate %.1f%%",
+                        (now[0] - before[0]) / dt, (now[1] - before[1]) / dt, s.num_running,
+                        s.num_waiting, 100 * s.kv_cache_usage, 100 * hits)
+            before = now
 
     async def stop(self) -> None:
         """Fails what is still running and disconnects from the core."""
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            self._stats_task = None
         self.fail_all(EngineError("the server is shutting down"))
         if self._client is not None:
             self._client.close()
@@ -187,6 +214,7 @@ class AsyncLLM:
         self._check_room(len(requests))  # others may have come in while this one tokenized
         assert self._client is not None, "AsyncLLM.start() was not called"
         stream = RequestStream(self, [r.request_id for r in processed])
+        self._prompt_tokens += sum(len(r.prompt_token_ids) for r in processed)
         for request, (_, prompt, _) in zip(processed, requests):
             request.client_index = self.client_index
             self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
@@ -222,6 +250,7 @@ class AsyncLLM:
             if step.scheduler_stats is not None:
                 self.scheduler_stats = step.scheduler_stats
         outputs = merge_steps(steps)
+        self._generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         failed = [o for o in outputs if o.finish_reason == "error"]
         if failed:
             outputs = [o for o in outputs if o.finish_reason != "error"]

@@ -18,13 +18,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.outputs import RequestOutput
 
+TOKEN_BUCKETS_S = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -51,6 +52,13 @@ class ServerMetrics:
         self.e2e = metric(Histogram, "e2e_request_latency_seconds",
                           "From a request's arrival to its last token.",
                           buckets=LATENCY_BUCKETS_S)
+        self.itl = metric(Histogram, "inter_token_latency_seconds",
+                          "Between a request's consecutive tokens (those arriving together "
+                          "share the gap).", buckets=TOKEN_BUCKETS_S)
+        self.tpot = metric(Histogram, "request_time_per_output_token_seconds",
+                           "A finished request's time per token after its first.",
+                           buckets=TOKEN_BUCKETS_S)
+        self._last_token: dict[str, float] = {}  # request id -> when its newest tokens came
         scheduler = SchedulerGauges(engine, model_name)
         self.registry.register(scheduler)
         # One process's registry holds its own counts only; the files hold every process's.
@@ -63,12 +71,23 @@ class ServerMetrics:
     def observe(self, out: RequestOutput) -> None:
         """Counts one output of a request as a client receives it."""
         completion, m = out.outputs[0], out.metrics
-        self.generation_tokens.inc(len(out.new_token_ids))
-        if out.new_token_ids and len(completion.token_ids) == len(out.new_token_ids):
+        n = len(out.new_token_ids)
+        self.generation_tokens.inc(n)
+        if n and len(completion.token_ids) == n:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             if m.first_token_time is not None:
                 self.ttft.observe(m.first_token_time - m.arrival_time)
+        if n and m.last_token_time is not None:
+            before = self._last_token.get(out.request_id)
+            if before is not None:
+                for _ in range(n):
+                    self.itl.observe((m.last_token_time - before) / n)
+            self._last_token[out.request_id] = m.last_token_time
         if out.finished:
+            self._last_token.pop(out.request_id, None)
+            tokens = len(completion.token_ids)
+            if tokens > 1 and m.first_token_time is not None and m.last_token_time is not None:
+                self.tpot.observe((m.last_token_time - m.first_token_time) / (tokens - 1))
             self._success.labels(**self._labels,
                                  finished_reason=completion.finish_reason).inc()
             if m.finished_time is not None:
@@ -93,3 +112,14 @@ class SchedulerGauges(Collector):
             gauge = GaugeMetricFamily(f"liteinfer:{name}", doc, labels=("model_name",))
             gauge.add_metric((self.model_name,), value)
             yield gauge
+        # Counts since the engine core started, as its step messages report them.
+        for name, doc, value in (
+                ("num_preemptions", "Requests preempted (their KV recomputed later).",
+                 stats.num_preemptions),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 stats.prefix_cache_queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 stats.prefix_cache_hits)):
+            counter = CounterMetricFamily(f"liteinfer:{name}", doc, labels=("model_name",))
+            counter.add_metric((self.model_name,), value)
+            yield counter

@@ -151,3 +151,24 @@ def test_real_gguf_tokenizer():
     assert seq.output_text == hf.decode(ids, skip_special_tokens=True)
     seq, _ = run(hf, ids, prompt=prompt, stop=["東京"])
     assert seq.output_text == "Sure! Here's the plan: 1) café ☕ 2) "
+
+
+def test_tokens_after_a_stop_string_in_a_merged_output_do_not_count(tok):
+    """A front end that fell behind gets several steps' tokens at once: those after the token
+    that completed a stop string are dropped, as if the request had stopped there."""
+    from liteinfer.engine.messages import EngineCoreOutput, EngineCoreRequest
+    from liteinfer.engine.output_processor import OutputProcessor
+
+    ids = tok.encode(TEXT).ids
+    params = SamplingParams(max_tokens=100, stop=["STOP"])
+    alone, _ = run(tok, ids, stop=["STOP"])
+    processor = OutputProcessor(tok)
+    processor.add_request(EngineCoreRequest("r", tok.encode("Hi: ").ids, params, 0.0))
+    processed = processor.process_outputs([EngineCoreOutput("r", ids)])
+    (out,) = processed.request_outputs
+    assert processed.requests_to_abort == ["r"]
+    assert (out.outputs[0].text, out.outputs[0].finish_reason) == (alone.output_text, "stop")
+    # Decoding the kept tokens gives the text up to and including the stop string.
+    kept = out.outputs[0].token_ids
+    assert len(kept) < len(ids) and "STOP" in tok.decode(kept)
+    assert "STOP" not in tok.decode(kept[:-1])

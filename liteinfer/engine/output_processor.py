@@ -77,7 +77,7 @@ class OutputProcessor:
             if state is None:  # aborted by its caller while the step ran
                 continue
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            new_text = self._append(state, out, now)
+            new_text, new_ids = self._append(state, out, now)
             detok = state.detokenizer
             if detok is not None and detok.stop_string is not None and finish_reason != "error":
                 # A stop string wins over a length limit it coincides with.
@@ -90,8 +90,7 @@ class OutputProcessor:
             elif state.params.output_kind == RequestOutputKind.FINAL_ONLY:
                 continue
             processed.request_outputs.append(
-                self._output(state, out.new_token_ids, new_text, finish_reason, stop_reason,
-                             out.error))
+                self._output(state, new_ids, new_text, finish_reason, stop_reason, out.error))
         return processed
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
@@ -113,24 +112,38 @@ class OutputProcessor:
         self.requests.clear()
         return outputs
 
-    def _append(self, state: RequestState, out: EngineCoreOutput, now: float) -> str:
-        state.output_token_ids += out.new_token_ids
+    def _append(self, state: RequestState, out: EngineCoreOutput, now: float
+                ) -> tuple[str, list[int]]:
+        """Adds the output's tokens; returns the new final text and the tokens that count. A
+        stop string may end at any of several tokens that arrive together (a front end that
+        fell behind): the tokens after it are dropped, as if the request had stopped there."""
+        new = out.new_token_ids
         state.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = [self._logprobs(e) if e is not None else None
                                      for e in out.prompt_logprobs]
-        if state.logprobs is not None and out.new_logprobs is not None:
-            state.logprobs += [self._logprobs(e) for e in out.new_logprobs]
         m = state.metrics
-        if out.new_token_ids:
+        if new:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-        if state.detokenizer is None:
-            return ""
-        return state.detokenizer.update(
-            out.new_token_ids, finished=out.finished,
-            stopped_on_token=out.finish_reason == "stop")
+        detok = state.detokenizer
+        stopped_on_token = out.finish_reason == "stop"
+        text = ""
+        if detok is not None and state.params.stop and len(new) > 1:
+            for i, token in enumerate(new):
+                last = i == len(new) - 1
+                text += detok.update([token], finished=out.finished and last,
+                                     stopped_on_token=stopped_on_token and last)
+                if detok.stop_string is not None:
+                    new = new[:i + 1]
+                    break
+        elif detok is not None:
+            text = detok.update(new, finished=out.finished, stopped_on_token=stopped_on_token)
+        state.output_token_ids += new
+        if state.logprobs is not None and out.new_logprobs is not None:
+            state.logprobs += [self._logprobs(e) for e in out.new_logprobs[:len(new)]]
+        return text, new
 
     def _logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         """{token: Logprob} of one position, the chosen token first, then the top-N."""

@@ -78,10 +78,14 @@ class ServerMetrics:
             if m.first_token_time is not None:
                 self.ttft.observe(m.first_token_time - m.arrival_time)
         if n and m.last_token_time is not None:
+            # Tokens that arrive together share the gap since the ones before them; a request's
+            # first token has no gap before it.
             before = self._last_token.get(out.request_id)
-            if before is not None:
-                for _ in range(n):
-                    self.itl.observe((m.last_token_time - before) / n)
+            gaps = n
+            if before is None:
+                before, gaps = m.first_token_time, n - 1
+            for _ in range(gaps):
+                self.itl.observe((m.last_token_time - before) / gaps)
             self._last_token[out.request_id] = m.last_token_time
         if out.finished:
             self._last_token.pop(out.request_id, None)

@@ -217,9 +217,10 @@ class EngineCore:
         outputs += self._launch(inflight)
         if inflight is not None:
             outputs += self._resolve(inflight)
-        for out in outputs:
-            if out.finished:
-                self.structured_output.finish_request(out.request_id)
+        if self.structured_output.has_requests:
+            for out in outputs:
+                if out.finished:
+                    self.structured_output.finish_request(out.request_id)
         return EngineCoreOutputs(outputs, self.scheduler.stats(), time.perf_counter())
 
     def _queue_compiled(self) -> list[EngineCoreOutput]:
@@ -265,6 +266,8 @@ class EngineCore:
                          ) -> Callable[[], GrammarBitmask | None] | None:
         """What fills the step's bitmask, if it samples for constrained requests: it reads
         the previous step's tokens first (their grammars need them)."""
+        if not self.structured_output.has_requests:
+            return None
         ids = [s.request_id for s in scheduled.sampling_seqs]
         if not any(self.structured_output.is_constrained(r) for r in ids):
             return None
@@ -292,6 +295,8 @@ class EngineCore:
         end finishes the request ("stop"); one the grammar forbids (none can be sampled, unless
         min_tokens held back the only stop token allowed) fails it."""
         manager = self.structured_output
+        if not manager.has_requests:
+            return
         for out in outputs:
             rid = out.request_id
             if out.finished or not manager.is_constrained(rid):

@@ -129,6 +129,11 @@ class StructuredOutputManager:
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    @property
+    def has_requests(self) -> bool:
+        """Whether any request is constrained (else a step skips every per-row check)."""
+        return bool(self._requests)
+
     def finish_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 

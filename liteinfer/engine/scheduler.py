@@ -42,6 +42,8 @@ class SchedulerOutput:
     # Derived at creation, from the sequences' state before the step (which the scheduler
     # advances as soon as the step is launched).
     sample_mask: list[bool] = field(init=False)
+    # The sequences a token is sampled for, in the order of the sampled rows.
+    sampling_seqs: list[Sequence] = field(init=False)
     # (sequence index, first token in its chunk, count) of the tokens whose logits give a prompt
     # token's logprob that sequence asked for and does not have yet (a prompt recomputed after
     # preemption is not scored twice). Token p scores prompt token p + 1.
@@ -51,6 +53,7 @@ class SchedulerOutput:
         # A sequence samples when this step reaches its last token.
         self.sample_mask = [seq.num_computed_tokens + n == len(seq)
                             for seq, n in zip(self.seqs, self.num_tokens)]
+        self.sampling_seqs = [seq for seq, m in zip(self.seqs, self.sample_mask) if m]
         self.prompt_logprob_spans = []
         for i in range(self.num_decodes, len(self.seqs)):
             seq = self.seqs[i]
@@ -65,11 +68,6 @@ class SchedulerOutput:
     def samples(self, i: int) -> bool:
         """Whether a token is sampled for sequence i in this step."""
         return self.sample_mask[i]
-
-    @property
-    def sampling_seqs(self) -> list[Sequence]:
-        """The sequences a token is sampled for, in the order of the sampled rows."""
-        return [seq for seq, m in zip(self.seqs, self.sample_mask) if m]
 
 
 class Scheduler:

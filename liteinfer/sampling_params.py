@@ -50,6 +50,7 @@ class SamplingParams:
     # Added to the token's logit before penalties and sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: outputs carry token ids only (no text, no stop strings)
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The output must match this JSON schema, regex, choice or grammar (vLLM's).
@@ -98,6 +99,8 @@ class SamplingParams:
             bad(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if self.stop and not self.detokenize:
+            bad("stop strings need detokenize=True")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
         if self.logit_bias is not None and any(

@@ -1,6 +1,8 @@
 """The engine against transformers on a tiny random Llama (GQA, Llama-3 RoPE scaling), on CPU."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -109,6 +111,18 @@ def test_max_tokens_finish_reason(tiny_llm, prompts):
     assert m.arrival_time <= m.first_token_time <= m.last_token_time
 
 
+def test_detokenize_false_gives_the_same_tokens_without_text(tiny_llm, prompts):
+    params = dataclasses.replace(greedy(6), logprobs=2)
+    with_text = tiny_llm.generate(prompts[:2], params, use_tqdm=False)
+    ids_only = tiny_llm.generate(prompts[:2], dataclasses.replace(params, detokenize=False),
+                                 use_tqdm=False)
+    for a, b in zip(with_text, ids_only):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids and a.outputs[0].text
+        assert b.outputs[0].text == ""
+        assert [list(p) for p in b.outputs[0].logprobs] == [list(p) for p in a.outputs[0].logprobs]
+        assert all(lp.decoded_token is None for p in b.outputs[0].logprobs for lp in p.values())
+
+
 def test_logprobs_match_transformers(tiny_llm, hf_model, prompts):
     out = tiny_llm.generate([prompts[2]], greedy(4, logprobs=3), use_tqdm=False)[0].outputs[0]
     seq = prompts[2] + out.token_ids
@@ -198,7 +212,7 @@ def test_bad_requests_raise_and_leave_others_alone(tiny_llm, prompts, reference,
     {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"min_p": 2.0},
     {"max_tokens": 0}, {"repetition_penalty": 0.0}, {"presence_penalty": 3.0},
     {"min_tokens": 5, "max_tokens": 2}, {"logprobs": -1}, {"prompt_logprobs": -1},
-    {"stop": [""]},
+    {"stop": [""]}, {"stop": ["x"], "detokenize": False},
 ])
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(ValueError, match="SamplingParams"):

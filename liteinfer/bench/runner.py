@@ -64,8 +64,9 @@ def drive(engine: Any, prompts: list[list[int]], max_tokens: list[int], width: i
         i = len(traces)
         rid = f"bench-{next(_request_ids)}"
         owner[rid] = i
+        # Token ids only, as in WORKLOADS.md and the vLLM rows (detokenize=False there too).
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
+                                detokenize=False, output_kind=RequestOutputKind.DELTA)
         traces.append(Trace(submit=time.perf_counter()))
         engine.add_request(rid, prompts[i], params)
 

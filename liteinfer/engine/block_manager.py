@@ -84,6 +84,8 @@ class BlockManager:
             return
         full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         hashes = seq.block_key_hashes
+        if full <= len(hashes):  # most calls: no block newly full
+            return
         for i in range(len(hashes), full):
             key = self._key(seq, i, hashes[-1] if hashes else 0)
             if key not in self.cached:  # else another sequence computed the same prefix first

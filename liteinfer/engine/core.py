@@ -243,7 +243,7 @@ class EngineCore:
 
     @staticmethod
     def _can_overlap(inflight: InFlight) -> bool:
-        return not any(s.sampling_params.needs_penalties for s in inflight.scheduled.seqs)
+        return not any(s.needs_penalties for s in inflight.scheduled.seqs)
 
     def _launch(self, previous: InFlight | None) -> list[EngineCoreOutput]:
         """Schedules and launches the next step (self.inflight); outputs only of requests

@@ -45,7 +45,7 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.detokenizer = (IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
                                                    self.params)
-                            if tokenizer is not None else None)
+                            if tokenizer is not None and self.params.detokenize else None)
 
     @property
     def text(self) -> str:
@@ -118,16 +118,16 @@ class OutputProcessor:
         stop string may end at any of several tokens that arrive together (a front end that
         fell behind): the tokens after it are dropped, as if the request had stopped there."""
         new = out.new_token_ids
+        detok = state.detokenizer
         state.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
-            state.prompt_logprobs = [self._logprobs(e) if e is not None else None
-                                     for e in out.prompt_logprobs]
+            state.prompt_logprobs = [self._logprobs(e, detok is not None) if e is not None
+                                     else None for e in out.prompt_logprobs]
         m = state.metrics
         if new:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-        detok = state.detokenizer
         stopped_on_token = out.finish_reason == "stop"
         text = ""
         if detok is not None and state.params.stop and len(new) > 1:
@@ -142,16 +142,17 @@ class OutputProcessor:
             text = detok.update(new, finished=out.finished, stopped_on_token=stopped_on_token)
         state.output_token_ids += new
         if state.logprobs is not None and out.new_logprobs is not None:
-            state.logprobs += [self._logprobs(e) for e in out.new_logprobs[:len(new)]]
+            state.logprobs += [self._logprobs(e, detok is not None)
+                               for e in out.new_logprobs[:len(new)]]
         return text, new
 
-    def _logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        """{token: Logprob} of one position, the chosen token first, then the top-N."""
-        decode = ((lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None
-                  else (lambda t: None))
+    def _logprobs(self, entry: TokenLogprobs, decode: bool) -> dict[int, Logprob]:
+        """{token: Logprob} of one position, the chosen token first, then the top-N; each
+        token's text if `decode`."""
+        tokenizer = self.tokenizer
         ranks = [entry.rank, *range(1, len(entry.token_ids))]
         # A chosen token among the top-N keeps its place first.
-        return {t: Logprob(lp, r, decode(t))
+        return {t: Logprob(lp, r, tokenizer.decode([t]) if decode else None)
                 for t, lp, r in zip(entry.token_ids, entry.logprobs, ranks)}
 
     @staticmethod
@@ -159,26 +160,22 @@ class OutputProcessor:
                 finish_reason: str | None, stop_reason: int | str | None,
                 error: str | None) -> RequestOutput:
         """A snapshot: later steps never change what a caller holds. With DELTA outputs the
-        completion holds only what is new."""
+        completion holds only what is new. `new_token_ids` is the caller's to keep (a list
+        nothing else holds); positional arguments, as this runs per request per step."""
+        logprobs = state.logprobs
         if state.params.output_kind == RequestOutputKind.DELTA:
-            n = len(new_token_ids)
             completion = CompletionOutput(
-                index=0, text=new_text, token_ids=list(new_token_ids),
-                logprobs=None if state.logprobs is None else state.logprobs[len(state.logprobs)
-                                                                            - n:],
-                finish_reason=finish_reason, stop_reason=stop_reason)
+                0, new_text, new_token_ids,
+                None if logprobs is None else logprobs[len(logprobs) - len(new_token_ids):],
+                finish_reason, stop_reason)
         else:
             completion = CompletionOutput(
-                index=0, text=state.text, token_ids=list(state.output_token_ids),
-                logprobs=None if state.logprobs is None else list(state.logprobs),
-                finish_reason=finish_reason, stop_reason=stop_reason)
+                0, state.text, list(state.output_token_ids),
+                None if logprobs is None else list(logprobs), finish_reason, stop_reason)
         m = state.metrics
         return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids, outputs=[completion],
-            finished=finish_reason is not None,
-            metrics=RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                                   m.last_token_time, m.finished_time),
-            new_token_ids=list(new_token_ids), new_text=new_text,
-            num_cached_tokens=state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs,
-            error=error)
+            state.request_id, state.prompt, state.prompt_token_ids, [completion],
+            finish_reason is not None,
+            RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                           m.last_token_time, m.finished_time),
+            new_token_ids, new_text, state.num_cached_tokens, state.prompt_logprobs, error)

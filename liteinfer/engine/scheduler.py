@@ -150,7 +150,9 @@ class Scheduler:
         sequence has one more token pending there, in the step's row `pending_row`."""
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
+        if out.is_prefill:  # a decoded token's block is registered once its id is on the host
+            for seq in out.seqs:
+                self.block_manager.cache_computed_blocks(seq)
         for row, seq in enumerate(out.sampling_seqs):
             seq.num_pending += 1
             seq.pending_row = row
@@ -164,19 +166,18 @@ class Scheduler:
             out.seqs[i].prompt_logprobs.extend(entries)
         sampled = runner_output.wait()
         outputs = []
+        cache_blocks = self.block_manager.cache_computed_blocks
         for seq, token, logprobs in zip(out.sampling_seqs, sampled.token_ids, sampled.logprobs):
             seq.num_pending -= 1
-            if seq.is_finished:  # finished or aborted while this step ran
+            if seq.status is SequenceStatus.FINISHED:  # finished or aborted while this ran
                 continue
-            seq.append_token(token)
-            self.block_manager.cache_computed_blocks(seq)  # its KV may be computed already
+            seq.token_ids.append(token)
+            cache_blocks(seq)  # its KV may be computed already
             self._check_stop(seq, token)
-            first = seq.num_output_tokens == 1
             outputs.append(EngineCoreOutput(
                 seq.request_id, [token], None if logprobs is None else [logprobs],
-                prompt_logprobs=seq.prompt_logprobs if first else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                num_cached_tokens=seq.num_cached_tokens))
+                seq.prompt_logprobs if seq.num_output_tokens == 1 else None,
+                seq.finish_reason, seq.stop_reason, seq.num_cached_tokens))
             if seq.finish_reason is not None:
                 self.finish(seq)
         return outputs
@@ -194,7 +195,8 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.sampling_params
-        if seq.num_output_tokens >= params.min_tokens:
+        num_output = seq.num_output_tokens
+        if num_output >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = "stop"
                 return
@@ -202,8 +204,7 @@ class Scheduler:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 return
         # Counting host tokens only: the next step may already have one pending.
-        if (seq.num_output_tokens >= params.max_tokens
-                or len(seq.token_ids) >= self.max_model_len):
+        if num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
 
     # ---- picking a step -----------------------------------------------------------------------
@@ -267,10 +268,18 @@ class Scheduler:
 
     def _reserve_decodes(self) -> list[Sequence]:
         """Running sequences that decode a token next, each given room for it. Partly
-        prefilled prompts sit decodes out, and so do sequences whose pending token ends them."""
-        return [seq for seq in list(self.running)
-                if seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
-                and not self._at_length_limit(seq) and self._reserve(seq, len(seq))]
+        prefilled prompts sit decodes out, and so do sequences whose pending token ends them.
+        Written out for speed: it runs for every running sequence every step."""
+        block_size = self.block_manager.block_size
+        decodes = []
+        for seq in list(self.running):
+            n = len(seq.token_ids) + seq.num_pending
+            if (seq.status is not SequenceStatus.RUNNING or n - seq.num_computed_tokens != 1
+                    or self._at_length_limit(seq, n)):
+                continue
+            if n <= len(seq.block_table) * block_size or self._reserve(seq, n):
+                decodes.append(seq)
+        return decodes
 
     @staticmethod
     def _decode_batch(seqs: list[Sequence]) -> SchedulerOutput | None:
@@ -278,10 +287,11 @@ class Scheduler:
             return None
         return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False, num_decodes=len(seqs))
 
-    def _at_length_limit(self, seq: Sequence) -> bool:
+    def _at_length_limit(self, seq: Sequence, length: int) -> bool:
+        """length: len(seq)."""
         max_tokens = seq.sampling_params.max_tokens
-        return len(seq) >= self.max_model_len or (
-            max_tokens is not None and len(seq) - seq.num_prompt_tokens >= max_tokens)
+        return length >= self.max_model_len or (
+            max_tokens is not None and length - seq.num_prompt_tokens >= max_tokens)
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give a running sequence room for `num_tokens`, preempting the newest running ones as

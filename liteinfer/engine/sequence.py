@@ -30,6 +30,8 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = params
+        # Penalties read every earlier token on the host: such a sequence's steps never overlap.
+        self.needs_penalties = params.needs_penalties
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

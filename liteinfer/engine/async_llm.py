@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 10.0
 # Tokenizing and templating run here, off the event loop; tokenizers release the GIL.
 TOKENIZER_THREADS = 4
+# Token-id prompts up to this many tokens in all are validated on the event loop: a hop to the
+# pool and back costs more (a few hundred microseconds of the first token's latency).
+INLINE_PROMPT_TOKENS = 4096
 
 
 class EngineError(RuntimeError):
@@ -210,8 +213,12 @@ class AsyncLLM:
                                  f"server's limit of {max_prompt_tokens}")
             return processed
 
-        processed = await self.run_in_pool(process)
-        self._check_room(len(requests))  # others may have come in while this one tokenized
+        if all(isinstance(p, list) for _, p, _ in requests) and sum(
+                len(p) for _, p, _ in requests) <= INLINE_PROMPT_TOKENS:
+            processed = process()
+        else:
+            processed = await self.run_in_pool(process)
+            self._check_room(len(requests))  # others may have come in while this one waited
         assert self._client is not None, "AsyncLLM.start() was not called"
         stream = RequestStream(self, [r.request_id for r in processed])
         self._prompt_tokens += sum(len(r.prompt_token_ids) for r in processed)

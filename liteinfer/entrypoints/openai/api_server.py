@@ -140,7 +140,7 @@ class OpenAIServing:
             prompts = body.prompts()
         except ValueError as e:
             raise RequestError(400, str(e)) from None
-        return await self._serve(body, request, "cmpl", "text_completion", lambda: prompts,
+        return await self._serve(body, request, "cmpl", "text_completion", prompts,
                                  len(prompts), body.max_tokens, body.logprobs, None)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -197,7 +197,7 @@ class OpenAIServing:
             raise RequestError(503, "the server is shutting down")
 
     async def _serve(self, body: SamplingRequest, request: Request, prefix: str, kind: str,
-                     prompts: Callable[[], list[Prompt]], num_prompts: int,
+                     prompts: list[Prompt] | Callable[[], list[Prompt]], num_prompts: int,
                      max_tokens: int | None, logprobs: int | None,
                      tools: ToolCalls | None) -> Response:
         self._check_model(body.model)
@@ -210,7 +210,8 @@ class OpenAIServing:
             raise RequestError(400, f"{num_prompts} prompts exceed the server's limit of "
                                     f"{self.args.max_prompts_per_request} per request")
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        rendered = await self._in_pool(prompts)
+        # A chat template renders in the pool; completion prompts are ready.
+        rendered = await self._in_pool(prompts) if callable(prompts) else prompts
         try:
             # Choice i of n for prompt p is request p * n + i, and the response's choice index.
             requests = [(f"{response_id}-{p * body.n + i}", prompt,

@@ -16,6 +16,9 @@
 # Prompt counts, smaller than WORKLOADS.md's 50 (latency) and 200 (throughput) so that all
 # fits: 16 requests at 1 stream, 128 at 32 (4 per stream), 512 at 128 (4 per stream); the same
 # counts offline. Each run warms up first on other prompts (WORKLOADS.md).
+#
+# PHASES (default "offline liteinfer vllm") picks phases, so that one run may span several
+# commands of under 10 minutes each; give them one RUN_ID (the report compares rows of a run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -27,7 +30,9 @@ VLLM_SITE="${VLLM_SITE:-/tmp/vsite}"
 BUDGET_S="${BUDGET_S:-570}"  # the whole script; each phase gets what is left, at most its own
 STREAMS=(1 32 128); PROMPTS=(16 128 512)
 ROWS="$OUT/rows.jsonl"; LOG="$OUT/bench.log"
-RUN_ID="serving-$(date -u +%Y-%m-%dT%H:%M:%S)"
+RUN_ID="${RUN_ID:-serving-$(date -u +%Y-%m-%dT%H:%M:%S)}"
+PHASES="${PHASES:-offline liteinfer vllm}"
+want() { [[ " $PHASES " == *" $1 "* ]]; }
 PORT_LITEINFER=8011; PORT_VLLM=8012
 
 left() { echo $(( BUDGET_S - SECONDS )); }
@@ -45,9 +50,10 @@ cat "$OUT/env.txt"
   || say "warning: no tokenizer.json in $MODEL_DIR (scripts/fetch_llama3_tokenizer.sh)"
 
 # (a) offline: one engine for the three widths, rows like `liteinfer-bench run`'s
-say "offline liteinfer"
-timeout "$(cap 170)" python3 - "$MODEL_DIR" "$ROWS" >> "$LOG" 2>&1 <<'EOF' \
-  || say "offline failed ($?)"
+offline() {
+  say "offline liteinfer"
+  timeout "$(cap 170)" python3 - "$MODEL_DIR" "$ROWS" >> "$LOG" 2>&1 <<'EOF' \
+    || say "offline failed ($?)"
 import sys
 from pathlib import Path
 
@@ -59,6 +65,8 @@ runs = [config.run("latency", HEADLINE, 1, 16), config.run("throughput", HEADLIN
         config.run("throughput", HEADLINE, 128, 512)]
 cli._measure_group(config, runs, sys.argv[1], {}, Path(sys.argv[2]))
 EOF
+}
+want offline && offline
 
 # wait_health URL PID SECONDS: 0 once /health answers 200; 1 if the server exits or time runs out
 wait_health() {
@@ -94,6 +102,17 @@ serve_phase() {
         --prompts "${PROMPTS[$i]}" --processes 4 --run-id "$RUN_ID" --out "$ROWS" \
         >> "$LOG" 2>&1 || say "$engine serve: ${STREAMS[$i]} streams failed ($?)"
       tail -n 2 "$LOG" | head -n 1
+      # The server's own TTFT (arrival to first token in its front end) after the 1-stream
+      # run, beside the load generator's: what HTTP and the client add.
+      (( i == 0 )) && python3 -c "import sys, urllib.request
+text = urllib.request.urlopen(sys.argv[1], timeout=5).read().decode()
+v = {l.split('{')[0].split(' ')[0]: float(l.rsplit(' ', 1)[1]) for l in text.splitlines()
+     if l.startswith(('vllm:time_to_first_token_seconds_', 'liteinfer:time_to_first_token_seconds_'))
+     and ('_sum' in l or '_count' in l) and 'le=' not in l}
+s = [k for k in v if k.endswith('_sum')]
+print('server-side TTFT mean over', int(v[s[0][:-4] + '_count']), 'requests:',
+      round(1e3 * v[s[0]] / v[s[0][:-4] + '_count'], 3), 'ms')" "http://127.0.0.1:$port/metrics" \
+        2>&1 | tee -a "$LOG"
     done
   else
     say "$engine serve: not up (see $(basename "$log"))"
@@ -102,14 +121,18 @@ serve_phase() {
   say "$engine serve: stopped"
 }
 
-# (b) liteinfer serve: four API-server processes (its default on 16 cores) on one engine core
-serve_phase liteinfer "$PORT_LITEINFER" 150 "$OUT/liteinfer-serve.log" \
+# (b) liteinfer serve: four API-server processes (its default on 16 cores) on one engine core;
+# vLLM's and the offline rows' context (16,384)
+want liteinfer && serve_phase liteinfer "$PORT_LITEINFER" 150 "$OUT/liteinfer-serve.log" \
   python3 -m liteinfer.cli serve --model "$MODEL_DIR" --load-format dummy --dtype bfloat16 \
-  --port "$PORT_LITEINFER" --served-model-name "$NAME" --api-server-count "${API_SERVERS:-4}"
+  --port "$PORT_LITEINFER" --served-model-name "$NAME" --api-server-count "${API_SERVERS:-4}" \
+  --max-model-len 16384
 
 # (c) vllm serve: its defaults (prefix caching on; dev mode lets the load generator empty the
 # cache before each measured run, as bench_vllm.py does offline), 128 sequences as liteinfer's
-if [ -d "$VLLM_SITE" ]; then
+if ! want vllm; then
+  :
+elif [ -d "$VLLM_SITE" ]; then
   serve_phase vllm "$PORT_VLLM" 240 "$OUT/vllm-serve.log" \
     env PYTHONPATH="$VLLM_SITE:$VLLM_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" \
     VLLM_SERVER_DEV_MODE=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \

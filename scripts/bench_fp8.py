@@ -177,6 +177,16 @@ def main() -> None:
     ap.add_argument("--skip-kernels", action="store_true")
     args = ap.parse_args()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    out = os.environ.get("OUT")
+
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        if out:
+            with open(os.path.join(out, "bench-fp8.json"), "w") as f:
+                json.dump(report, f, indent=1)
+
+    if not args.skip_engine:
+        report["engine"] = [row for model in args.models for row in engine_rows(model)]
+        save()
     if not args.skip_kernels:
         kernels = []
         with torch.inference_mode():
@@ -187,13 +197,7 @@ def main() -> None:
                         kernels.append(row)
                 free_device_memory()
         report["kernels_8b_decode"] = kernels
-    if not args.skip_engine:
-        report["engine"] = [row for model in args.models for row in engine_rows(model)]
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench-fp8.json"), "w") as f:
-            json.dump(report, f, indent=1)
-
+        save()
 
 if __name__ == "__main__":
     main()

@@ -37,6 +37,7 @@ def run(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, fl
     free = SamplingParams(temperature=0.0, max_tokens=OSL, ignore_eos=True,
                           output_kind=RequestOutputKind.DELTA)
     held = dataclasses.replace(free, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    engine.reset_prefix_cache()  # every run computes its prompts (the runs share them)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, held if constrain_odd and i % 2 else free)

@@ -2,10 +2,10 @@
 ends (the HTTP server) use to reach it.
 
 The core process owns the EngineCore and runs a busy loop: it takes new requests and aborts from
-its input socket, steps while it holds work (blocking on the socket when idle), and sends one
-message per step, msgpack-encoded EngineCoreOutputs, to each front end that has requests in
-that step. Several front ends may share one core: each has a `client_index`, its own output
-socket, and gets only the outputs of the requests it sent.
+its input socket, steps while it holds work (when idle it spins on the socket for a while, then
+blocks on it), and sends one message per step, msgpack-encoded EngineCoreOutputs, to each front
+end that has requests in that step. Several front ends may share one core: each has a
+`client_index`, its own output socket, and gets only the outputs of the requests it sent.
 
     front end --PUSH--> [input: PULL]  core  [output i: PUSH] --PULL--> front end i
 
@@ -43,7 +43,11 @@ from liteinfer.engine.messages import (
 # Input frames: [ADD, list[EngineCoreRequest]] | [ABORT, list[str]] | [SHUTDOWN].
 ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
 READY, FAILED = b"ready", b"failed"
-# While idle the core wakes this often to see whether the process that started it still lives.
+# Once idle, the core spins on its input this long before it blocks: waking a process that
+# sleeps costs from tens of microseconds to milliseconds (more on virtual machines), and all of
+# it would land on the next request's first token.
+IDLE_SPIN_S = 0.5
+# While blocked the core wakes this often to see whether the process that started it still lives.
 IDLE_POLL_MS = 1000
 LIVENESS_POLL_S = 0.2
 
@@ -92,14 +96,24 @@ class EngineCoreProc:
                 if busy:  # what the last requests leave behind: stats with the pool freed
                     self._publish(self.core.step(), broadcast=True)
                     busy = False
-                while not self.input.poll(IDLE_POLL_MS):
-                    if os.getppid() != self.parent:
-                        return  # the front end is gone without a word
+                if not self._wait_for_input():
+                    return  # the front end is gone without a word
             if not self._take_inputs():
                 return
             if self.core.has_unfinished_requests():
                 busy = True
                 self._step()
+
+    def _wait_for_input(self) -> bool:
+        """Spins, then blocks, until input arrives; False if the parent process is gone."""
+        deadline = time.monotonic() + IDLE_SPIN_S
+        while time.monotonic() < deadline:
+            if self.input.poll(0):
+                return True
+        while not self.input.poll(IDLE_POLL_MS):
+            if os.getppid() != self.parent:
+                return False
+        return True
 
     def _take_inputs(self) -> bool:
         """Handles every message waiting on the input socket; False on SHUTDOWN."""

@@ -26,7 +26,7 @@ from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.scheduler import Scheduler, SchedulerOutput
 from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed, torchrun_rank
-from liteinfer.engine.worker import WorkerGroup
+from liteinfer.engine.worker import EXIT_WAIT, WorkerGroup
 from liteinfer.loader import ModelSource, load_model_source
 from liteinfer.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
@@ -303,7 +303,8 @@ class EngineCore:
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[EngineCoreOutput]:
         if self.workers is not None:
-            self.workers.check()  # a dead rank is fatal: every later step would fail too
+            # A dead rank is fatal: every later step would fail too.
+            self.workers.check(EXIT_WAIT)
         logger.error("a step failed; its %d requests are finished with an error:\n%s",
                      len(seqs), "".join(traceback.format_exception(error)))
         return self.scheduler.fail(seqs, f"{type(error).__name__}: {error}")

@@ -19,7 +19,7 @@ import logging
 import multiprocessing as mp
 import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 import msgspec
 import torch
@@ -35,6 +35,9 @@ from liteinfer.sampling_params import SamplingParams
 from liteinfer.utils import free_port
 
 logger = logging.getLogger(__name__)
+
+# Seconds a failed send or step waits for a rank to be seen exiting, if none is yet.
+EXIT_WAIT = 1.0
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -234,16 +237,17 @@ class WorkerGroup:
             for conn in self.conns:
                 conn.send_bytes(message)
         except OSError as e:  # a rank's end of the pipe closed: it is exiting
-            for proc in self.procs:
-                proc.join(timeout=1.0)
-            self.check()
+            self.check(EXIT_WAIT)
             raise RankDiedError(f"a tensor-parallel rank stopped answering: {e}") from e
 
-    def check(self) -> None:
-        """RankDiedError (the other ranks stopped) if any rank has exited. Called before each
-        send and when a step fails: a collective with a dead rank fails (gloo) or times out
-        (COLLECTIVE_TIMEOUT) rather than waiting forever."""
-        dead = [p for p in self.procs if p.exitcode is not None]
+    def check(self, timeout: float = 0.0) -> None:
+        """RankDiedError (the other ranks stopped) if any rank has exited or exits within
+        `timeout` seconds. Called before each send and when a step fails: a collective with a
+        dead rank fails (gloo) or times out (COLLECTIVE_TIMEOUT) rather than waiting forever."""
+        # A process's sentinel is ready once its files are closed, as its sockets and pipe
+        # are, which is before it can be reaped (exitcode).
+        exiting = wait([p.sentinel for p in self.procs], timeout)
+        dead = [p for p in self.procs if p.sentinel in exiting]
         if dead:
             self.kill()
             raise RankDiedError(f"tensor-parallel {dead[0].name} exited (code "

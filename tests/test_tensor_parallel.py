@@ -1,8 +1,10 @@
 """Tensor parallelism over two CPU processes (gloo): the same tokens as one rank, through
-batching, preemption, sampling and bad requests, and every rank in step throughout; each rank
-holding its slice of every weight, the vocabulary's included."""
+batching, preemption, prefix caching, seeded sampling and bad requests, and every rank in step
+throughout; each rank holding its slice of every weight, the vocabulary's included; the workers
+mirroring rank 0's requests exactly from its per-step deltas, and never scheduling."""
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,9 @@ import torch
 from fixtures import ENGINES, TINY_LLAMA, build_llm, make_tiny_llama_dir
 from liteinfer import LLM, SamplingParams
 from liteinfer.attention import get_backend
+from liteinfer.engine import worker
+from liteinfer.engine.model_runner import ModelRunner
+from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.layers.linear import _ShardedLinear
 from liteinfer.layers.norm_act import RMSNorm
 from liteinfer.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -123,6 +128,117 @@ def test_a_rank_that_dies_stops_the_engine_in_bounded_time(tiny_llama_dir):
     llm.shutdown()
 
 
+def _mixed_requests(prefix_len: int = 40, n: int = 8, seed: int = 0):
+    """Prompts sharing a `prefix_len`-token prefix (and some not), each with its own sampling:
+    greedy, seeded (each its own seed), penalties (steps read back before the next), logprobs
+    and prompt logprobs. Only seeded or greedy rows, whose tokens do not depend on the default
+    generator's state."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, 384, size=prefix_len).tolist()
+    prompts = [(prefix if i % 3 else []) + rng.integers(3, 384, size=int(k)).tolist()
+               for i, k in enumerate(rng.integers(5, 60, size=n))]
+    base = dict(max_tokens=24, ignore_eos=True)
+    kinds = [dict(temperature=0.0), dict(temperature=1.0, top_k=50),
+             dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3),
+             dict(temperature=1.0, logprobs=2), dict(temperature=0.7, prompt_logprobs=1)]
+    params = [SamplingParams(seed=100 + i, **base, **kinds[i % len(kinds)]) for i in range(n)]
+    return prompts, params
+
+
+def test_a_worker_mirrors_rank_0s_sequences(tiny_llama_dir):
+    """Rank 0's deltas, through their wire format, bring a worker's mirror to the step rank 0
+    runs: the same model inputs, sampled rows and prompt-logprob rows every step, and the same
+    sampled tokens (a second model runner in this process plays the worker), through preemption,
+    re-admission with the prefix cache, and penalties; a decode step costs a few bytes a
+    sequence, and finished requests leave the mirror."""
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
+                    num_kv_blocks=20, max_num_seqs=6)
+    core = llm.engine.core
+    source = load_model_source(str(tiny_llama_dir))
+    mirror = worker.Worker(ModelRunner(core.model_config, core.config, source,
+                                       source.load_format, core.max_model_len,
+                                       core.eos_token_ids))
+    builder = worker.WorkerStepBuilder()
+    steps, worker_batches = [], []
+    run_worker_step = mirror.runner.execute
+    mirror.runner.execute = lambda batch: worker_batches.append(batch) or run_worker_step(batch)
+    run_rank_0 = core.runner.execute
+
+    def execute(batch, grammar_bitmask=None):
+        message = msgspec.msgpack.encode(builder.build(batch))
+        step = msgspec.msgpack.decode(message, type=worker.WorkerStep)
+        steps.append((step, len(message)))
+        mirror.execute_model(step)
+        # The mirror holds the requests rank 0 has sent and not finished since.
+        assert mirror.requests.keys() == builder.sent.keys()
+        assert not any(sent.seq.is_finished for sent in builder.sent.values())
+        theirs = worker_batches[-1]
+        assert theirs.sample_mask == batch.sample_mask
+        assert theirs.prompt_logprob_spans == batch.prompt_logprob_spans
+        a, b = (build_step_inputs(x, core.config.block_size, core.runner.max_blocks_per_seq)
+                for x in (batch, theirs))
+        for name in ("input_ids", "pending_rows", "positions", "slots", "context_lens",
+                     "block_tables", "sample_rows", "prompt_rows"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        output = run_rank_0(batch, grammar_bitmask)
+        rows = len(batch.sampling_seqs)
+        assert torch.equal(core.runner.step_model.sampled_tokens[:rows],
+                           mirror.runner.step_model.sampled_tokens[:rows])
+        return output
+
+    core.runner.execute = execute
+    try:
+        prompts, params = _mixed_requests()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        core.runner.execute = run_rank_0
+    assert core.scheduler.num_preemptions > 0 and core.block_manager.prefix_hits > 0
+    assert any(s.resumed for step, _ in steps for s in step.seqs)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    # Each prompt crosses once, however often its sequence is preempted.
+    assert sum(len(step.new_requests) for step, _ in steps) == len(prompts)
+    decode_sizes = [size / len(step.seqs) for step, size in steps
+                    if not step.is_prefill and not step.new_requests]
+    assert decode_sizes and max(decode_sizes) < 32
+
+
+def _worker_that_cannot_schedule(*args):
+    """A worker's main function in a process where building a scheduler, a block manager, an
+    engine core, structured outputs or a tokenizer fails (and the rank with it)."""
+    from liteinfer.engine.block_manager import BlockManager
+    from liteinfer.engine.core import EngineCore
+    from liteinfer.engine.scheduler import Scheduler
+    from liteinfer.loader import gguf_file, hf
+    from liteinfer.structured_output.manager import StructuredOutputManager
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a tensor-parallel worker built what only rank 0 holds")
+
+    for cls in (Scheduler, BlockManager, EngineCore, StructuredOutputManager):
+        cls.__init__ = refuse
+    hf.load_tokenizer = gguf_file.load_tokenizer = refuse
+    worker.run_worker(*args)
+
+
+def test_workers_hold_no_scheduler_and_no_tokenizer(tiny_llama_dir, tiny_llm, monkeypatch):
+    """Rank 1 runs in a process where a Scheduler, BlockManager, EngineCore,
+    StructuredOutputManager or tokenizer cannot be built: it still runs every step, and the
+    ranks give one rank's tokens."""
+    monkeypatch.setattr(worker, "run_worker", _worker_that_cannot_schedule)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", device="cpu",
+              max_model_len=256)
+    procs = llm.engine.core.workers.procs
+    try:
+        prompts, params = _mixed_requests(n=5)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        ref = tiny_llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        assert all(p.exitcode is None for p in procs)
+    finally:
+        llm.shutdown()
+    assert [p.exitcode for p in procs] == [0]
+
+
 # Lives to the end of the module: the tests that start tensor-parallel engines of their own (a
 # process is in one group at a time) come before the first test that uses it.
 @pytest.fixture(scope="module")
@@ -149,8 +265,26 @@ def test_two_ranks_match_one(tp_llm, tiny_llm):
     assert tp_llm.engine.core.scheduler.num_preemptions > 0
 
 
+def test_two_ranks_match_one_through_preemption_and_the_prefix_cache(tp_llm, tiny_llm):
+    """Shared prefixes found in rank 0's cache, preempted sequences recomputed (their prompts
+    and outputs sent to the workers as host token ids), penalties, logprobs and a seed per
+    request: the tokens, and the prompts' logprob tokens, of one rank."""
+    core = tp_llm.engine.core
+    preemptions, hits = core.scheduler.num_preemptions, core.block_manager.prefix_hits
+    prompts, params = _mixed_requests(n=12, seed=1)
+    got = tp_llm.generate(prompts, params, use_tqdm=False)
+    ref = tiny_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    for g, r in zip(got, ref):
+        if r.prompt_logprobs is not None:
+            assert [None if p is None else list(p) for p in g.prompt_logprobs] == \
+                [None if p is None else list(p) for p in r.prompt_logprobs]
+    assert core.scheduler.num_preemptions > preemptions
+    assert core.block_manager.prefix_hits > hits
+
+
 def test_a_bad_request_reaches_no_rank(tp_llm, tiny_llm):
-    # The first is queued on every rank, then withdrawn from every rank with the batch.
+    # The first is queued on rank 0, then withdrawn with the batch: no worker hears of either.
     with pytest.raises(ValueError, match="max_model_len"):
         tp_llm.generate(["Hello world", "x"], [SamplingParams(max_tokens=5),
                                                SamplingParams(max_tokens=1000)], use_tqdm=False)

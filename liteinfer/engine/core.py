@@ -10,7 +10,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 import torch
 
@@ -26,12 +25,8 @@ from liteinfer.engine.model_runner import ModelRunner
 from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.scheduler import Scheduler, SchedulerOutput
 from liteinfer.engine.sequence import Sequence
-from liteinfer.engine.tensor_parallel import (
-    WorkerGroup,
-    init_distributed,
-    serve_rank,
-    torchrun_rank,
-)
+from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed, torchrun_rank
+from liteinfer.engine.worker import EXIT_WAIT, WorkerGroup
 from liteinfer.loader import ModelSource, load_model_source
 from liteinfer.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
@@ -99,7 +94,7 @@ class EngineCore:
     """
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto",
-                 tp_rank: int = 0, source: ModelSource | None = None):
+                 source: ModelSource | None = None):
         """source: the model already resolved (a front end in the same process has it)."""
         source = source or load_model_source(model, load_format)
         self.model_config = ModelConfig.from_hf(source.hf_config)
@@ -107,10 +102,11 @@ class EngineCore:
         self.max_model_len = resolve_config(config, self.model_config)
         # Only the EOS ids: the tokenizer itself stays with the front end.
         self.eos_token_ids = eos_token_ids(self.model_config, source.tokenizer)
-        # Rank 0 drives the other tensor-parallel ranks' cores (engine/tensor_parallel.py),
-        # unless torchrun started every rank.
+        # The other tensor-parallel ranks are workers that run the steps this core schedules
+        # (engine/worker.py), unless torchrun started every rank with a core of its own.
         self.workers: WorkerGroup | None = None
         self.external_rank = torchrun_rank() if config.tensor_parallel_size > 1 else None
+        tp_rank = 0
         if self.external_rank is not None:
             tp_rank = self.external_rank
             world = int(os.environ["WORLD_SIZE"])
@@ -119,8 +115,9 @@ class EngineCore:
                                  f"{config.tensor_parallel_size}")
             init_distributed(tp_rank, world, "env://", config.device,
                              int(os.environ.get("LOCAL_RANK", 0)))
-        elif config.tensor_parallel_size > 1 and tp_rank == 0:
-            self.workers = WorkerGroup(model, config, load_format, run_tensor_parallel_rank)
+        elif config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(model, config, load_format, self.max_model_len,
+                                       self.eos_token_ids)
         if config.tensor_parallel_size > 1:
             # Unseeded requests draw from the default generator: the same on every rank.
             torch.manual_seed(config.seed)
@@ -157,8 +154,6 @@ class EngineCore:
         constraint = params.structured_outputs
         if constraint is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("structured outputs are not supported with tensor parallelism")
-        if self.workers is not None:
-            self.workers.call("add_request", request)
         seq = Sequence(request.request_id, request.prompt_token_ids, params)
         if constraint is not None:
             self.structured_output.add_request(request.request_id, constraint)
@@ -172,8 +167,6 @@ class EngineCore:
         """Finishes the named requests (unknown or finished ones are ignored). No output is
         sent for them: whoever aborts a request finishes it for its client."""
         request_ids = list(request_ids)
-        if self.workers is not None:
-            self.workers.call("abort_requests", request_ids)
         self.scheduler.finish_requests(request_ids, "abort")
         aborted = set(request_ids)
         self.compiling = [s for s in self.compiling if s.request_id not in aborted]
@@ -186,10 +179,7 @@ class EngineCore:
             and not all(s.is_finished for s in self.inflight.scheduled.seqs))
 
     def reset_prefix_cache(self) -> None:
-        """Empties the prefix cache (on every tensor-parallel rank, whose schedulers must decide
-        alike), e.g. between benchmark runs."""
-        if self.workers is not None:
-            self.workers.call("reset_prefix_cache")
+        """Empties the prefix cache, e.g. between benchmark runs."""
         self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
@@ -207,8 +197,6 @@ class EngineCore:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """Launches the next step, then returns the outputs of the previous one."""
-        if self.workers is not None:
-            self.workers.call("step")
         outputs: list[EngineCoreOutput] = self._queue_compiled()
         inflight, self.inflight = self.inflight, None
         if inflight is not None and not self._can_overlap(inflight):
@@ -253,7 +241,11 @@ class EngineCore:
             scheduled = self.scheduler.schedule()
             if scheduled is None:
                 return []
+            if self.workers is not None:
+                self.workers.execute_model(scheduled)
             output = self.runner.execute(scheduled, self._grammar_bitmask(scheduled, previous))
+        except RankDiedError:
+            raise
         except Exception as e:  # the step's requests fail, the core goes on
             seqs = scheduled.seqs if scheduled is not None else [
                 *self.scheduler.running, *self.scheduler.waiting]
@@ -311,14 +303,9 @@ class EngineCore:
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[EngineCoreOutput]:
         if self.workers is not None:
-            self.workers.check()  # a dead rank is fatal: every later step would fail too
+            # A dead rank is fatal: every later step would fail too.
+            self.workers.check(EXIT_WAIT)
         logger.error("a step failed; its %d requests are finished with an error:\n%s",
                      len(seqs), "".join(traceback.format_exception(error)))
         return self.scheduler.fail(seqs, f"{type(error).__name__}: {error}")
 
-
-def run_tensor_parallel_rank(rank: int, init_method: str, model: str, config: EngineConfig,
-                             load_format: str, conn: Connection) -> None:
-    """The main function of tensor-parallel rank `rank` > 0 (in a process of its own)."""
-    init_distributed(rank, config.tensor_parallel_size, init_method, config.device)
-    serve_rank(EngineCore(model, config, load_format, tp_rank=rank), conn)

@@ -123,7 +123,8 @@ class ModelRunner:
             # More blocks than every sequence at full length could use would sit idle.
             num_blocks = min(int(budget // block_bytes),
                              self.config.max_num_seqs * self.max_blocks_per_seq + 1)
-        if self.tp_size > 1:  # every rank's scheduler must see the same pool
+        # Rank 0's block ids (or, under torchrun, every rank's scheduler's) index every pool.
+        if self.tp_size > 1:
             agreed = torch.tensor([num_blocks], device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             num_blocks = int(agreed.item())

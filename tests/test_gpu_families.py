@@ -60,7 +60,7 @@ def test_fp32_token_for_token(family, name: str) -> None:
     directory, prompts, reference = family
     llm = build_llm(str(directory), dtype="float32", max_model_len=1024,
                     **{"max_num_seqs": 48, **CONFIGS[name]})
-    assert llm.engine.config.attention_backend == "triton"
+    assert llm.engine.core.config.attention_backend == "triton"
     outputs = llm.generate(prompts, greedy(16), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     alone = llm.generate(prompts[:1], greedy(16), use_tqdm=False)[0].outputs[0].token_ids

@@ -138,6 +138,48 @@ def test_rows_are_independent(tiny_llm):
         replay(tiny_llm, constraint, o.outputs[0].token_ids)
 
 
+def test_constrained_steps_sample_in_the_next_call_before_the_next_launch(tiny_llm):
+    """A step that samples for a constrained request is launched unsampled; the next step()
+    samples it (every earlier step read, so the bitmask covers every token) and only then
+    launches the step after it, so a forward pass is always queued. Still one token a call."""
+    engine = tiny_llm.engine
+    runner = engine.core.runner
+    constraint = StructuredOutputsParams(json=Path.model_json_schema(),
+                                         disable_any_whitespace=True)
+    events: list[tuple[str, int]] = []
+    call = 0
+    forward, sample, execute = runner.forward, runner.sample, runner.execute
+
+    def traced(name, fn):
+        def run(batch, *args):
+            events.append((name, call))
+            if name == "sample":  # every earlier step read: its token is in the grammar
+                assert [s.num_pending for s in batch.sampling_seqs] == [1]
+            return fn(batch, *args)
+        return run
+
+    runner.forward, runner.sample = traced("forward", forward), traced("sample", sample)
+    runner.execute = traced("execute", execute)
+    try:
+        engine.add_request("held", "Path:", SamplingParams(temperature=0.0, max_tokens=12,
+                                                            structured_outputs=constraint))
+        tokens = []
+        while engine.has_unfinished_requests():
+            call += 1
+            tokens += [t for o in engine.step() for t in o.new_token_ids]
+    finally:
+        runner.forward, runner.sample, runner.execute = forward, sample, execute
+    assert not any(name == "execute" for name, _ in events)
+    forwards = [c for name, c in events if name == "forward"]
+    samples = [c for name, c in events if name == "sample"]
+    assert forwards == list(range(1, len(forwards) + 1))  # one launch a call
+    assert samples == [c + 1 for c in forwards]  # each sampled in the next call
+    order = [name for name, _ in events]
+    assert order == ["forward"] + ["sample", "forward"] * (len(forwards) - 1) + ["sample"]
+    assert (len(tokens), call) == (len(forwards), len(forwards) + 1)
+    replay(tiny_llm, constraint, tokens)
+
+
 def test_manager_bitmask_equals_xgrammar(tiny_llm):
     engine = tiny_llm.engine
     vocab = engine.model_config.vocab_size

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -22,13 +22,13 @@ from liteinfer.engine.messages import (
     EngineCoreRequest,
 )
 from liteinfer.engine.model_runner import ModelRunner
-from liteinfer.engine.runner_output import ModelRunnerOutput
+from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
 from liteinfer.engine.scheduler import Scheduler, SchedulerOutput
 from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed, torchrun_rank
 from liteinfer.engine.worker import EXIT_WAIT, WorkerGroup
 from liteinfer.loader import ModelSource, load_model_source
-from liteinfer.structured_output.manager import GrammarBitmask, StructuredOutputManager
+from liteinfer.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,8 @@ class InFlight:
     """A launched step whose sampled tokens the host has not read yet."""
 
     scheduled: SchedulerOutput
-    output: ModelRunnerOutput
-    # Set once the step's tokens are read (early when the next step's grammar needs them).
-    outputs: list[EngineCoreOutput] | None = None
+    output: ModelRunnerOutput | None  # None: its sampling waits for its grammars (`forward`)
+    forward: StepForward | None = None
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -85,9 +84,11 @@ class EngineCore:
     host schedules step N+1 while the device still runs step N (overlap scheduling); step N's
     sampled tokens feed step N+1 on the device and reach the host afterwards. A step whose
     requests need every earlier token on the host (penalties) is read back before the next.
-    A step that samples for constrained requests (structured outputs) reads the step before it
-    once its own forward pass is launched, so that their grammars have every token before the
-    bitmask is filled: the device keeps running, and only sampling waits for the host.
+    A step that samples for constrained requests (structured outputs) is launched without its
+    sampling, which waits for the next call: by then the step before it has been read, so the
+    grammars have every token and the bitmask can be filled. That call samples it, launches the
+    step after it and only then reads it, so the device always has a forward pass queued while
+    the host fills bitmasks and processes outputs.
 
     A step that raises fails its own requests (finish reason "error", blocks returned); the
     others, and the core, go on. A tensor-parallel rank that exits is fatal (RankDiedError).
@@ -199,10 +200,14 @@ class EngineCore:
         """Launches the next step, then returns the outputs of the previous one."""
         outputs: list[EngineCoreOutput] = self._queue_compiled()
         inflight, self.inflight = self.inflight, None
+        if inflight is not None and inflight.output is None:
+            outputs += self._sample_constrained(inflight)
+            if inflight.output is None:  # its sampling failed, and so did its requests
+                inflight = None
         if inflight is not None and not self._can_overlap(inflight):
             outputs += self._resolve(inflight)
             inflight = None
-        outputs += self._launch(inflight)
+        outputs += self._launch()
         if inflight is not None:
             outputs += self._resolve(inflight)
         if self.structured_output.has_requests:
@@ -233,9 +238,9 @@ class EngineCore:
     def _can_overlap(inflight: InFlight) -> bool:
         return not any(s.needs_penalties for s in inflight.scheduled.seqs)
 
-    def _launch(self, previous: InFlight | None) -> list[EngineCoreOutput]:
+    def _launch(self) -> list[EngineCoreOutput]:
         """Schedules and launches the next step (self.inflight); outputs only of requests
-        that failed."""
+        that failed. A step that samples for constrained requests is launched unsampled."""
         scheduled = None
         try:
             scheduled = self.scheduler.schedule()
@@ -243,7 +248,10 @@ class EngineCore:
                 return []
             if self.workers is not None:
                 self.workers.execute_model(scheduled)
-            output = self.runner.execute(scheduled, self._grammar_bitmask(scheduled, previous))
+            if self._samples_constrained(scheduled):
+                inflight = InFlight(scheduled, None, self.runner.forward(scheduled))
+            else:
+                inflight = InFlight(scheduled, self.runner.execute(scheduled))
         except RankDiedError:
             raise
         except Exception as e:  # the step's requests fail, the core goes on
@@ -251,36 +259,35 @@ class EngineCore:
                 *self.scheduler.running, *self.scheduler.waiting]
             return self._fail(seqs, e)
         self.scheduler.mark_launched(scheduled)
-        self.inflight = InFlight(scheduled, output)
+        self.inflight = inflight
         return []
 
-    def _grammar_bitmask(self, scheduled: SchedulerOutput, previous: InFlight | None
-                         ) -> Callable[[], GrammarBitmask | None] | None:
-        """What fills the step's bitmask, if it samples for constrained requests: it reads
-        the previous step's tokens first (their grammars need them)."""
-        if not self.structured_output.has_requests:
-            return None
-        ids = [s.request_id for s in scheduled.sampling_seqs]
-        if not any(self.structured_output.is_constrained(r) for r in ids):
-            return None
+    def _samples_constrained(self, scheduled: SchedulerOutput) -> bool:
+        manager = self.structured_output
+        return manager.has_requests and any(
+            manager.is_constrained(s.request_id) for s in scheduled.sampling_seqs)
 
-        def fill() -> GrammarBitmask | None:
-            if previous is not None:
-                self._resolve(previous)
-            return self.structured_output.grammar_bitmask(ids)
-
-        return fill
+    def _sample_constrained(self, inflight: InFlight) -> list[EngineCoreOutput]:
+        """Fills the launched step's bitmask (every earlier step has been read) and samples
+        it; outputs only of requests that failed."""
+        scheduled = inflight.scheduled
+        try:
+            bitmask = self.structured_output.grammar_bitmask(
+                [s.request_id for s in scheduled.sampling_seqs])
+            inflight.output = self.runner.sample(scheduled, inflight.forward, bitmask)
+        except Exception as e:  # as in _launch
+            return self._fail(scheduled.seqs, e)
+        inflight.forward = None
+        return []
 
     def _resolve(self, inflight: InFlight) -> list[EngineCoreOutput]:
-        """The step's outputs, read once (later calls return them again)."""
-        if inflight.outputs is None:
-            try:
-                inflight.outputs = self.scheduler.update_from_output(inflight.scheduled,
-                                                                     inflight.output)
-                self._advance_grammars(inflight.outputs)
-            except Exception as e:  # as in _launch
-                inflight.outputs = self._fail(inflight.scheduled.seqs, e)
-        return inflight.outputs
+        """The step's outputs."""
+        try:
+            outputs = self.scheduler.update_from_output(inflight.scheduled, inflight.output)
+            self._advance_grammars(outputs)
+        except Exception as e:  # as in _launch
+            return self._fail(inflight.scheduled.seqs, e)
+        return outputs
 
     def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
         """Gives each constrained request's new token to its grammar: one at the grammar's

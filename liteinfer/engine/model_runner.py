@@ -2,14 +2,12 @@
 sampler, and the logprobs of prompt tokens that asked for them."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.messages import TokenLogprobs
-from liteinfer.engine.runner_output import ModelRunnerOutput
+from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
 from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
 from liteinfer.engine.scheduler import SchedulerOutput
 from liteinfer.engine.step_inputs import build_step_inputs
@@ -184,23 +182,30 @@ class ModelRunner:
         return (ids, as_tensor(step.positions, torch.int64), meta,
                 as_tensor(step.sample_rows, torch.int64), prompt_rows)
 
-    @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput,
-                grammar_bitmask: Callable[[], GrammarBitmask | None] | None = None
-                ) -> ModelRunnerOutput:
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         """Launches one step and its sampling without waiting for the device. The sampled
-        tokens stay in the step model's buffer, where the next step reads the pending ones.
-        `grammar_bitmask` gives the constrained rows' bitmask; it is called once the forward
-        pass is launched, so the host fills it while the device runs the model."""
+        tokens stay in the step model's buffer, where the next step reads the pending ones."""
+        return self.sample(batch, self.forward(batch))
+
+    @torch.inference_mode()
+    def forward(self, batch: SchedulerOutput) -> StepForward:
+        """Launches the step's forward pass (and scores the prompt tokens that asked for
+        logprobs); `sample` follows, at once or once the constrained rows' bitmask is known."""
         logits, prompt_hidden = self._forward(batch)
         prompt_logprobs = ([] if prompt_hidden is None else
                            self._prompt_logprobs(batch, prompt_hidden))
-        if logits is None:
-            return ModelRunnerOutput(None, prompt_logprobs)
-        bitmask = grammar_bitmask() if grammar_bitmask is not None else None
-        sampled = self.sampler.sample(logits, batch.sampling_seqs, bitmask)
+        return StepForward(logits, prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample(self, batch: SchedulerOutput, forward: StepForward,
+               grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Samples the launched step's rows (`grammar_bitmask` masks the constrained ones)
+        before any later step is launched: the logits may sit in a captured graph's output."""
+        if forward.logits is None:
+            return ModelRunnerOutput(None, forward.prompt_logprobs)
+        sampled = self.sampler.sample(forward.logits, batch.sampling_seqs, grammar_bitmask)
         self.step_model.keep_sampled(sampled.token_ids)
-        return ModelRunnerOutput(sampled, prompt_logprobs)
+        return ModelRunnerOutput(sampled, forward.prompt_logprobs)
 
     def _forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logits of the rows that sample ([rows, vocab], None if none do) and the final

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.sampler import SampledTokens, SamplerOutput
 
@@ -18,3 +20,12 @@ class ModelRunnerOutput:
 
     def wait(self) -> SamplerOutput:
         return self.sampled.result() if self.sampled is not None else SamplerOutput([], [])
+
+
+@dataclass
+class StepForward:
+    """A launched step's forward pass, not sampled yet: the logits of its sampling rows (None
+    if none sample) and the prompt logprobs it scored."""
+
+    logits: torch.Tensor | None
+    prompt_logprobs: list[list[TokenLogprobs]]

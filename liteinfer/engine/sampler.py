@@ -69,7 +69,7 @@ class Sampler:
         min_tok_rows = [i for i, s in enumerate(seqs)
                         if len(s) - s.num_prompt_tokens < s.sampling_params.min_tokens]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-        pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+        pen_rows = [i for i, s in enumerate(seqs) if s.needs_penalties]
         want_logprobs = any(p.logprobs is not None for p in params)
         if all(greedy) and grammar_bitmask is None and not (min_tok_rows or bias_rows or pen_rows
                                                             or want_logprobs):

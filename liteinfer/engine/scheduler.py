@@ -171,7 +171,7 @@ class Scheduler:
             seq.num_pending -= 1
             if seq.status is SequenceStatus.FINISHED:  # finished or aborted while this ran
                 continue
-            seq.token_ids.append(token)
+            seq.append_token(token)
             cache_blocks(seq)  # its KV may be computed already
             self._check_stop(seq, token)
             outputs.append(EngineCoreOutput(
@@ -270,14 +270,15 @@ class Scheduler:
         """Running sequences that decode a token next, each given room for it. Partly
         prefilled prompts sit decodes out, and so do sequences whose pending token ends them.
         Written out for speed: it runs for every running sequence every step."""
-        block_size = self.block_manager.block_size
+        blocks_needed = self.block_manager.blocks_needed
         decodes = []
         for seq in list(self.running):
             n = len(seq.token_ids) + seq.num_pending
             if (seq.status is not SequenceStatus.RUNNING or n - seq.num_computed_tokens != 1
                     or self._at_length_limit(seq, n)):
                 continue
-            if n <= len(seq.block_table) * block_size or self._reserve(seq, n):
+            # Most steps: its blocks hold the token already.
+            if blocks_needed(seq, n) == 0 or self._reserve(seq, n):
                 decodes.append(seq)
         return decodes
 
@@ -296,8 +297,6 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Give a running sequence room for `num_tokens`, preempting the newest running ones as
         needed. False if `seq` itself had to be preempted."""
-        if self.block_manager.blocks_needed(seq, num_tokens) == 0:  # most decode steps
-            return True
         while not self.block_manager.can_allocate(seq, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)

@@ -378,6 +378,11 @@ def test_disconnected_client_is_aborted(served, stream, monkeypatch):
     aborted: list[list[str]] = []
     abort = engine.abort
     monkeypatch.setattr(engine, "abort", lambda ids: aborted.append(ids) or abort(ids))
+    # What /metrics keeps of a request (its last token's time) is dropped when it is aborted.
+    forgotten: list[str] = []
+    forget = api_server.ServerMetrics.forget
+    monkeypatch.setattr(api_server.ServerMetrics, "forget",
+                        lambda self, ids: forgotten.extend(ids) or forget(self, ids))
     body = {"prompt": PROMPTS[3], "max_tokens": 240, "ignore_eos": True, "stream": stream}
     with httpx.Client(base_url=url, timeout=60) as c:
         if stream:
@@ -392,6 +397,7 @@ def test_disconnected_client_is_aborted(served, stream, monkeypatch):
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.05)
     assert [len(ids) for ids in aborted] == [1]  # aborted while it ran, not after finishing
+    assert forgotten == aborted[0]
     assert_engine_idle(url)
 
 

@@ -258,6 +258,7 @@ class OpenAIServing:
                     raise RequestError(499, "client disconnected")
             error = task.exception()
         finally:
+            self.metrics.forget(stream.unfinished)
             stream.abort()  # a no-op once all have finished; else the client left
         if isinstance(error, ServerShuttingDown):
             raise RequestError(503, str(error))
@@ -286,6 +287,7 @@ class OpenAIServing:
             status = 503 if isinstance(e, ServerShuttingDown) else 500
             yield sse(error_body(status, f"generation failed: {e}"))
         finally:
+            self.metrics.forget(stream.unfinished)
             stream.abort()  # a no-op once all have finished; else the client left
         yield b"data: [DONE]\n\n"
 

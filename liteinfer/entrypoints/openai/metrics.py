@@ -9,7 +9,7 @@ all of them; the scheduler gauges are read live from the core's latest step mess
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -96,6 +96,11 @@ class ServerMetrics:
                                  finished_reason=completion.finish_reason).inc()
             if m.finished_time is not None:
                 self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drops what is kept of requests that end without a finished output (aborted)."""
+        for rid in request_ids:
+            self._last_token.pop(rid, None)
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)

@@ -50,7 +50,6 @@ class XgrammarBackend:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
                  max_threads: int = 2):
-        self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
         # Compiled grammars are cached by the manager, keyed by the request's constraint.

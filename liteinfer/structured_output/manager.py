@@ -52,7 +52,7 @@ class _Request:
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
                  cache_size: int = 256, compile_threads: int = 2):
-        self._backend_args = (tokenizer, vocab_size, sorted(stop_token_ids))
+        self._backend_args = (tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = vocab_size
         self.cache_size = cache_size
         self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar")

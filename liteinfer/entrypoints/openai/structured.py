@@ -248,6 +248,8 @@ class ToolCalls:
             if not calls:
                 return {"content": text}, False
             return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, True
-        parser = self._streams.setdefault(choice, self._parser())
+        parser = self._streams.get(choice)
+        if parser is None:
+            parser = self._streams[choice] = self._parser()
         delta = parser.extract_tool_calls_streaming(text, finished)
         return delta, parser.saw_tool_calls

@@ -17,6 +17,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton")
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
 # The fewest prompt tokens a captured prompt step is sized for (scheduler.prompt_piece_sizes);
 # mixed_prompt_tokens is at least this.
 MIN_PROMPT_PIECE = 16
@@ -196,6 +198,12 @@ class EngineConfig:
     def validate(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS + ("auto",):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or 'auto'")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, "
+                             f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -40,19 +40,13 @@ class AttentionMetadata:
     workspace: Any = None
 
 
-KV_CACHE_DTYPES = ("auto", "fp8")
-
-
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The pool's element type: "auto" the model dtype, "fp8" e4m3. FP8 K/V are stored unscaled
+    """The pool's element type for a validated `EngineConfig.kv_cache_dtype`: "auto" the model
+    dtype, "fp8" e4m3. FP8 K/V are stored unscaled
     (scale 1, as vLLM without calibrated scales): e4m3's relative precision (2^-4) is the same
     anywhere in its normal range [2^-6, 448], where a Llama model's K and V sit, so a
     per-tensor scale would only matter beyond it; values past 448 are clamped."""
-    if name == "auto":
-        return model_dtype
-    if name == "fp8":
-        return FP8_DTYPE
-    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    return FP8_DTYPE if name == "fp8" else model_dtype
 
 
 def allocate_kv_pool(*leading: int, num_blocks: int, block_size: int, num_kv_heads: int,

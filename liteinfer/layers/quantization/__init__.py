@@ -8,18 +8,15 @@ from torch import nn
 
 from liteinfer.layers.quantization.fp8 import Fp8Config
 
-QUANTIZATIONS = ("fp8",)
 QuantConfig = Fp8Config
 
 
 def quant_config(quantization: str | None, hf_config: dict[str, Any],
                  load_format: str) -> QuantConfig | None:
     """The quantization of a model's linear layers: the checkpoint's when its config has a
-    `quantization_config`, else `quantization` applied at load (None: the model dtype). Dummy
-    weights are drawn in the model dtype, so they are quantized at load either way."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, "
-                         f"got {quantization!r}")
+    `quantization_config`, else `quantization` (a validated `EngineConfig.quantization`) applied
+    at load (None: the model dtype). Dummy weights are drawn in the model dtype, so they are
+    quantized at load either way."""
     checkpoint = hf_config.get("quantization_config")
     if checkpoint is None or load_format == "dummy":
         return None if quantization is None and checkpoint is None else Fp8Config()
@@ -39,4 +36,4 @@ def process_weights_after_loading(model: nn.Module) -> None:
             method.process_weights_after_loading(module)
 
 
-__all__ = ["QUANTIZATIONS", "QuantConfig", "process_weights_after_loading", "quant_config"]
+__all__ = ["QuantConfig", "process_weights_after_loading", "quant_config"]

@@ -18,9 +18,8 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, stride_x, stride_o, inter,
-                         BLOCK: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, inter,
+                         BLOCK: tl.constexpr, QUANT: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # launched while the previous kernel finishes: wait for it before any read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -34,13 +33,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, stride_x, 
     y = act.to(tl.float32) * up.to(tl.float32)
     if QUANT:
         quantize_row(y.to(gate.dtype).to(tl.float32), mask, out_ptr + row * stride_o + cols,
-                     scale_ptr + row, static_scale_ptr, STATIC)
+                     scale_ptr + row, scale_ptr, False)
     else:
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None,
-            static_scale: torch.Tensor | None) -> None:
+def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None) -> None:
     num_rows, inter = x.shape[0], x.shape[1] // 2
     assert out.shape == (num_rows, inter) and out.stride(-1) == 1
     quant = scale is not None
@@ -48,9 +46,8 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None,
     pdl = supports_pdl(x.device)
     if num_rows > 0:
         _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
-            x, out, scale if quant else x, static_scale if static_scale is not None else x,
-            x.stride(0), out.stride(0), inter, BLOCK=block, QUANT=quant,
-            STATIC=static_scale is not None, USE_PDL=pdl,
+            x, out, scale if quant else x, x.stride(0), out.stride(0), inter, BLOCK=block,
+            QUANT=quant, USE_PDL=pdl,
             num_warps=row_warps(block) if quant else 4, launch_pdl=pdl)
 
 
@@ -58,15 +55,14 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     """x: [T, 2I] (last dim contiguous) -> [T, I]."""
     assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0
     out = x.new_empty(x.shape[0], x.shape[1] // 2) if out is None else out
-    _launch(x, out, None, None)
+    _launch(x, out, None)
     return out
 
 
-def silu_and_mul_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SwiGLU of x [T, 2I], quantized per token: (e4m3 [T, I], fp32 scales [T, 1]); with
-    static_scale (fp32 [1]) every row uses it (kernels/quant_fp8.py)."""
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU of x [T, 2I], quantized per token: (e4m3 [T, I], fp32 scales [T, 1]). A static
+    input scale of down_proj is applied by down_proj's own quantization instead."""
     assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0
     out, scale = fp8_outputs(x.shape[0], x.shape[1] // 2, x.device)
-    _launch(x, out, scale, static_scale)
+    _launch(x, out, scale)
     return out, scale

@@ -3,7 +3,10 @@ dummy models, and the kernels of one 8B decode step at 1 / 32 / 128 rows against
 floors. Writes $OUT/bench-fp8.json (and prints each row); about 4 minutes on one H200.
 
     python scripts/bench_fp8.py [--models llama-3.2-1b-instruct llama-3.1-8b-instruct]
-                                [--skip-engine] [--skip-kernels]
+                                [--skip-engine] [--skip-kernels] [--sweep]
+
+--sweep also times the one-token projections (GEMV) of the 8B model at other weight-tile sizes
+and elements per thread than kernels/gemv.py's.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 from liteinfer.attention import allocate_kv_pool
 from liteinfer.bench.runner import engine_args_for, make_llm, run_latency, run_throughput
 from liteinfer.bench.workloads import Shape
+from liteinfer.kernels import gemv as gemv_kernels
 from liteinfer.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from liteinfer.kernels.decode_attention import paged_decode_attention
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
@@ -116,6 +120,21 @@ def projection_rows(rows: int) -> list[dict[str, Any]]:
     return out
 
 
+def gemv_sweep() -> list[dict[str, Any]]:
+    saved = gemv_kernels.TILE_ELEMENTS, gemv_kernels.ELEMENTS_PER_THREAD
+    out = []
+    try:
+        for tile in (4096, 8192, 16384, 32768):
+            for per_thread in (32, 64, 128):
+                gemv_kernels.TILE_ELEMENTS, gemv_kernels.ELEMENTS_PER_THREAD = tile, per_thread
+                out += [{**row, "tile": tile, "elements_per_thread": per_thread}
+                        for row in projection_rows(1)]
+                print(out[-8:], flush=True)
+    finally:
+        gemv_kernels.TILE_ELEMENTS, gemv_kernels.ELEMENTS_PER_THREAD = saved
+    return out
+
+
 def elementwise_rows(rows: int) -> list[dict[str, Any]]:
     """The activation passes around the projections: norm (bf16 out / e4m3 out), SwiGLU (bf16
     / e4m3), the per-token quantization of o_proj's input."""
@@ -175,6 +194,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     report: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     out = os.environ.get("OUT")
@@ -197,6 +217,10 @@ def main() -> None:
                         kernels.append(row)
                 free_device_memory()
         report["kernels_8b_decode"] = kernels
+        save()
+    if args.sweep:
+        with torch.inference_mode():
+            report["gemv_sweep_8b"] = gemv_sweep()
         save()
 
 if __name__ == "__main__":

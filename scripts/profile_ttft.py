@@ -1,0 +1,152 @@
+"""Where one stream's first token goes: the same 128-token prompts, one request at a time,
+through (1) the offline engine, (2) AsyncLLM and its engine-core process with no HTTP, with the
+front end's event loop idle between messages and then kept busy, and (3) `liteinfer serve`
+measured by the load generator. Llama-3.2-1B config, dummy bf16 weights, greedy.
+
+(2) also gives the time from the core sending a step's message (EngineCoreOutputs.timestamp,
+CLOCK_MONOTONIC like perf_counter) to the front end handling it, for each first token.
+Prints TTFT p50 per stage; with $OUT set, writes $OUT/profile-ttft.json.
+
+    python scripts/profile_ttft.py [--model DIR] [--requests 32]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+
+from liteinfer import LLM, SamplingParams
+from liteinfer.bench.runner import workload
+from liteinfer.bench.serve import Job, Target, run_load
+from liteinfer.bench.workloads import SEED, Shape
+from liteinfer.engine.async_llm import AsyncLLM
+
+MODEL = "benchmarks/models/llama-3.2-1b-instruct"
+SHAPE = Shape(128, 16)
+ENGINE_ARGS = {"dtype": "bfloat16", "max_model_len": 16384}
+PORT = 8411
+
+
+def p50_ms(seconds: list[float]) -> float:
+    return round(1e3 * float(np.median(seconds)), 3)
+
+
+def offline(model: str, prompts: list[list[int]]) -> dict[str, Any]:
+    llm = LLM(model, load_format="dummy", **ENGINE_ARGS)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=SHAPE.osl, ignore_eos=True,
+                            detokenize=False)
+    ttft = []
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        engine.add_request(f"r{i}", prompt, params)
+        first = None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and any(o.outputs[0].token_ids for o in outs):
+                first = time.perf_counter()
+        ttft.append(first - start)
+    return {"ttft_p50_ms": p50_ms(ttft[2:])}
+
+
+async def through_async_llm(model: str, prompts: list[list[int]], busy: bool
+                            ) -> dict[str, Any]:
+    engine = AsyncLLM.from_args(model, load_format="dummy", **ENGINE_ARGS)
+    await engine.start()
+    assert engine._client is not None
+    handle = engine._client.on_outputs
+    received: list[tuple[float, float]] = []  # (core sent, front end took) per message
+
+    def timed(steps: list[Any]) -> None:
+        now = time.perf_counter()
+        received.extend((s.timestamp, now) for s in steps)
+        handle(steps)
+
+    engine._client.on_outputs = timed
+    spinning = True
+
+    async def spin() -> None:  # a loop that always has a ready task never sleeps in epoll
+        while spinning:
+            await asyncio.sleep(0)
+
+    spinner = asyncio.get_running_loop().create_task(spin()) if busy else None
+    params = SamplingParams(temperature=0.0, max_tokens=SHAPE.osl, ignore_eos=True)
+    ttft, delivery = [], []
+    try:
+        for i, prompt in enumerate(prompts):
+            received.clear()
+            start = time.perf_counter()
+            stream = await engine.add_requests([(f"r{i}", prompt, params)])
+            first = None
+            async for _ in stream:
+                if first is None:
+                    first = time.perf_counter()
+                    sent, took = received[0]
+                    delivery.append(took - sent)
+            ttft.append(first - start)
+    finally:
+        spinning = False
+        if spinner is not None:
+            await spinner
+        await engine.stop()
+        engine.shutdown()
+    return {"ttft_p50_ms": p50_ms(ttft[2:]), "core_to_front_end_p50_ms": p50_ms(delivery[2:])}
+
+
+def through_http(model: str, prompts: list[list[int]], api_servers: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "liteinfer.cli", "serve", model, "--load-format", "dummy",
+           "--dtype", "bfloat16", "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+           "--port", str(PORT), "--api-server-count", str(api_servers)]
+    server = subprocess.Popen(cmd)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the server did not start") from None
+                time.sleep(0.5)
+        jobs = [Job(i, p, SHAPE.osl) for i, p in enumerate(prompts)]
+        timings = run_load(Target(f"http://127.0.0.1:{PORT}", None), jobs, 1, 1)
+        errors = [t.error for t in timings if t.error]
+        assert not errors, errors[:3]
+        return {"ttft_p50_ms": p50_ms([t.events[0] - t.submit for t in timings[2:]])}
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--requests", type=int, default=32)
+    args = ap.parse_args()
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts, _ = workload(SHAPE, args.requests, SEED, vocab)
+    report: dict[str, Any] = {"offline": offline(args.model, prompts)}
+    print(report, flush=True)
+    for busy in (False, True):
+        report[f"async_llm{'_busy_loop' if busy else ''}"] = asyncio.run(
+            through_async_llm(args.model, prompts, busy))
+        print(report, flush=True)
+    for api_servers in (1, 4):
+        report[f"http_{api_servers}_api_servers"] = through_http(args.model, prompts, api_servers)
+        print(report, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "profile-ttft.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,19 +6,26 @@ with the same half of run A; targets: unconstrained -5% at most, constrained -20
 Each half's mean inter-token latency is recorded too: a constrained output that reaches its
 grammar's end stops early, which tok/s alone would not show.
 
-    python scripts/bench_structured.py [--requests 64] [--out $OUT]
+    python scripts/bench_structured.py [--requests 64] [--out $OUT] [--profile]
+
+--profile also splits each run's engine steps: wall time per step, the part spent waiting for the
+device (SampledTokens.result), the part filling bitmasks, and the costliest host functions.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
 import json
 import os
+import pstats
 import random
 import time
 from pathlib import Path
 
 from liteinfer import LLM, SamplingParams
+from liteinfer.engine.sampler import SampledTokens
 from liteinfer.sampling_params import RequestOutputKind
 from liteinfer.structured_output import StructuredOutputsParams
 
@@ -67,16 +74,63 @@ def run(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, fl
             "grammar_stops": stops, "seconds": max(last.values()) - start}
 
 
+def split_steps(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, float]:
+    """`run` with the engine's step, the wait for sampled tokens and the bitmask fill timed."""
+    engine, core = llm.engine, llm.engine.core
+    spent = dict.fromkeys(("step", "wait", "bitmask"), 0.0)
+    steps = 0
+
+    def timed(key, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return wrapper
+
+    step, result = engine.step, SampledTokens.result
+    fill = core.structured_output.grammar_bitmask
+
+    def counted_step():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = timed("step", counted_step)
+    SampledTokens.result = timed("wait", result)
+    core.structured_output.grammar_bitmask = timed("bitmask", fill)
+    try:
+        run(llm, prompts, constrain_odd)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run(llm, prompts, constrain_odd)
+        profiler.disable()
+    finally:
+        engine.step, SampledTokens.result = step, result
+        core.structured_output.grammar_bitmask = fill
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
+    print(text.getvalue()[-2600:])
+    runs = 2
+    return {f"{k}_ms_per_step": v / steps * 1e3 for k, v in spent.items()} | {
+        "steps": steps / runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     llm = LLM(str(MODEL_DIR), load_format="dummy", dtype="bfloat16", max_num_seqs=WIDTH)
     rng = random.Random(0)
     vocab = 128000  # the Llama-3 vocabulary's ordinary tokens
     prompts = [[rng.randrange(vocab) for _ in range(ISL)] for _ in range(args.requests)]
-    run(llm, prompts[:WIDTH], True)  # warm-up: graphs, the tokenizer info, the grammar
+    # Warm-up: graphs and kernels of every step shape both runs meet, the tokenizer info, the
+    # grammar.
+    run(llm, prompts, True)
+    run(llm, prompts, False)
     base = run(llm, prompts, False)
     mixed = run(llm, prompts, True)
     result = {
@@ -88,6 +142,9 @@ def main() -> None:
         "constrained_itl_increase": mixed["itl_ms_odd"] / base["itl_ms_odd"] - 1,
         "targets": {"unconstrained_loss": 0.05, "constrained_loss": 0.20},
     }
+    if args.profile:
+        result["steps_unconstrained"] = split_steps(llm, prompts, False)
+        result["steps_odd_constrained"] = split_steps(llm, prompts, True)
     out = Path(args.out) / "structured-outputs.json"
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -40,8 +40,9 @@ def run(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, fl
     """Runs every prompt (at most WIDTH in flight), the odd ones held to SCHEMA if
     `constrain_odd`; each half's tok/s: its tokens over the time until its last one ended."""
     engine = llm.engine
-    # Outputs of new tokens only, as the benchmark driver takes them (no per-token copies).
-    free = SamplingParams(temperature=0.0, max_tokens=OSL, ignore_eos=True,
+    # Outputs of new tokens only, as the benchmark driver takes them (no per-token copies), and
+    # token ids, as WORKLOADS.md measures: served, the front end detokenizes, not the core.
+    free = SamplingParams(temperature=0.0, max_tokens=OSL, ignore_eos=True, detokenize=False,
                           output_kind=RequestOutputKind.DELTA)
     held = dataclasses.replace(free, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     engine.reset_prefix_cache()  # every run computes its prompts (the runs share them)

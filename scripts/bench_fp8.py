@@ -6,7 +6,7 @@ floors. Writes $OUT/bench-fp8.json (and prints each row); about 4 minutes on one
                                 [--skip-engine] [--skip-kernels] [--sweep]
 
 --sweep also times the one-token projections (GEMV) of the 8B model at other weight-tile sizes
-and elements per thread than kernels/gemv.py's.
+and bytes per thread than kernels/gemv.py's.
 """
 from __future__ import annotations
 
@@ -121,17 +121,17 @@ def projection_rows(rows: int) -> list[dict[str, Any]]:
 
 
 def gemv_sweep() -> list[dict[str, Any]]:
-    saved = gemv_kernels.TILE_ELEMENTS, gemv_kernels.ELEMENTS_PER_THREAD
+    saved = gemv_kernels.TILE_BYTES, gemv_kernels.BYTES_PER_THREAD
     out = []
     try:
-        for tile in (4096, 8192, 16384, 32768):
-            for per_thread in (32, 64, 128):
-                gemv_kernels.TILE_ELEMENTS, gemv_kernels.ELEMENTS_PER_THREAD = tile, per_thread
-                out += [{**row, "tile": tile, "elements_per_thread": per_thread}
+        for tile in (8192, 16384, 32768, 65536):
+            for per_thread in (64, 128, 256):
+                gemv_kernels.TILE_BYTES, gemv_kernels.BYTES_PER_THREAD = tile, per_thread
+                out += [{**row, "tile_bytes": tile, "bytes_per_thread": per_thread}
                         for row in projection_rows(1)]
                 print(out[-8:], flush=True)
     finally:
-        gemv_kernels.TILE_ELEMENTS, gemv_kernels.ELEMENTS_PER_THREAD = saved
+        gemv_kernels.TILE_BYTES, gemv_kernels.BYTES_PER_THREAD = saved
     return out
 
 

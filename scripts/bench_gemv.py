@@ -91,17 +91,17 @@ def bench_chain(rows: list[dict]) -> None:
 
 
 def bench_sweep(rows: list[dict]) -> None:
-    saved = gemv_kernels.TILE_ELEMENTS
+    saved = gemv_kernels.TILE_BYTES
     try:
-        for tile in (4096, 8192, 16384, 32768):
-            gemv_kernels.TILE_ELEMENTS = tile
+        for tile in (8192, 16384, 32768, 65536):
+            gemv_kernels.TILE_BYTES = tile
             for name in SHAPES:
                 _, fused, nbytes = make_op(name)
                 us = graph_us(fused)
-                rows.append({"kind": "sweep", "name": name, "tile": tile, "gemv_us": us,
+                rows.append({"kind": "sweep", "name": name, "tile_bytes": tile, "gemv_us": us,
                              "tb_s": nbytes / us / 1e6})
     finally:
-        gemv_kernels.TILE_ELEMENTS = saved
+        gemv_kernels.TILE_BYTES = saved
 
 
 def main() -> None:

@@ -34,11 +34,14 @@ import triton.language as tl
 
 from liteinfer.kernels import supports_pdl
 
-# Weight elements a program loads (16 KiB in bf16; twice as many, the same bytes, in fp8). The
-# H200 sweep (scripts/bench_gemv.py) found 4k-32k within a few percent on every projection of
-# the 1B model.
-TILE_ELEMENTS = 8192
-ELEMENTS_PER_THREAD = 64  # wider rows (K past 8k, e.g. an 8B model's down) get more warps
+# Weight bytes a program loads: 8k bf16 or 16k e4m3 elements. The H200 sweeps (bench_gemv.py,
+# the 1B model in bf16; bench_fp8.py --sweep, the 8B in both) found 8-32 KiB within a few
+# percent on nearly every projection.
+TILE_BYTES = 16384
+# Weight bytes each thread holds, which sets the warps; wider rows (K past 8k, e.g. an 8B
+# model's down) get more. Per byte, not per element: e4m3 at the 64 elements per thread that
+# suit bf16 took 39.5 us on the 8B's gate/up against 33.2 at 128 (the same bytes as bf16's).
+BYTES_PER_THREAD = 128
 
 
 @triton.jit
@@ -107,10 +110,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     out = x.new_empty(1, n) if out is None else out
     assert out.shape == (1, n) and out.stride(-1) == 1
     block_k = triton.next_power_of_2(in_features)
-    tile_elements = TILE_ELEMENTS * (2 if weight_scale is not None else 1)
-    block_n = max(1, tile_elements // ((1 + gated) * block_k))
-    tile = (1 + gated) * block_n * block_k
-    num_warps = min(16, max(4, tile // (32 * ELEMENTS_PER_THREAD)))
+    itemsize = weight.element_size()
+    block_n = max(1, TILE_BYTES // (itemsize * (1 + gated) * block_k))
+    tile_bytes = itemsize * (1 + gated) * block_n * block_k
+    num_warps = min(16, max(4, tile_bytes // (32 * BYTES_PER_THREAD)))
     pdl = supports_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight_scale if weight_scale is not None else x, out,

@@ -66,6 +66,47 @@ def test_fp8_agrees_with_fp32(tiny_llama_dir, prompts, reference, kwargs):
     assert_agree(reference, outputs)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_fp8_passes_follow_the_triton_switch(tiny_llama_dir, monkeypatch, device):
+    """The FP8 layers' fused norm, SwiGLU and per-token quantization are Triton kernels exactly
+    when the model's unquantized norms are (LayerOps.triton: attention_backend=triton), on any
+    device: with the torch backend on CUDA none is launched. The kernels are stood in for by
+    the torch passes, which the CPU path checks, so both switches give the same numbers."""
+    import liteinfer.kernels.activation as activation
+    import liteinfer.kernels.norm as norm_kernels
+    import liteinfer.kernels.quant_fp8 as quant_fp8
+    from liteinfer.attention import get_backend
+    from liteinfer.layers.norm_act import rms_norm_torch, silu_and_mul_torch
+    from liteinfer.layers.quantization import Fp8Config, process_weights_after_loading
+    from liteinfer.layers.quantization.fp8 import quantize_per_token
+    from liteinfer.loader import load_model_source
+    from liteinfer.models.llama import LayerOps, LlamaForCausalLM
+    calls: list[str] = []
+    monkeypatch.setattr(norm_kernels, "rms_norm_fp8", lambda x, w, eps, static=None: (
+        calls.append("norm"), quantize_per_token(rms_norm_torch(x, w, eps), static))[1])
+    monkeypatch.setattr(activation, "silu_and_mul_fp8", lambda y: (
+        calls.append("silu"), quantize_per_token(silu_and_mul_torch(y)))[1])
+    monkeypatch.setattr(quant_fp8, "per_token_quant_fp8", lambda x, static=None: (
+        calls.append("quant"), quantize_per_token(x, static))[1])
+    cfg = load_model_source(str(tiny_llama_dir)).model_config
+    x = torch.randn(3, cfg.hidden_size, device=device)
+    outs = []
+    for triton in (False, True):
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, get_backend("torch"),
+                                     LayerOps(triton=triton, quant=Fp8Config()))
+        model.init_dummy_weights()
+        process_weights_after_loading(model)
+        layer = model.layers[0]
+        residual = x.clone()
+        layer.mlp(residual, layer.post_attention_layernorm)  # the norm + SwiGLU passes
+        layer.self_attn.o_proj.forward_add(x, residual)  # o_proj's quantization pass
+        outs.append(residual)
+        assert calls == (["norm", "silu", "quant"] if triton else [])
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 # Facts in the fp32 model's answers to README questions (tests/test_smollm2.py).
 FACTS = {"What is the capital of France?": ["Paris"],
          "Name three primary colors.": ["Red", "Blue", "Yellow"],

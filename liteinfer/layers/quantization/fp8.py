@@ -5,6 +5,8 @@ y = (x_q W_q^T) * s_x * s_w, where W_q holds each output row divided by its scal
 checkpoint's `input_scale`). The activation is quantized by the kernel that produces it: the
 RMSNorm in front of qkv and gate/up, the SwiGLU in front of down (kernels/norm.py,
 kernels/activation.py); only o_proj's input, the attention output, takes a pass of its own.
+Those are Triton kernels when the model's RMSNorm and SiluAndMul are (`use_triton`, from
+LayerOps.triton), else their torch versions followed by `quantize_per_token`.
 On CUDA the product is `torch._scaled_mm` (an FP8 GEMM with row-wise scales) and a one-token
 step the GEMV kernel, which streams the e4m3 weight and keeps the activation in the model dtype.
 Elsewhere (the CPU) the weight is dequantized once loaded, and each activation is quantized and
@@ -39,8 +41,8 @@ class Fp8Config:
     serialized: bool = False
     static_input: bool = False
 
-    def linear_method(self) -> LinearMethod:
-        return Fp8LinearMethod(self)
+    def linear_method(self, use_triton: bool) -> LinearMethod:
+        return Fp8LinearMethod(self, use_triton)
 
 
 class Fp8Activation(NamedTuple):
@@ -85,8 +87,9 @@ def fp8_matmul(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tenso
 
 
 class Fp8LinearMethod(LinearMethod):
-    def __init__(self, config: Fp8Config):
+    def __init__(self, config: Fp8Config, use_triton: bool):
         self.config = config
+        self.use_triton = use_triton  # Triton or torch norm, SwiGLU and quantization passes
         self.out_dtype = torch.get_default_dtype()  # the model dtype, as the layer is built
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
@@ -128,7 +131,7 @@ class Fp8LinearMethod(LinearMethod):
         return layer.input_scale if self.config.static_input else None
 
     def _quantize(self, layer: nn.Module, x: torch.Tensor) -> Fp8Activation:
-        if x.is_cuda:
+        if self.use_triton:
             from liteinfer.kernels.quant_fp8 import per_token_quant_fp8
             return Fp8Activation(*per_token_quant_fp8(x, self._input_scale(layer)))
         return quantize_per_token(x, self._input_scale(layer))
@@ -153,7 +156,7 @@ class Fp8LinearMethod(LinearMethod):
             return gemv(x, layer.weight, norm_weight=norm.weight, eps=norm.eps,
                         gated=act is not None, weight_scale=layer.weight_scale)
         static = self._input_scale(layer)
-        if x.is_cuda:
+        if self.use_triton:
             from liteinfer.kernels.norm import rms_norm_fp8
             xq = Fp8Activation(*rms_norm_fp8(x, norm.weight, norm.eps, static))
         else:
@@ -164,7 +167,7 @@ class Fp8LinearMethod(LinearMethod):
         if self.config.static_input:  # down_proj quantizes it over its own static scale
             return act(y)
         # Dynamic scales: the SwiGLU kernel quantizes its output for down_proj on its way out.
-        if y.is_cuda:
+        if self.use_triton:
             from liteinfer.kernels.activation import silu_and_mul_fp8
             return Fp8Activation(*silu_and_mul_fp8(y))
         return quantize_per_token(silu_and_mul_torch(y))

@@ -143,7 +143,7 @@ def test_scaled_mm_matches_float64(rows):
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     w, w_scale = quantize_weight(torch.randn(6144, 4096, device="cuda") * 0.02)
     xq = quantize_per_token(x)
-    y = fp8_matmul(xq, w, w_scale, torch.bfloat16)
+    y = fp8_matmul(xq, w, w_scale)
     ref = (xq.data.double() * xq.scale.double()) @ (w.double() * w_scale.double()[:, None]).T
     assert y.dtype == torch.bfloat16 and y.shape == ref.shape
     assert ((y.double() - ref).norm() / ref.norm()).item() < 5e-3
@@ -167,6 +167,22 @@ def test_fp8_agrees_with_bf16_on_cuda(tiny_llama_dir, prompts, kwargs):
     one = prompts[:1]
     assert_agree(reference.generate(one, GREEDY, use_tqdm=False),
                  llm.generate(one, GREEDY, use_tqdm=False), **bounds)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fp8_outside_bf16_on_cuda_dequantizes_at_load(tiny_llama_dir, prompts, reference, dtype):
+    """`_scaled_mm` with row-wise scales writes bf16 only, so in other model dtypes the e4m3
+    weights are dequantized once loaded (no call copies them), and the model still agrees with
+    the fp32 one (fp16 within the bf16 test's bounds)."""
+    llm = build_llm(str(tiny_llama_dir), dtype=dtype, device="cuda", max_model_len=256,
+                    quantization="fp8")
+    linears = [m for m in llm.engine.core.runner.model.modules() if hasattr(m, "weight_scale")]
+    assert linears and all(m.weight_scale is None and m.weight.dtype == getattr(torch, dtype)
+                           for m in linears)
+    bounds = {"margin": 0.1, "logprob_tol": 0.05} if dtype == "float16" else {}
+    assert_agree(reference, llm.generate(prompts, GREEDY, use_tqdm=False), **bounds)
 
 
 def test_fp8_kv_pool_holds_more_tokens(tiny_llama_dir):

@@ -7,9 +7,10 @@ RMSNorm in front of qkv and gate/up, the SwiGLU in front of down (kernels/norm.p
 kernels/activation.py); only o_proj's input, the attention output, takes a pass of its own.
 Those are Triton kernels when the model's RMSNorm and SiluAndMul are (`use_triton`, from
 LayerOps.triton), else their torch versions followed by `quantize_per_token`.
-On CUDA the product is `torch._scaled_mm` (an FP8 GEMM with row-wise scales) and a one-token
-step the GEMV kernel, which streams the e4m3 weight and keeps the activation in the model dtype.
-Elsewhere (the CPU) the weight is dequantized once loaded, and each activation is quantized and
+On CUDA in bf16 the product is `torch._scaled_mm` (an FP8 GEMM with row-wise scales) and a
+one-token step the GEMV kernel, which streams the e4m3 weight and keeps the activation in the
+model dtype. Elsewhere (the CPU, and CUDA in fp16 or fp32, which `_scaled_mm` with row-wise
+scales cannot write) the weight is dequantized once loaded, and each activation is quantized and
 dequantized per token before a plain matmul: the same operands the GPU multiplies, so CPU tests
 check the numbers it computes, at the speed of an unquantized model.
 
@@ -74,16 +75,12 @@ def dequantize(x: Fp8Activation, dtype: torch.dtype) -> torch.Tensor:
     return (x.data.float() * x.scale).to(dtype)
 
 
-def fp8_matmul(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    """(x.data weight^T) * x.scale * weight_scale as out_dtype, on CUDA. `torch._scaled_mm`
-    with row-wise scales writes bf16 only; other dtypes (GPU tests in fp32) multiply the e4m3
-    values in fp32."""
-    if out_dtype == torch.bfloat16:
-        return torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
-                                scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype)
-    y = x.data.float() @ weight.float().t()
-    return (y * x.scale * weight_scale.reshape(1, -1)).to(out_dtype)
+def fp8_matmul(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor
+               ) -> torch.Tensor:
+    """(x.data weight^T) * x.scale * weight_scale in bf16 (the only dtype `torch._scaled_mm`
+    writes with row-wise scales), on CUDA."""
+    return torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
+                            scale_b=weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
 
 
 class Fp8LinearMethod(LinearMethod):
@@ -122,7 +119,9 @@ class Fp8LinearMethod(LinearMethod):
             weight, scale = quantize_weight(layer.weight.data)
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        if not layer.weight.is_cuda:
+        # e4m3 stays only where fp8_matmul multiplies it (CUDA, bf16); anywhere else the weight
+        # is dequantized here, once, so that no call copies it.
+        if not (layer.weight.is_cuda and self.out_dtype == torch.bfloat16):
             deq = layer.weight.data.float() * layer.weight_scale.data[:, None]
             layer.weight = nn.Parameter(deq.to(self.out_dtype), requires_grad=False)
             layer.weight_scale = None
@@ -137,9 +136,9 @@ class Fp8LinearMethod(LinearMethod):
         return quantize_per_token(x, self._input_scale(layer))
 
     def _matmul(self, layer: nn.Module, x: Fp8Activation) -> torch.Tensor:
-        if layer.weight_scale is None:  # dequantized (off CUDA)
+        if layer.weight_scale is None:  # dequantized at load
             return nn.functional.linear(dequantize(x, self.out_dtype), layer.weight)
-        return fp8_matmul(x, layer.weight, layer.weight_scale, self.out_dtype)
+        return fp8_matmul(x, layer.weight, layer.weight_scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
               residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,21 +41,14 @@ class UnquantizedLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing to convert: the weight is used as loaded."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, residual=residual)
+    def gemm(self, layer: nn.Module, x: torch.Tensor,
+             residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:
             return nn.functional.linear(x, layer.weight)
         return residual.addmm_(x, layer.weight.t())
 
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
-                     act: SiluAndMul | None) -> torch.Tensor:
-        if layer.one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, norm_weight=norm.weight, eps=norm.eps,
-                        gated=act is not None)
+    def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
+                    act: SiluAndMul | None) -> torch.Tensor:
         y = nn.functional.linear(norm(x), layer.weight)
         return y if act is None else act(y)
 
@@ -84,9 +77,6 @@ class _ShardedLinear(nn.Module):
         self.offsets: dict[str | None, tuple[int, int]] = {None: (0, shape[0])}
         self.quant_method = linear_method(quant_config, use_triton)
         self.quant_method.create_weights(self, *shape)
-
-    def one_token(self, x: Any) -> bool:
-        return self.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] == 1
 
     def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[str | None, tuple[int, ...]]]:
         """The checkpoint tensors that fill param (a weight or bias) on all ranks together, as

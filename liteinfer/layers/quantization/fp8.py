@@ -140,20 +140,16 @@ class Fp8LinearMethod(LinearMethod):
             return nn.functional.linear(dequantize(x, self.out_dtype), layer.weight)
         return fp8_matmul(x, layer.weight, layer.weight_scale)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, weight_scale=layer.weight_scale, residual=residual)
+    def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:
+        return layer.weight_scale  # None once dequantized
+
+    def gemm(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
+             residual: torch.Tensor | None) -> torch.Tensor:
         y = self._matmul(layer, x if isinstance(x, Fp8Activation) else self._quantize(layer, x))
         return y if residual is None else residual.add_(y)
 
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
-                     act: SiluAndMul | None) -> torch.Tensor | Fp8Activation:
-        if layer.one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, norm_weight=norm.weight, eps=norm.eps,
-                        gated=act is not None, weight_scale=layer.weight_scale)
+    def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
+                    act: SiluAndMul | None) -> torch.Tensor | Fp8Activation:
         static = self._input_scale(layer)
         if self.use_triton:
             from liteinfer.kernels.norm import rms_norm_fp8

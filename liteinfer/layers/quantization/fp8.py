@@ -20,6 +20,7 @@ scales spread over their shard's rows.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -105,12 +106,11 @@ class Fp8LinearMethod(LinearMethod):
             layer.input_scale.weight_loader = _max_loader
 
     @staticmethod
-    def _scale_loader(layer: nn.Module):
+    def _scale_loader(layer: nn.Module) -> Callable[..., None]:
         def load(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-            rows = layer.offsets[shard][1] * (layer.tp_size if layer.dim == 0 else 1)
             loaded = loaded.float().reshape(-1)
-            if loaded.numel() == 1:  # per-tensor: the shard's rows share it
-                loaded = loaded.expand(rows)
+            if loaded.numel() == 1:  # per-tensor: the shard's checkpoint rows share it
+                loaded = loaded.expand(dict(layer.checkpoint_shapes(param))[shard])
             layer.weight_loader(param, loaded, shard)
         return load
 

@@ -178,14 +178,16 @@ def test_smollm2_fp8_answers_as_fp32(smollm2_path, kwargs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("rows", [2, 17, 32, 128, 300])
-def test_scaled_mm_matches_float64(rows):
+def test_scaled_mm_matches_float64(rows, static):
     """cuBLASLt's FP8 GEMM with row-wise scales (the path of every multi-row step) against
-    float64 over the same e4m3 operands, at row counts that are and are not multiples of 16."""
+    float64 over the same e4m3 operands, at row counts that are and are not multiples of 16,
+    with the activation quantized as the torch attention backend does (a static scale too)."""
     from liteinfer.layers.quantization.fp8 import fp8_matmul, quantize_per_token, quantize_weight
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     w, w_scale = quantize_weight(torch.randn(6144, 4096, device="cuda") * 0.02)
-    xq = quantize_per_token(x)
+    xq = quantize_per_token(x, x.abs().amax().float().reshape(1) / 448 if static else None)
     y = fp8_matmul(xq, w, w_scale)
     ref = (xq.data.double() * xq.scale.double()) @ (w.double() * w_scale.double()[:, None]).T
     assert y.dtype == torch.bfloat16 and y.shape == ref.shape

@@ -57,12 +57,12 @@ class Fp8Activation(NamedTuple):
 def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
                        ) -> Fp8Activation:
     """torch's version of kernels/quant_fp8.py: each row of x [T, K] over its own scale (or
-    static_scale, fp32 [1])."""
+    static_scale, fp32 [1]). The scales are contiguous, as `torch._scaled_mm` takes them."""
     xf = x.float()
     if static_scale is None:
         scale = xf.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
     else:
-        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return Fp8Activation((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale)
 
 

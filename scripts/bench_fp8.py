@@ -108,7 +108,7 @@ def projection_rows(rows: int) -> list[dict[str, Any]]:
                        for w, s in fp8]
         else:
             bf16_fns = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in bf16]
-            fp8_fns = [lambda w=w, s=s, xq=xq: fp8_matmul(xq, w, s, torch.bfloat16)
+            fp8_fns = [lambda w=w, s=s, xq=xq: fp8_matmul(xq, w, s)
                        for w, s in fp8]
         for dtype, fns, wbytes in (("bf16", bf16_fns, 2), ("fp8", fp8_fns, 1)):
             nbytes = n * k * wbytes + rows * (k + n) * 2

@@ -35,3 +35,19 @@ def test_features_that_do_not_split_are_refused():
         ColumnParallelLinear(6, 5, 0, 2)
     with pytest.raises(ValueError, match="5 input features do not split over 2 ranks"):
         RowParallelLinear(5, 6, 0, 2)
+
+
+def test_per_tensor_fp8_scales_cover_their_shards_rows_on_every_rank():
+    """A per-tensor `weight_scale` (compressed-tensors' FP8 preset) spreads over its shard's rows
+    of each rank's slice: the q, k and v scales of a fused projection, and a row-parallel one's
+    over all its rows."""
+    from liteinfer.layers.quantization import Fp8Config
+    serialized = Fp8Config(serialized=True)
+    for rank in range(2):
+        qkv = QKVParallelLinear(4, 2, 4, 2, rank, 2, quant_config=serialized)
+        for name, scale in (("q", 1.0), ("k", 2.0), ("v", 3.0)):
+            qkv.weight_scale.weight_loader(qkv.weight_scale, torch.tensor([scale]), name)
+        assert qkv.weight_scale.tolist() == [1.0] * 4 + [2.0] * 2 + [3.0] * 2
+        row = RowParallelLinear(6, 8, rank, 2, quant_config=serialized)
+        row.weight_scale.weight_loader(row.weight_scale, torch.tensor([5.0]))
+        assert row.weight_scale.tolist() == [5.0] * 8

@@ -12,7 +12,9 @@ inside the GEMM (cuBLAS with beta = 1), so no separate kernel adds the two.
 
 With `use_gemv`, a one-token input (a decode step of one sequence) goes through the fused GEMV
 kernel (kernels/gemv.py), which also absorbs the RMSNorm in front of a projection, the SwiGLU
-behind gate/up and the residual add behind an output projection.
+behind gate/up and the residual add behind an output projection. `use_triton` is the switch the
+model's RMSNorm and SiluAndMul take (LayerOps.triton); a quantized method runs its own
+activation passes (FP8: the fused norm, SwiGLU and quantization) by it.
 """
 from __future__ import annotations
 
@@ -39,27 +41,22 @@ class UnquantizedLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing to convert: the weight is used as loaded."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, residual=residual)
+    def gemm(self, layer: nn.Module, x: torch.Tensor,
+             residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:
             return nn.functional.linear(x, layer.weight)
         return residual.addmm_(x, layer.weight.t())
 
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
-                     act: SiluAndMul | None) -> torch.Tensor:
-        if layer.one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, norm_weight=norm.weight, eps=norm.eps,
-                        gated=act is not None)
+    def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
+                    act: SiluAndMul | None) -> torch.Tensor:
         y = nn.functional.linear(norm(x), layer.weight)
         return y if act is None else act(y)
 
 
-def linear_method(quant_config: QuantConfig | None) -> LinearMethod:
-    return UnquantizedLinearMethod() if quant_config is None else quant_config.linear_method()
+def linear_method(quant_config: QuantConfig | None, use_triton: bool) -> LinearMethod:
+    if quant_config is None:
+        return UnquantizedLinearMethod()
+    return quant_config.linear_method(use_triton)
 
 
 class _ShardedLinear(nn.Module):
@@ -67,7 +64,7 @@ class _ShardedLinear(nn.Module):
     1: input columns); each rank holds and loads its own slice."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int, tp_size: int,
-                 dim: int, use_gemv: bool, quant_config: QuantConfig | None):
+                 dim: int, use_gemv: bool, use_triton: bool, quant_config: QuantConfig | None):
         super().__init__()
         shape = [out_features, in_features]
         if shape[dim] % tp_size:
@@ -78,11 +75,8 @@ class _ShardedLinear(nn.Module):
         self.use_gemv = use_gemv
         # Checkpoint shard -> (first row, rows) of this rank's output rows.
         self.offsets: dict[str | None, tuple[int, int]] = {None: (0, shape[0])}
-        self.quant_method = linear_method(quant_config)
+        self.quant_method = linear_method(quant_config, use_triton)
         self.quant_method.create_weights(self, *shape)
-
-    def one_token(self, x: Any) -> bool:
-        return self.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] == 1
 
     def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[str | None, tuple[int, ...]]]:
         """The checkpoint tensors that fill param (a weight or bias) on all ranks together, as
@@ -117,9 +111,10 @@ class ColumnParallelLinear(_ShardedLinear):
     """y = x W^T with W's output rows split across tensor-parallel ranks."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
-                 use_gemv: bool = False, quant_config: QuantConfig | None = None,
-                 bias: bool = False):
-        super().__init__(in_features, out_features, tp_rank, tp_size, 0, use_gemv, quant_config)
+                 use_gemv: bool = False, use_triton: bool = False,
+                 quant_config: QuantConfig | None = None, bias: bool = False):
+        super().__init__(in_features, out_features, tp_rank, tp_size, 0, use_gemv, use_triton,
+                         quant_config)
         # Added after the projection, split like its rows (Qwen2's q/k/v biases; no layer that
         # an activation follows has one).
         self.bias = nn.Parameter(torch.empty(self.offsets[None][1])) if bias else None
@@ -144,10 +139,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input stacked into one matmul (gate and up)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], tp_rank: int = 0,
-                 tp_size: int = 1, use_gemv: bool = False,
+                 tp_size: int = 1, use_gemv: bool = False, use_triton: bool = False,
                  quant_config: QuantConfig | None = None, bias: bool = False):
         super().__init__(in_features, sum(shard_sizes.values()), tp_rank, tp_size, use_gemv,
-                         quant_config, bias)
+                         use_triton, quant_config, bias)
         start = 0
         for name, size in shard_sizes.items():
             self.offsets[name] = (start, size // tp_size)
@@ -157,20 +152,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  tp_rank: int = 0, tp_size: int = 1, use_gemv: bool = False,
-                 quant_config: QuantConfig | None = None, bias: bool = False):
+                 use_triton: bool = False, quant_config: QuantConfig | None = None,
+                 bias: bool = False):
         if num_kv_heads % tp_size:
             raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
         super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
                                        "v": num_kv_heads * head_dim}, tp_rank, tp_size,
-                         use_gemv, quant_config, bias)
+                         use_gemv, use_triton, quant_config, bias)
 
 
 class RowParallelLinear(_ShardedLinear):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1,
-                 use_gemv: bool = False, quant_config: QuantConfig | None = None):
-        super().__init__(in_features, out_features, tp_rank, tp_size, 1, use_gemv, quant_config)
+                 use_gemv: bool = False, use_triton: bool = False,
+                 quant_config: QuantConfig | None = None):
+        super().__init__(in_features, out_features, tp_rank, tp_size, 1, use_gemv, use_triton,
+                         quant_config)
 
     def forward_add(self, x: Any, residual: torch.Tensor) -> None:
         """residual += x W^T, in place (under tensor parallelism, the all-reduced sum)."""

@@ -10,7 +10,7 @@ the layers are nn.Embedding's lookup and the LM head GEMM (or GEMV, for one row)
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -95,9 +95,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
-
-    def one_token(self, x: Any) -> bool:
-        return self.use_gemv and x.shape[0] == 1
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the LM head computes logits (forward_normed), it does not embed")

@@ -24,9 +24,10 @@ from liteinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParal
 
 @dataclass(frozen=True)
 class LayerOps:
-    """Which kernels the layers run: `triton` for RMSNorm and SiLU-and-mul (else plain torch),
-    `gemv` for one-token projections with the norms and SwiGLU fused in (kernels/gemv.py),
-    `quant` for the decoder layers' linears (the LM head stays in the model dtype)."""
+    """Which kernels the layers run: `triton` for RMSNorm and SiLU-and-mul, and for the FP8
+    linears' norm, SwiGLU and quantization passes (else plain torch), `gemv` for one-token
+    projections with the norms and SwiGLU fused in (kernels/gemv.py), `quant` for the decoder
+    layers' linears (the LM head stays in the model dtype)."""
 
     triton: bool = False
     gemv: bool = False
@@ -43,9 +44,9 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv,
-                                          ops.quant, bias=cfg.qkv_bias)
+                                          ops.triton, ops.quant, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        tp_rank, tp_size, ops.gemv, ops.quant)
+                                        tp_rank, tp_size, ops.gemv, ops.triton, ops.quant)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton)
@@ -77,9 +78,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": size, "up": size},
-                                                       tp_rank, tp_size, ops.gemv, ops.quant)
+                                                       tp_rank, tp_size, ops.gemv, ops.triton,
+                                                       ops.quant)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv,
-                                           ops.quant)
+                                           ops.triton, ops.quant)
         self.act = SiluAndMul(ops.triton)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:

@@ -72,7 +72,8 @@ def test_silu_and_mul_fp8(device, full, needs_fp8_store, dtype):
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_per_token_quantization(dtype, static):
-    """The CPU path's quantization (layers/quantization/fp8.py), to the same rule."""
+    """The torch path's quantization (layers/quantization/fp8.py: the CPU's, and CUDA's with the
+    torch attention backend), to the same rule, its scales contiguous for `_scaled_mm`."""
     from liteinfer.layers.quantization.fp8 import quantize_per_token
     torch.manual_seed(0)
     x = torch.randn(7, 300, dtype=dtype) * 3
@@ -80,4 +81,5 @@ def test_torch_per_token_quantization(dtype, static):
     x[4, 5] = 1e4 if static else 0  # clamped at +448 with the static scale
     scale_in = torch.tensor([0.01]) if static else None
     q = quantize_per_token(x, scale_in)
+    assert q.scale.is_contiguous()
     _check_quantized(q.data, q.scale, x.double(), scale_in)

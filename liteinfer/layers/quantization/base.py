@@ -14,10 +14,14 @@ if TYPE_CHECKING:
 class LinearMethod(ABC):
     """Creates a linear layer's parameters and computes y = x W^T with them.
 
-    `layer` is the linear module (layers/linear.py): it owns the parameters this method
-    registers, `use_gemv`, and `weight_loader` for checkpoint tensors. A layer's input may be
-    what the method's `apply_normed` returned for the layer before (an FP8 method hands an
-    already-quantized activation from gate/up to down)."""
+    `layer` is the linear module (layers/linear.py) or the LM head: it owns the parameters this
+    method registers (`weight` among them), `use_gemv`, and `weight_loader` for checkpoint
+    tensors. A layer's input may be what the method's `apply_normed` returned for the layer
+    before (an FP8 method hands an already-quantized activation from gate/up to down).
+
+    A one-row tensor into a `use_gemv` layer (a decode step of one sequence) goes through the GEMV
+    kernel, with the norm, SwiGLU or residual add fused in, whatever the method; every other
+    input through the method's `gemm` / `gemm_normed`."""
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
@@ -27,12 +31,40 @@ class LinearMethod(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turns the loaded (or dummy-initialized) parameters into the form `apply` reads."""
 
-    @abstractmethod
+    def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:
+        """fp32 scales, one per row, of an e4m3 `weight`; None: the weight is in the model
+        dtype."""
+        return None
+
     def apply(self, layer: nn.Module, x: Any,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T; with residual, adds it to residual in place and returns residual."""
+        if _one_token(layer, x):
+            from liteinfer.kernels.gemv import gemv
+            return gemv(x, layer.weight, weight_scale=self.gemv_weight_scale(layer),
+                        residual=residual)
+        return self.gemm(layer, x, residual)
 
-    @abstractmethod
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                      act: SiluAndMul | None) -> Any:
         """act(norm(x) W^T), in the form the next layer's `apply` takes."""
+        if _one_token(layer, x):
+            from liteinfer.kernels.gemv import gemv
+            return gemv(x, layer.weight, norm_weight=norm.weight, eps=norm.eps,
+                        gated=act is not None, weight_scale=self.gemv_weight_scale(layer))
+        return self.gemm_normed(layer, x, norm, act)
+
+    @abstractmethod
+    def gemm(self, layer: nn.Module, x: Any, residual: torch.Tensor | None) -> torch.Tensor:
+        """`apply` of an input the GEMV kernel does not take."""
+
+    @abstractmethod
+    def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
+                    act: SiluAndMul | None) -> Any:
+        """`apply_normed` of an input the GEMV kernel does not take."""
+
+
+def _one_token(layer: nn.Module, x: Any) -> bool:
+    """x is one row for the GEMV kernel; an Fp8Activation (a multi-row gate/up's output) never
+    is."""
+    return layer.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] == 1

@@ -5,9 +5,12 @@ y = (x_q W_q^T) * s_x * s_w, where W_q holds each output row divided by its scal
 checkpoint's `input_scale`). The activation is quantized by the kernel that produces it: the
 RMSNorm in front of qkv and gate/up, the SwiGLU in front of down (kernels/norm.py,
 kernels/activation.py); only o_proj's input, the attention output, takes a pass of its own.
-On CUDA the product is `torch._scaled_mm` (an FP8 GEMM with row-wise scales) and a one-token
-step the GEMV kernel, which streams the e4m3 weight and keeps the activation in the model dtype.
-Elsewhere (the CPU) the weight is dequantized once loaded, and each activation is quantized and
+Those are Triton kernels when the model's RMSNorm and SiluAndMul are (`use_triton`, from
+LayerOps.triton), else their torch versions followed by `quantize_per_token`.
+On CUDA in bf16 the product is `torch._scaled_mm` (an FP8 GEMM with row-wise scales) and a
+one-token step the GEMV kernel, which streams the e4m3 weight and keeps the activation in the
+model dtype. Elsewhere (the CPU, and CUDA in fp16 or fp32, which `_scaled_mm` with row-wise
+scales cannot write) the weight is dequantized once loaded, and each activation is quantized and
 dequantized per token before a plain matmul: the same operands the GPU multiplies, so CPU tests
 check the numbers it computes, at the speed of an unquantized model.
 
@@ -17,6 +20,7 @@ scales spread over their shard's rows.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -39,8 +43,8 @@ class Fp8Config:
     serialized: bool = False
     static_input: bool = False
 
-    def linear_method(self) -> LinearMethod:
-        return Fp8LinearMethod(self)
+    def linear_method(self, use_triton: bool) -> LinearMethod:
+        return Fp8LinearMethod(self, use_triton)
 
 
 class Fp8Activation(NamedTuple):
@@ -53,12 +57,12 @@ class Fp8Activation(NamedTuple):
 def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
                        ) -> Fp8Activation:
     """torch's version of kernels/quant_fp8.py: each row of x [T, K] over its own scale (or
-    static_scale, fp32 [1])."""
+    static_scale, fp32 [1]). The scales are contiguous, as `torch._scaled_mm` takes them."""
     xf = x.float()
     if static_scale is None:
         scale = xf.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX) / FP8_MAX
     else:
-        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return Fp8Activation((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale)
 
 
@@ -72,21 +76,18 @@ def dequantize(x: Fp8Activation, dtype: torch.dtype) -> torch.Tensor:
     return (x.data.float() * x.scale).to(dtype)
 
 
-def fp8_matmul(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    """(x.data weight^T) * x.scale * weight_scale as out_dtype, on CUDA. `torch._scaled_mm`
-    with row-wise scales writes bf16 only; other dtypes (GPU tests in fp32) multiply the e4m3
-    values in fp32."""
-    if out_dtype == torch.bfloat16:
-        return torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
-                                scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype)
-    y = x.data.float() @ weight.float().t()
-    return (y * x.scale * weight_scale.reshape(1, -1)).to(out_dtype)
+def fp8_matmul(x: Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor
+               ) -> torch.Tensor:
+    """(x.data weight^T) * x.scale * weight_scale in bf16 (the only dtype `torch._scaled_mm`
+    writes with row-wise scales), on CUDA."""
+    return torch._scaled_mm(x.data, weight.t(), scale_a=x.scale,
+                            scale_b=weight_scale.reshape(1, -1), out_dtype=torch.bfloat16)
 
 
 class Fp8LinearMethod(LinearMethod):
-    def __init__(self, config: Fp8Config):
+    def __init__(self, config: Fp8Config, use_triton: bool):
         self.config = config
+        self.use_triton = use_triton  # Triton or torch norm, SwiGLU and quantization passes
         self.out_dtype = torch.get_default_dtype()  # the model dtype, as the layer is built
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
@@ -105,12 +106,11 @@ class Fp8LinearMethod(LinearMethod):
             layer.input_scale.weight_loader = _max_loader
 
     @staticmethod
-    def _scale_loader(layer: nn.Module):
+    def _scale_loader(layer: nn.Module) -> Callable[..., None]:
         def load(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-            rows = layer.offsets[shard][1] * (layer.tp_size if layer.dim == 0 else 1)
             loaded = loaded.float().reshape(-1)
-            if loaded.numel() == 1:  # per-tensor: the shard's rows share it
-                loaded = loaded.expand(rows)
+            if loaded.numel() == 1:  # per-tensor: the shard's checkpoint rows share it
+                loaded = loaded.expand(dict(layer.checkpoint_shapes(param))[shard])
             layer.weight_loader(param, loaded, shard)
         return load
 
@@ -119,7 +119,9 @@ class Fp8LinearMethod(LinearMethod):
             weight, scale = quantize_weight(layer.weight.data)
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        if not layer.weight.is_cuda:
+        # e4m3 stays only where fp8_matmul multiplies it (CUDA, bf16); anywhere else the weight
+        # is dequantized here, once, so that no call copies it.
+        if not (layer.weight.is_cuda and self.out_dtype == torch.bfloat16):
             deq = layer.weight.data.float() * layer.weight_scale.data[:, None]
             layer.weight = nn.Parameter(deq.to(self.out_dtype), requires_grad=False)
             layer.weight_scale = None
@@ -128,32 +130,28 @@ class Fp8LinearMethod(LinearMethod):
         return layer.input_scale if self.config.static_input else None
 
     def _quantize(self, layer: nn.Module, x: torch.Tensor) -> Fp8Activation:
-        if x.is_cuda:
+        if self.use_triton:
             from liteinfer.kernels.quant_fp8 import per_token_quant_fp8
             return Fp8Activation(*per_token_quant_fp8(x, self._input_scale(layer)))
         return quantize_per_token(x, self._input_scale(layer))
 
     def _matmul(self, layer: nn.Module, x: Fp8Activation) -> torch.Tensor:
-        if layer.weight_scale is None:  # dequantized (off CUDA)
+        if layer.weight_scale is None:  # dequantized at load
             return nn.functional.linear(dequantize(x, self.out_dtype), layer.weight)
-        return fp8_matmul(x, layer.weight, layer.weight_scale, self.out_dtype)
+        return fp8_matmul(x, layer.weight, layer.weight_scale)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, weight_scale=layer.weight_scale, residual=residual)
+    def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:
+        return layer.weight_scale  # None once dequantized
+
+    def gemm(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
+             residual: torch.Tensor | None) -> torch.Tensor:
         y = self._matmul(layer, x if isinstance(x, Fp8Activation) else self._quantize(layer, x))
         return y if residual is None else residual.add_(y)
 
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
-                     act: SiluAndMul | None) -> torch.Tensor | Fp8Activation:
-        if layer.one_token(x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, norm_weight=norm.weight, eps=norm.eps,
-                        gated=act is not None, weight_scale=layer.weight_scale)
+    def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
+                    act: SiluAndMul | None) -> torch.Tensor | Fp8Activation:
         static = self._input_scale(layer)
-        if x.is_cuda:
+        if self.use_triton:
             from liteinfer.kernels.norm import rms_norm_fp8
             xq = Fp8Activation(*rms_norm_fp8(x, norm.weight, norm.eps, static))
         else:
@@ -164,7 +162,7 @@ class Fp8LinearMethod(LinearMethod):
         if self.config.static_input:  # down_proj quantizes it over its own static scale
             return act(y)
         # Dynamic scales: the SwiGLU kernel quantizes its output for down_proj on its way out.
-        if y.is_cuda:
+        if self.use_triton:
             from liteinfer.kernels.activation import silu_and_mul_fp8
             return Fp8Activation(*silu_and_mul_fp8(y))
         return quantize_per_token(silu_and_mul_torch(y))

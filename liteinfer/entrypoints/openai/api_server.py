@@ -570,10 +570,18 @@ def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
         run_api_servers(model, host, port, name, load_format, args, overrides, **engine_args)
         return
     engine = AsyncLLM.from_args(model, load_format, args.max_waiting_requests, **engine_args)
+    serve_engine(engine, name, args, overrides, host, port)
+
+
+def serve_engine(engine: AsyncLLM, name: str, args: ServerArgs, overrides: ModelOverrides,
+                 host: str, port: int, sockets: list[socket.socket] | None = None,
+                 ignored_signals: frozenset[int] = frozenset()) -> None:
+    """Serves `engine` until shut down (on `sockets` when given, else it binds host:port),
+    then shuts it down; a dead engine is the process's error."""
     overrides.apply(engine)
     try:
         app = build_app(engine, name, args)
-        Server(app, uvicorn_config(app, host, port)).run()
+        Server(app, uvicorn_config(app, host, port), ignored_signals).run(sockets)
     finally:
         engine.shutdown()
     if engine.dead is not None:
@@ -609,16 +617,8 @@ def run_api_server_process(model: str, config: EngineConfig, core: CoreHandle,
     """An API-server process: front end `client_index` of the core, serving on `sock`."""
     engine = AsyncLLM(model, config, core, load_format, client_index,
                       -(-args.max_waiting_requests // args.api_server_count))
-    overrides.apply(engine)
-    try:
-        app = build_app(engine, name, args)
-        host, port = sock.getsockname()[:2]
-        Server(app, uvicorn_config(app, host, port),
-               ignored_signals=frozenset({signal.SIGINT})).run([sock])
-    finally:
-        engine.shutdown()
-    if engine.dead is not None:
-        raise SystemExit(f"error: {engine.dead}")
+    host, port = sock.getsockname()[:2]
+    serve_engine(engine, name, args, overrides, host, port, [sock], frozenset({signal.SIGINT}))
 
 
 def run_api_servers(model: str, host: str, port: int, name: str, load_format: str,

@@ -216,10 +216,6 @@ class ToolCalls:
         self._streams: dict[int, ToolParser] = {}
         self._forced_text: dict[int, str] = {}
 
-    @property
-    def active(self) -> bool:
-        return self.forced or self._parser is not None
-
     def final(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a whole choice."""
         if self.forced:
@@ -248,6 +244,8 @@ class ToolCalls:
             if not calls:
                 return {"content": text}, False
             return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, True
+        if self._parser is None:
+            return {"content": text} if text else {}, False
         parser = self._streams.get(choice)
         if parser is None:
             parser = self._streams[choice] = self._parser()

@@ -13,12 +13,14 @@ from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest
 from liteinfer.entrypoints.openai.structured import (
     NamedToolChoice,
     Tool,
+    ToolCalls,
     forced_tool_calls,
     forced_tool_schema,
 )
 from liteinfer.structured_output import StructuredOutputsParams
 from liteinfer.structured_output.backend import XgrammarBackend
 from test_structured_output import Color, Point
+from test_tool_parsers import calls_of
 
 # Llama 3.1's way of rendering tools and tool turns, cut down.
 TOOLS_TEMPLATE = (
@@ -118,3 +120,19 @@ def test_tool_turns_render_through_the_template(tiny_llm):
     assert text.startswith("TOOLS:trip(") and ";point(" in text
     assert text.endswith("|user: Weather in Paris?|assistant: CALL get_weather Paris|"
                          "tool: RESULT call-1 sunny|assistant:")
+
+
+def test_streamed_forced_calls_go_out_whole_at_the_end():
+    """A forced call's stream holds its text back and, once the choice finishes, sends the
+    calls its whole output (the cumulative text) holds, or that text as content when it was
+    cut off."""
+    tools = ToolCalls(TOOLS, "required", None)
+    text = json.dumps([{"name": "point", "parameters": {"x": 1, "y": 2}}])
+    ends = list(range(4, len(text), 4)) + [len(text)]
+    deltas = [tools.delta(0, text[max(end - 4, 0):end], text[:end], end == len(text))
+              for end in ends]
+    assert all(d == ({}, False) for d in deltas[:-1])
+    delta, sent = deltas[-1]
+    assert sent and [c["index"] for c in delta["tool_calls"]] == [0]
+    assert calls_of(delta["tool_calls"]) == [("point", {"x": 1, "y": 2})]
+    assert tools.delta(1, text[8:12], text[:12], True) == ({"content": text[:12]}, False)

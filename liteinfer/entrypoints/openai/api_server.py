@@ -341,7 +341,8 @@ class ChoiceRenderer:
         if self.tools is None:
             return self._completion(out, out.new_text, out.new_token_ids, entries,
                                     first=len(c.token_ids) == n)
-        delta, calls = self.tools.delta(choice_index(out), out.new_text, out.finished)
+        delta, calls = self.tools.delta(choice_index(out), out.new_text, c.text,
+                                       out.finished)
         return self._chat(self.tools, out, "delta", delta, calls, out.new_token_ids, entries)
 
     def _chat(self, tools: ToolCalls, out: RequestOutput, key: str, body: Chunk, calls: bool,

@@ -213,10 +213,10 @@ class OpenAIServing:
         # A chat template renders in the pool; completion prompts are ready.
         rendered = await self._in_pool(prompts) if callable(prompts) else prompts
         try:
+            choices = body.sampling_params(self.defaults, max_tokens, logprobs)
             # Choice i of n for prompt p is request p * n + i, and the response's choice index.
-            requests = [(f"{response_id}-{p * body.n + i}", prompt,
-                         body.sampling_params(self.defaults, max_tokens, logprobs, i))
-                        for p, prompt in enumerate(rendered) for i in range(body.n)]
+            requests = [(f"{response_id}-{p * body.n + i}", prompt, params)
+                        for p, prompt in enumerate(rendered) for i, params in enumerate(choices)]
             stream = await self.engine.add_requests(
                 requests, self.args.max_prompt_tokens_per_request)
         except (ValueError, TypeError, UnicodeError) as e:

@@ -9,16 +9,19 @@ import pytest
 import xgrammar as xgr
 from pydantic import BaseModel
 
+from liteinfer.engine import processor as processor_module
 from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest
 from liteinfer.entrypoints.openai.structured import (
     NamedToolChoice,
     Tool,
+    ToolCalls,
     forced_tool_calls,
     forced_tool_schema,
 )
 from liteinfer.structured_output import StructuredOutputsParams
 from liteinfer.structured_output.backend import XgrammarBackend
 from test_structured_output import Color, Point
+from test_tool_parsers import calls_of
 
 # Llama 3.1's way of rendering tools and tool turns, cut down.
 TOOLS_TEMPLATE = (
@@ -118,3 +121,40 @@ def test_tool_turns_render_through_the_template(tiny_llm):
     assert text.startswith("TOOLS:trip(") and ";point(" in text
     assert text.endswith("|user: Weather in Paris?|assistant: CALL get_weather Paris|"
                          "tool: RESULT call-1 sunny|assistant:")
+
+
+def test_streamed_forced_calls_go_out_whole_at_the_end():
+    """A forced call's stream holds its text back and, once the choice finishes, sends the
+    calls its whole output (the cumulative text) holds, or that text as content when it was
+    cut off."""
+    tools = ToolCalls(TOOLS, "required", None)
+    text = json.dumps([{"name": "point", "parameters": {"x": 1, "y": 2}}])
+    ends = list(range(4, len(text), 4)) + [len(text)]
+    deltas = [tools.delta(0, text[max(end - 4, 0):end], text[:end], end == len(text))
+              for end in ends]
+    assert all(d == ({}, False) for d in deltas[:-1])
+    delta, sent = deltas[-1]
+    assert sent and [c["index"] for c in delta["tool_calls"]] == [0]
+    assert calls_of(delta["tool_calls"]) == [("point", {"x": 1, "y": 2})]
+    assert tools.delta(1, text[8:12], text[:12], True) == ({"content": text[:12]}, False)
+
+
+def test_choices_share_one_constraint_parsed_once(tiny_llm, monkeypatch):
+    """A request's n choices share the one constraint built from its fields, and the front end
+    parses its grammar (to refuse a bad one) once for them all."""
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 5,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "p", "schema": Point.model_json_schema()}}})
+    choices = body.sampling_params({}, 20, None)
+    constraint = choices[0].structured_outputs
+    assert [p.seed for p in choices] == [5, 6, 7] and constraint is not None
+    assert all(p.structured_outputs is constraint for p in choices)
+    parsed = []
+    build_grammar = processor_module.build_grammar
+    monkeypatch.setattr(processor_module, "build_grammar",
+                        lambda c: parsed.append(c) or build_grammar(c))
+    requests = tiny_llm.engine.processor.process(
+        [(f"r{i}", [1, 2, 3], p) for i, p in enumerate(choices)])
+    assert [r.sampling_params.seed for r in requests] == [5, 6, 7]
+    assert parsed == [constraint]

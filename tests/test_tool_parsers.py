@@ -11,6 +11,7 @@ from liteinfer.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    json_calls,
 )
 
 WEATHER = '{"name": "get_current_weather", "parameters": {"location": "San Francisco, CA", ' \
@@ -141,3 +142,27 @@ def test_hermes_malformed_calls_stay_text(text):
             assert content == text
         else:  # the complete call was sent before the remark came
             assert text.startswith(QWEN_CALL) and content == text[len(QWEN_CALL):]
+
+
+@pytest.mark.parametrize("parser_cls, layout", [
+    (Llama3JsonToolParser, "{}"), (HermesToolParser, "<tool_call>\n{}\n</tool_call>")])
+def test_long_argument_is_read_once(parser_cls, layout, monkeypatch):
+    """A call with a long argument, streamed a few characters at a time, is decoded once, when
+    it closes (not again on every piece), and its deltas' arguments concatenate to its
+    arguments."""
+    decoded = []
+
+    class CountingDecoder(json.JSONDecoder):
+        def raw_decode(self, s, idx=0):
+            decoded.append(idx)
+            return super().raw_decode(s, idx)
+
+    monkeypatch.setattr(json_calls, "_DECODER", CountingDecoder())
+    arguments = {"text": 'a "quoted" {brace} [list] \\ end; ' * 1000, "n": 1}
+    text = layout.format(json.dumps({"name": "write", "arguments": arguments}))
+    content, calls, saw = stream(text, 3, parser_cls)
+    assert content == "" and saw and len(decoded) == 1
+    streamed: dict[int, str] = {}
+    for c in calls:
+        streamed[c["index"]] = streamed.get(c["index"], "") + c["function"]["arguments"]
+    assert list(streamed) == [0] and json.loads(streamed[0]) == arguments

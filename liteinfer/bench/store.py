@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Callable, Hashable
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -145,11 +146,12 @@ def row_key(row: Row) -> tuple[str, str, str, str, int, int]:
     return row["model"], row["config"], row["kind"], str(row["isl"]), row["osl"], row["width"]
 
 
-def latest(rows: list[Row]) -> list[Row]:
-    """The newest row per (model, config, kind, shape, width)."""
-    best: dict[tuple[Any, ...], Row] = {}
+def latest(rows: list[Row], key: Callable[[Row], Hashable] = row_key) -> list[Row]:
+    """The newest row per `key` (by default what a row measures: `row_key`); of rows as new,
+    the last."""
+    best: dict[Hashable, Row] = {}
     for row in rows:
-        k = row_key(row)
+        k = key(row)
         if k not in best or row["timestamp"] >= best[k]["timestamp"]:
             best[k] = row
     return list(best.values())

@@ -157,14 +157,10 @@ def serving_tables(rows: list[Row], model: str) -> list[ServingTable]:
     """The newest serve row per (engine, config, shape, load) of `model`, a table per shape;
     liteinfer rows scored against vLLM serve's tok/s of the same run."""
     rows = [r for r in rows if r["kind"] == SERVE and r.get("model") == model]
-    newest: dict[tuple[Any, ...], Row] = {}
-    for r in rows:
-        k = serve_key(r)
-        if k not in newest or r["timestamp"] >= newest[k]["timestamp"]:
-            newest[k] = r
+    newest = latest(rows, serve_key)
     tables = []
-    for shape in sorted({shape_of(r) for r in newest.values()}, key=lambda s: s.sort_key):
-        of_shape = sorted((r for r in newest.values() if shape_of(r) == shape),
+    for shape in sorted({shape_of(r) for r in newest}, key=lambda s: s.sort_key):
+        of_shape = sorted((r for r in newest if shape_of(r) == shape),
                           key=lambda r: (r["width"], r.get("request_rate") or 0,
                                          r["engine"] != LITEINFER, r["config"]))
         lines = []

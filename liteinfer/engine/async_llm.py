@@ -231,8 +231,7 @@ class AsyncLLM:
         arrival = time.perf_counter()
 
         def process() -> list[EngineCoreRequest]:
-            processed = [self.processor.process(rid, prompt, params, arrival)
-                         for rid, prompt, params in requests]
+            processed = self.processor.process(requests, arrival)
             total = sum(len(r.prompt_token_ids) for r in processed)
             if max_prompt_tokens is not None and total > max_prompt_tokens:
                 raise ValueError(f"the request's prompts hold {total} tokens, more than the "

@@ -29,7 +29,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Validates and queues a request; a ValueError leaves the engine as it was."""
-        request = self.processor.process(request_id, prompt, params, arrival_time)
+        [request] = self.processor.process([(request_id, prompt, params)], arrival_time)
         self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
         try:
             self.core.add_request(request)

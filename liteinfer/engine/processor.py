@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from liteinfer.config import ModelConfig
@@ -78,10 +78,18 @@ class InputProcessor:
         if bad:
             raise ValueError(f"{what}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                arrival_time: float | None = None) -> EngineCoreRequest:
-        """The request as the core takes it, with max_tokens resolved in a copy of `params`
-        (the caller's object is never changed). ValueError for anything that cannot run."""
+    def process(self, requests: Sequence[tuple[str, str | list[int], SamplingParams]],
+                arrival_time: float | None = None) -> list[EngineCoreRequest]:
+        """The (request id, prompt, params) requests as the core takes them, each with
+        max_tokens resolved in a copy of its params (the caller's objects are never changed).
+        ValueError for anything that cannot run. A constraint several of them share (the
+        choices of one API request) has its grammar parsed once."""
+        checked: set[int] = set()  # the ids of the constraints parsed (all alive in `requests`)
+        return [self._process(rid, prompt, params, arrival_time, checked)
+                for rid, prompt, params in requests]
+
+    def _process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 arrival_time: float | None, checked: set[int]) -> EngineCoreRequest:
         params.validate()
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -93,10 +101,13 @@ class InputProcessor:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size "
                                  f"{vocab}")
         self.check_token_ids(params.logit_bias or (), "logit_bias")
-        if params.structured_outputs is not None:
+        constraint = params.structured_outputs
+        if constraint is not None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer")
-            build_grammar(params.structured_outputs)  # the parser's message if it is invalid
+            if id(constraint) not in checked:
+                build_grammar(constraint)  # the parser's message if it is invalid
+                checked.add(id(constraint))
         n = len(token_ids)
         if n >= self.max_model_len:
             raise ValueError(f"prompt of {n} tokens leaves no room in "

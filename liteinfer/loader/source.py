@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+import liteinfer.loader.hf as hf
+import liteinfer.loader.hub as hub
 from liteinfer.config import ModelConfig
-from liteinfer.loader import hf, hub
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SMOLLM2_NAME = "smollm2-135m-instruct"
@@ -93,7 +94,7 @@ def _validated(cfg: dict[str, Any], origin: object) -> dict[str, Any]:
 
 def _gguf_support() -> ModuleType:
     try:
-        from liteinfer.loader import gguf_file
+        import liteinfer.loader.gguf_file as gguf_file
     except ModuleNotFoundError as e:
         if e.name != "gguf":
             raise

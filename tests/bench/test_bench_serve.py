@@ -214,7 +214,9 @@ def test_serving_table_compares_with_vllm_serve_of_the_same_run():
     rows = [serve_row("liteinfer", "a", 32, 30_000.0), serve_row("vllm", "a", 32, 20_000.0),
             serve_row("liteinfer", "a", 128, 50_000.0),
             # vLLM at 128 streams only in another run: no ratio for liteinfer's row of run a.
-            serve_row("vllm", "b", 128, 25_000.0)]
+            serve_row("vllm", "b", 128, 25_000.0),
+            # An older measurement of the same load gives way to the newest.
+            serve_row("liteinfer", "a", 32, 10_000.0, timestamp="2026-11-01T00:00:00+00:00")]
     (table,) = build_page(rows, "m").serving
     ratios = {(line.row["engine"], line.row["width"]): line.vs_vllm for line in table.lines}
     assert ratios == {("liteinfer", 32): pytest.approx(1.5), ("vllm", 32): None,

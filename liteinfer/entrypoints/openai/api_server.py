@@ -213,10 +213,10 @@ class OpenAIServing:
         # A chat template renders in the pool; completion prompts are ready.
         rendered = await self._in_pool(prompts) if callable(prompts) else prompts
         try:
+            choices = body.sampling_params(self.defaults, max_tokens, logprobs)
             # Choice i of n for prompt p is request p * n + i, and the response's choice index.
-            requests = [(f"{response_id}-{p * body.n + i}", prompt,
-                         body.sampling_params(self.defaults, max_tokens, logprobs, i))
-                        for p, prompt in enumerate(rendered) for i in range(body.n)]
+            requests = [(f"{response_id}-{p * body.n + i}", prompt, params)
+                        for p, prompt in enumerate(rendered) for i, params in enumerate(choices)]
             stream = await self.engine.add_requests(
                 requests, self.args.max_prompt_tokens_per_request)
         except (ValueError, TypeError, UnicodeError) as e:
@@ -226,9 +226,8 @@ class OpenAIServing:
         except EngineError as e:
             raise RequestError(503, str(e)) from None
         meta = {"id": response_id, "created": int(time.time()), "model": self.model_name}
-        render = ChoiceRenderer(self.tokenizer, kind == "chat.completion", logprobs,
-                                echo=getattr(body, "echo", False),
-                                tools=tools if tools is not None and tools.active else None)
+        render = ChoiceRenderer(self.tokenizer, logprobs, echo=getattr(body, "echo", False),
+                                tools=tools)
         if body.stream:
             return StreamingResponse(self._events(stream, render, meta, kind, body),
                                      media_type="text/event-stream")
@@ -316,48 +315,43 @@ def usage(outs: list[RequestOutput], n: int) -> dict[str, Any]:
 
 
 class ChoiceRenderer:
-    """A choice of either endpoint, whole or as a streamed delta, with its logprobs. With echo
-    (completions), the prompt and its tokens' logprobs come first (in a stream's first chunk of
-    each choice)."""
+    """A choice of either endpoint, whole or as a streamed delta, with its logprobs. A chat
+    choice's text goes through `tools` (None for completions). With echo (completions), the
+    prompt and its tokens' logprobs come first (in a stream's first chunk of each choice)."""
 
-    def __init__(self, tokenizer: Any, chat: bool, logprobs: int | None, echo: bool = False,
+    def __init__(self, tokenizer: Any, logprobs: int | None, echo: bool = False,
                  tools: ToolCalls | None = None):
-        self.tokenizer, self.chat, self.logprobs, self.echo = tokenizer, chat, logprobs, echo
-        self.tools = tools  # chat choices that may hold tool calls
+        self.tokenizer, self.logprobs, self.echo, self.tools = tokenizer, logprobs, echo, tools
+        self.chat = tools is not None
 
     def final(self, out: RequestOutput) -> Chunk:
         c = out.outputs[0]
-        if self.chat and self.tools is not None:
-            content, calls = self.tools.final(c.text)
-            message: Chunk = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-            return {"index": choice_index(out), "message": message,
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                    "finish_reason": self.tools.finish_reason(bool(calls), finish_reason(out))}
-        if self.chat:
-            return {"index": choice_index(out), "message": {"role": "assistant",
-                                                            "content": c.text},
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                    "finish_reason": finish_reason(out)}
-        return self._completion(out, c.text, c.token_ids, c.logprobs, first=True)
+        if self.tools is None:
+            return self._completion(out, c.text, c.token_ids, c.logprobs, first=True)
+        content, calls = self.tools.final(c.text)
+        message: Chunk = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return self._chat(self.tools, out, "message", message, bool(calls), c.token_ids,
+                          c.logprobs)
 
     def delta(self, out: RequestOutput) -> Chunk:
         c, n = out.outputs[0], len(out.new_token_ids)
         entries = c.logprobs[len(c.logprobs) - n:] if c.logprobs is not None else None
-        if not self.chat:
+        if self.tools is None:
             return self._completion(out, out.new_text, out.new_token_ids, entries,
                                     first=len(c.token_ids) == n)
-        if self.tools is not None:
-            delta, calls = self.tools.delta(choice_index(out), out.new_text, out.finished)
-            reason = finish_reason(out)
-            return {"index": choice_index(out), "delta": delta,
-                    "logprobs": self._logprobs(out.new_token_ids, entries),
-                    "finish_reason": reason and self.tools.finish_reason(calls, reason)}
-        return {"index": choice_index(out),
-                "delta": {"content": out.new_text} if out.new_text else {},
-                "logprobs": self._logprobs(out.new_token_ids, entries),
-                "finish_reason": finish_reason(out)}
+        delta, calls = self.tools.delta(choice_index(out), out.new_text, c.text,
+                                       out.finished)
+        return self._chat(self.tools, out, "delta", delta, calls, out.new_token_ids, entries)
+
+    def _chat(self, tools: ToolCalls, out: RequestOutput, key: str, body: Chunk, calls: bool,
+              token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> Chunk:
+        """A chat choice: its `message` (whole) or `delta` (streamed) `body`."""
+        reason = finish_reason(out)
+        return {"index": choice_index(out), key: body,
+                "logprobs": self._logprobs(token_ids, entries),
+                "finish_reason": reason and tools.finish_reason(calls, reason)}
 
     def _completion(self, out: RequestOutput, text: str, token_ids: list[int],
                     entries: list[dict[int, float]] | None, first: bool) -> Chunk:
@@ -570,10 +564,18 @@ def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
         run_api_servers(model, host, port, name, load_format, args, overrides, **engine_args)
         return
     engine = AsyncLLM.from_args(model, load_format, args.max_waiting_requests, **engine_args)
+    serve_engine(engine, name, args, overrides, host, port)
+
+
+def serve_engine(engine: AsyncLLM, name: str, args: ServerArgs, overrides: ModelOverrides,
+                 host: str, port: int, sockets: list[socket.socket] | None = None,
+                 ignored_signals: frozenset[int] = frozenset()) -> None:
+    """Serves `engine` until shut down (on `sockets` when given, else it binds host:port),
+    then shuts it down; a dead engine is the process's error."""
     overrides.apply(engine)
     try:
         app = build_app(engine, name, args)
-        Server(app, uvicorn_config(app, host, port)).run()
+        Server(app, uvicorn_config(app, host, port), ignored_signals).run(sockets)
     finally:
         engine.shutdown()
     if engine.dead is not None:
@@ -609,16 +611,8 @@ def run_api_server_process(model: str, config: EngineConfig, core: CoreHandle,
     """An API-server process: front end `client_index` of the core, serving on `sock`."""
     engine = AsyncLLM(model, config, core, load_format, client_index,
                       -(-args.max_waiting_requests // args.api_server_count))
-    overrides.apply(engine)
-    try:
-        app = build_app(engine, name, args)
-        host, port = sock.getsockname()[:2]
-        Server(app, uvicorn_config(app, host, port),
-               ignored_signals=frozenset({signal.SIGINT})).run([sock])
-    finally:
-        engine.shutdown()
-    if engine.dead is not None:
-        raise SystemExit(f"error: {engine.dead}")
+    host, port = sock.getsockname()[:2]
+    serve_engine(engine, name, args, overrides, host, port, [sock], frozenset({signal.SIGINT}))
 
 
 def run_api_servers(model: str, host: str, port: int, name: str, load_format: str,

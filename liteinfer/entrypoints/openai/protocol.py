@@ -99,13 +99,15 @@ class SamplingRequest(BaseModel):
             raise ValueError("logit_bias keys must be token ids")
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
-                        logprobs: int | None, choice: int) -> SamplingParams:
-        """The params of choice `choice` of n: a seeded request's choices draw from seed,
-        seed + 1, ... so that they differ and each can be reproduced."""
+                        logprobs: int | None) -> list[SamplingParams]:
+        """The params of each of the n choices, which share one output constraint (ValueError
+        for conflicting fields): a seeded request's choices draw from seed, seed + 1, ... so
+        that they differ and each can be reproduced."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p",
                                                 "repetition_penalty")
                  if getattr(self, k) is not None}
-        return SamplingParams(
+        constraint = self.output_constraint()
+        return [SamplingParams(
             **{**defaults, **given}, max_tokens=max_tokens, logprobs=logprobs,
             seed=choice_seed(self.seed, choice), stop=self.stop or [],
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -113,7 +115,7 @@ class SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.output_constraint())
+            structured_outputs=constraint) for choice in range(self.n)]
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         """What the output must match (ValueError for conflicting fields)."""
@@ -154,11 +156,11 @@ class CompletionRequest(SamplingRequest):
         return names
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
-                        logprobs: int | None, choice: int) -> SamplingParams:
+                        logprobs: int | None) -> list[SamplingParams]:
         """Echoed prompts with logprobs get their prompt tokens' logprobs too."""
-        params = super().sampling_params(defaults, max_tokens, logprobs, choice)
+        params = super().sampling_params(defaults, max_tokens, logprobs)
         if self.echo and logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=logprobs)
+            params = [dataclasses.replace(p, prompt_logprobs=logprobs) for p in params]
         return params
 
     def prompts(self) -> list[str | list[int]]:

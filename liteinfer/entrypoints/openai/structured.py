@@ -214,11 +214,6 @@ class ToolCalls:
                 raise ValueError('tool_choice "auto" needs a tool-call parser for this model')
             self._parser = TOOL_PARSERS[parser_name]
         self._streams: dict[int, ToolParser] = {}
-        self._forced_text: dict[int, str] = {}
-
-    @property
-    def active(self) -> bool:
-        return self.forced or self._parser is not None
 
     def final(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a whole choice."""
@@ -236,20 +231,21 @@ class ToolCalls:
             return "tool_calls"
         return reason
 
-    def delta(self, choice: int, text: str, finished: bool) -> tuple[dict[str, Any], bool]:
-        """A streamed choice's delta for its next text, and whether it has sent tool calls.
-        Forced calls are sent whole when the choice finishes."""
+    def delta(self, choice: int, new_text: str, text: str, finished: bool
+              ) -> tuple[dict[str, Any], bool]:
+        """A streamed choice's delta for `new_text`, the end of its output so far `text`, and
+        whether it has sent tool calls. Forced calls are sent whole when the choice finishes."""
         if self.forced:
-            self._forced_text[choice] = self._forced_text.get(choice, "") + text
             if not finished:
                 return {}, False
-            text = self._forced_text.pop(choice)
             calls = forced_tool_calls(text, self.tool_choice)
             if not calls:
                 return {"content": text}, False
             return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, True
+        if self._parser is None:
+            return {"content": new_text} if new_text else {}, False
         parser = self._streams.get(choice)
         if parser is None:
             parser = self._streams[choice] = self._parser()
-        delta = parser.extract_tool_calls_streaming(text, finished)
+        delta = parser.extract_tool_calls_streaming(new_text, finished)
         return delta, parser.saw_tool_calls

@@ -1,5 +1,6 @@
 """The interface of tool-call parsers: a model's output text -> content and OpenAI tool calls,
-whole or streamed. A parser object serves one choice of one request (streaming keeps state).
+whole or streamed. A parser object serves one choice of one request (it keeps state: what it
+has sent, and what it has read of the output).
 
 A parser says where an output's calls begin (`find_calls`), how much of a text's end may be
 the beginning of a call marker still (`holdback`), and how its calls are written
@@ -30,8 +31,7 @@ class ParsedCall:
 @dataclass
 class ParsedCalls:
     calls: list[ParsedCall]  # the complete calls, in order
-    end: int  # where the complete calls (and what separates them) end
-    unfinished: bool  # what follows `end` is the beginning of another call
+    end: int  # where in the text the complete calls (and what separates them) end
 
 
 class ToolParser(ABC):
@@ -43,8 +43,10 @@ class ToolParser(ABC):
         self._sent_upto = 0  # characters of the text sent, as content or calls
 
     @abstractmethod
-    def find_calls(self, text: str) -> int | None:
-        """Where the calls begin in `text`; None if none does (yet)."""
+    def find_calls(self, text: str, start: int = 0) -> int | None:
+        """Where the calls begin in `text`; None if none does (yet). `text[:start]` was all of
+        a streamed text when no calls were found in it: only a marker its end may begin needs
+        searching again."""
 
     @abstractmethod
     def holdback(self, text: str) -> int:
@@ -52,16 +54,17 @@ class ToolParser(ABC):
         may begin a call once more text comes: not sent as content yet."""
 
     @abstractmethod
-    def parse_calls(self, text: str) -> ParsedCalls | None:
-        """The calls `text` (where `find_calls` said they begin) starts with; None if it is
-        not made of calls (malformed)."""
+    def parse_calls(self, text: str, start: int) -> ParsedCalls | None:
+        """The calls `text[start:]` (where `find_calls` said they begin) starts with; None if
+        it is not made of calls (malformed). A streamed text is parsed again each time it has
+        grown."""
 
     def extract_tool_calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a whole output: the text before its calls and the calls
         if all after them is complete calls, else the text as content and no calls."""
         at = self.find_calls(text)
-        parsed = self.parse_calls(text[at:]) if at is not None else None
-        if parsed is None or not parsed.calls or text[at + parsed.end:].strip():
+        parsed = self.parse_calls(text, at) if at is not None else None
+        if parsed is None or not parsed.calls or text[parsed.end:].strip():
             return text, []
         return text[:at] or None, [tool_call(c.name, c.arguments) for c in parsed.calls]
 
@@ -71,14 +74,15 @@ class ToolParser(ABC):
         next piece of text. Content goes out as it comes, but for what may begin a call; a call
         goes out whole (one entry per call) once complete; what turns out malformed, or is left
         unfinished at the end, is content."""
+        searched = len(self._text)
         self._text += delta_text
         text = self._text
         if self._calls_at is None and not self._malformed:
-            self._calls_at = self.find_calls(text)
+            self._calls_at = self.find_calls(text, searched)
             if self._calls_at is None:
                 return self._content(len(text) if finished else len(text) - self.holdback(text))
         delta = self._content(self._calls_at) if self._calls_at is not None else {}
-        parsed = None if self._malformed else self.parse_calls(text[self._calls_at:])
+        parsed = None if self._malformed else self.parse_calls(text, self._calls_at)
         if parsed is None:
             self._malformed = True
             return {**delta, **self._content(len(text))}
@@ -88,7 +92,7 @@ class ToolParser(ABC):
                 for i, c in enumerate(parsed.calls[self._sent_calls:], start=self._sent_calls)]
             self._sent_calls = len(parsed.calls)
         if parsed.calls:  # what separates the calls sent is theirs
-            self._sent_upto = max(self._sent_upto, self._calls_at + parsed.end)
+            self._sent_upto = max(self._sent_upto, parsed.end)
         if finished:
             rest = self._content(len(text))
             if rest.get("content", "").strip():

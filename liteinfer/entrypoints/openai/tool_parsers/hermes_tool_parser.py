@@ -2,15 +2,15 @@
 `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`."""
 from __future__ import annotations
 
-from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCalls, ToolParser
-from liteinfer.entrypoints.openai.tool_parsers.json_calls import skip, take_call
+from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCalls
+from liteinfer.entrypoints.openai.tool_parsers.json_calls import JsonCallsParser, skip
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-class HermesToolParser(ToolParser):
-    def find_calls(self, text: str) -> int | None:
-        at = text.find(OPEN)
+class HermesToolParser(JsonCallsParser):
+    def find_calls(self, text: str, start: int = 0) -> int | None:
+        at = text.find(OPEN, max(start - len(OPEN) + 1, 0))
         return None if at < 0 else at
 
     def holdback(self, text: str) -> int:
@@ -18,24 +18,24 @@ class HermesToolParser(ToolParser):
         return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1)
                      if OPEN.startswith(text[-n:])), 0)
 
-    def parse_calls(self, text: str) -> ParsedCalls | None:
-        calls, done = [], 0  # done: the end of what is parsed
+    def parse_calls(self, text: str, start: int) -> ParsedCalls | None:
+        calls, done = [], start  # done: the end of what is parsed
         while True:
             pos = skip(text, done)
             if len(text) - pos < len(OPEN) and OPEN.startswith(text[pos:]):
-                return ParsedCalls(calls, done, pos < len(text))
+                return ParsedCalls(calls, done)
             if not text.startswith(OPEN, pos):
                 return None
             body = skip(text, pos + len(OPEN))
             if body == len(text):
-                return ParsedCalls(calls, done, True)
-            taken = take_call(text, body)
+                return ParsedCalls(calls, done)
+            taken = self.take_call(text, body)
             if taken is None:
                 return None
             call, end = taken
             end = skip(text, end)
             if call is None or (len(text) - end < len(CLOSE) and CLOSE.startswith(text[end:])):
-                return ParsedCalls(calls, done, True)
+                return ParsedCalls(calls, done)
             if not text.startswith(CLOSE, end):
                 return None
             calls.append(call)

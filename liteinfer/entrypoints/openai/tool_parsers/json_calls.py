@@ -1,13 +1,17 @@
-"""A tool call written as a JSON object `{"name": ..., "parameters" | "arguments": {...}}`,
-as several models' formats write them."""
+"""Tool calls written as JSON objects `{"name": ..., "parameters" | "arguments": {...}}`, as
+several models' formats write them."""
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 
-from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCall
+from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCall, ToolParser
 
 WHITESPACE = " \t\n\r"
 _DECODER = json.JSONDecoder()
+# What can change a JSON text's nesting: brackets, quotes, and escapes inside strings.
+_STRUCTURE = re.compile(r'[{}\[\]"\\]')
 
 
 def skip(text: str, pos: int) -> int:
@@ -17,38 +21,76 @@ def skip(text: str, pos: int) -> int:
     return pos
 
 
-def take_call(text: str, pos: int) -> tuple[ParsedCall | None, int] | None:
-    """The call at `pos` and where it ends; (None, pos) if the text ends inside an object
-    begun there; None if what is there is not a call."""
-    if text[pos] != "{":
-        return None
+@dataclass
+class _OpenObject:
+    """An object the text ends inside: where it begins, how far it is scanned (past an escaped
+    character still to come, when the text ends on its backslash), and the nesting there."""
+
+    start: int
+    scanned: int
+    depth: int = 0
+    in_string: bool = False
+
+    def closes(self, text: str) -> bool:
+        """Whether `text`, scanned on from where the last call stopped, closes the object's
+        first brace (brackets count outside strings only, as JSON nests them)."""
+        pos = self.scanned
+        while (match := _STRUCTURE.search(text, pos)) is not None:
+            ch, pos = match[0], match.end()
+            if self.in_string:
+                if ch == "\\":
+                    pos += 1
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return True
+        self.scanned = max(pos, len(text))
+        return False
+
+
+class JsonCallsParser(ToolParser):
+    """A format whose calls are JSON objects. The parser keeps what it has read of its output
+    (it serves one output, whole or streamed): an object that has closed is decoded once, and
+    the one a streamed text ends inside is scanned only where the text is new, so that a long
+    call costs time linear in its length however many pieces it comes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closed: dict[int, tuple[ParsedCall, int] | None] = {}  # by where each begins
+        self._open: _OpenObject | None = None
+
+    def take_call(self, text: str, pos: int) -> tuple[ParsedCall | None, int] | None:
+        """The call at `pos` and where it ends; (None, pos) if the text ends inside an object
+        begun there; None if what is there is not a call."""
+        if pos in self._closed:
+            return self._closed[pos]
+        if text[pos] != "{":
+            return None
+        if self._open is None or self._open.start != pos:
+            self._open = _OpenObject(pos, pos)
+        if not self._open.closes(text):
+            return None, pos
+        self._open = None
+        taken = self._closed[pos] = _call(text, pos)
+        return taken
+
+
+def _call(text: str, pos: int) -> tuple[ParsedCall, int] | None:
+    """The call the object at `pos`, which closes, makes and where it ends; None if it is not
+    valid JSON or not a call."""
     try:
         value, end = _DECODER.raw_decode(text, pos)
     except json.JSONDecodeError:
-        return (None, pos) if _unclosed(text[pos:]) else None
+        return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("parameters", value.get("arguments"))
     if not isinstance(arguments, dict):
         return None
     return ParsedCall(value["name"], arguments), end
-
-
-def _unclosed(text: str) -> bool:
-    """Whether `text`, which failed to parse as one JSON object, never closes its first brace
-    (more text may complete it); one that closes but is invalid is malformed."""
-    depth, in_string, escaped = 0, False, False
-    for ch in text:
-        if escaped:
-            escaped = False
-        elif in_string:
-            escaped, in_string = ch == "\\", ch != '"'
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return False
-    return True

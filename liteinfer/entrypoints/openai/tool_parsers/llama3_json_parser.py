@@ -3,41 +3,42 @@
 separated by ";"."""
 from __future__ import annotations
 
-from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCalls, ToolParser
-from liteinfer.entrypoints.openai.tool_parsers.json_calls import WHITESPACE, skip, take_call
+from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCalls
+from liteinfer.entrypoints.openai.tool_parsers.json_calls import JsonCallsParser, skip
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonToolParser(ToolParser):
-    def find_calls(self, text: str) -> int | None:
+class Llama3JsonToolParser(JsonCallsParser):
+    def find_calls(self, text: str, start: int = 0) -> int | None:
         """Calls are the whole output or nothing: they begin where it does."""
-        s = text.lstrip(WHITESPACE).removeprefix(PYTHON_TAG).lstrip(WHITESPACE)
-        return 0 if s.startswith("{") else None
+        pos = skip(text, 0)
+        if text.startswith(PYTHON_TAG, pos):
+            pos = skip(text, pos + len(PYTHON_TAG))
+        return 0 if text.startswith("{", pos) else None
 
     def holdback(self, text: str) -> int:
         """All of an output that may still become calls: whitespace and the python tag."""
-        s = text.lstrip(WHITESPACE)
-        if PYTHON_TAG.startswith(s) or (s.startswith(PYTHON_TAG)
-                                        and not s[len(PYTHON_TAG):].strip(WHITESPACE)):
-            return len(text)
-        return 0
+        pos = skip(text, 0)
+        end = pos + len(PYTHON_TAG)
+        held = PYTHON_TAG.startswith(text[pos:end]) and skip(text, end) >= len(text)
+        return len(text) if held else 0
 
-    def parse_calls(self, text: str) -> ParsedCalls | None:
-        done = skip(text, 0)  # the end of what is parsed
+    def parse_calls(self, text: str, start: int) -> ParsedCalls | None:
+        done = skip(text, start)  # the end of what is parsed
         if text.startswith(PYTHON_TAG, done):
             done += len(PYTHON_TAG)
         calls = []
         while True:
             pos = skip(text, done)
             if pos == len(text):
-                return ParsedCalls(calls, done, False)
-            taken = take_call(text, pos)
+                return ParsedCalls(calls, done)
+            taken = self.take_call(text, pos)
             if taken is None:
                 return None
             call, end = taken
             if call is None:  # the rest is the beginning of a call
-                return ParsedCalls(calls, done, True)
+                return ParsedCalls(calls, done)
             calls.append(call)
             done = end
             pos = skip(text, end)

@@ -14,7 +14,6 @@ import pytest
 from fixtures import serve
 from liteinfer import SamplingParams
 from liteinfer.config import EngineConfig
-from liteinfer.engine import async_llm
 from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.entrypoints.openai import api_server
 from liteinfer.entrypoints.openai.cli_args import ServerArgs
@@ -159,33 +158,6 @@ def test_concurrent_requests_each_match_offline(client, tiny_llm):
 
     with ThreadPoolExecutor(len(lengths)) as pool:
         assert list(pool.map(ask, range(len(lengths)))) == ref
-
-
-def test_busy_front_end_spins_then_parks(tiny_llama_dir, tiny_llm, monkeypatch):
-    """With spinning on (machines of BUSY_SPIN_MIN_CPUS cores), concurrent streams still match
-    offline, and once BUSY_SPIN_S has passed with nothing running the loop stops spinning."""
-    monkeypatch.setattr(async_llm, "BUSY_SPIN_MIN_CPUS", 1)
-    monkeypatch.setattr(async_llm, "BUSY_SPIN_S", 0.05)
-    engine = AsyncLLM.from_args(str(tiny_llama_dir), **ENGINE_ARGS)
-    lengths = [5, 17, 9, 12]
-    ref = [offline(tiny_llm, [PROMPTS[0]], temperature=0.0, max_tokens=n,
-                   ignore_eos=True)[0].text for n in lengths]
-    try:
-        with serve(engine, MODEL) as url, httpx.Client(base_url=url, timeout=60) as c:
-            def ask(n: int) -> str:
-                r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": n,
-                                                     "temperature": 0, "ignore_eos": True})
-                return r.json()["choices"][0]["text"]
-
-            with ThreadPoolExecutor(len(lengths)) as pool:
-                assert list(pool.map(ask, lengths)) == ref
-            time.sleep(0.3)
-            spinner = engine._spin_task
-            assert spinner is not None and not spinner.done() and engine.num_requests == 0
-            # Parked: suspended on the arrival event, not on the spinning sleep(0).
-            assert spinner.get_coro().cr_await.__qualname__ == "Event.wait"
-    finally:
-        engine.shutdown()
 
 
 def test_logit_bias_matches_offline(client, tiny_llm):

@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -41,13 +40,6 @@ TOKENIZER_THREADS = 4
 # Token-id prompts up to this many tokens in all are validated on the event loop: a hop to the
 # pool and back costs more (a few hundred microseconds of the first token's latency).
 INLINE_PROMPT_TOKENS = 4096
-# While requests run, and this long after the last one ends, the event loop never sleeps in the
-# kernel: a step message, or the next HTTP request, is handled as it lands instead of after the
-# process is woken (tens of microseconds to milliseconds, which a first token would wait). The
-# engine core spins on its input the same way (IDLE_SPIN_S). The spinning loop takes a core of
-# its own, so only machines with cores to spare spin.
-BUSY_SPIN_S = 0.5
-BUSY_SPIN_MIN_CPUS = 8
 
 
 class EngineError(RuntimeError):
@@ -137,8 +129,6 @@ class AsyncLLM:
         self.scheduler_stats = SchedulerStats()
         self.dead: EngineError | None = None
         self._stats_task: asyncio.Task[None] | None = None
-        self._spin_task: asyncio.Task[None] | None = None
-        self._requests_added = asyncio.Event()
         self._prompt_tokens = self._generation_tokens = 0
         self.on_death: list[Callable[[], None]] = []
 
@@ -161,23 +151,8 @@ class AsyncLLM:
         self._client = EngineCoreClient(self.core_handle, self.client_index, self._on_outputs,
                                         self._on_core_death)
         self._client.start()
-        loop = asyncio.get_running_loop()
-        if (os.cpu_count() or 1) >= BUSY_SPIN_MIN_CPUS:
-            self._spin_task = loop.create_task(self._spin_while_busy())
         if self.client_index == 0:  # one stats line per core, as vLLM prints
-            self._stats_task = loop.create_task(self._log_stats())
-
-    async def _spin_while_busy(self) -> None:
-        """Keeps one callback always ready (so the loop polls without blocking) from a request's
-        arrival until BUSY_SPIN_S after the last request has ended."""
-        while True:
-            await self._requests_added.wait()
-            self._requests_added.clear()
-            quiet_until = time.monotonic() + BUSY_SPIN_S
-            while self._streams or time.monotonic() < quiet_until:
-                if self._streams:
-                    quiet_until = time.monotonic() + BUSY_SPIN_S
-                await asyncio.sleep(0)
+            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats())
 
     async def _log_stats(self) -> None:
         """Every STATS_INTERVAL_S while requests run: this front end's prompt and generation
@@ -198,10 +173,9 @@ class AsyncLLM:
 
     async def stop(self) -> None:
         """Fails what is still running and disconnects from the core."""
-        for task in (self._stats_task, self._spin_task):
-            if task is not None:
-                task.cancel()
-        self._stats_task = self._spin_task = None
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            self._stats_task = None
         self.fail_all(EngineError("the server is shutting down"))
         if self._client is not None:
             self._client.close()
@@ -252,7 +226,6 @@ class AsyncLLM:
             self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
             self._streams[request.request_id] = stream
         self._client.add_requests(processed)
-        self._requests_added.set()
         return stream
 
     def _check_room(self, n: int) -> None:

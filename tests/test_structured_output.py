@@ -114,31 +114,6 @@ def test_grammar_constraint(tiny_llm):
         replay(tiny_llm, constraint, out.token_ids)
 
 
-def test_bitmask_fills_between_calls_as_it_would_at_sampling(tiny_llm):
-    """Once a step's outputs are read, the next (launched, unsampled) step's bitmask starts
-    filling on the manager's thread; it equals the bitmask filled at sampling time."""
-    engine = tiny_llm.engine
-    core, manager = engine.core, engine.core.structured_output
-    constraint = StructuredOutputsParams(json=Path.model_json_schema(),
-                                         disable_any_whitespace=True)
-    engine.add_request("held", "Path:", SamplingParams(temperature=0.0, max_tokens=12,
-                                                        structured_outputs=constraint))
-    engine.add_request("free", "Hello", SamplingParams(temperature=0.0, max_tokens=12))
-    started = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        inflight = core.inflight
-        if inflight is None or inflight.bitmask is None:
-            continue
-        started += 1
-        ids = [s.request_id for s in inflight.scheduled.sampling_seqs]
-        filled, now = inflight.bitmask.result(), manager.grammar_bitmask(ids)
-        assert filled is not None and now is not None
-        assert filled.rows == now.rows == [ids.index("held")]
-        assert torch.equal(filled.bitmask[filled.rows], now.bitmask[now.rows])
-    assert started >= 8
-
-
 def test_rows_are_independent(tiny_llm):
     """Greedy: unconstrained requests batched with constrained ones get the tokens they get
     alone, and constrained ones the tokens they get alone; with penalties (each step read

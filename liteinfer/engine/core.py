@@ -9,7 +9,6 @@ import os
 import time
 import traceback
 from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed, torchrun_rank
 from liteinfer.engine.worker import EXIT_WAIT, WorkerGroup
 from liteinfer.loader import ModelSource, load_model_source
-from liteinfer.structured_output.manager import GrammarBitmask, StructuredOutputManager
+from liteinfer.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +40,6 @@ class InFlight:
     scheduled: SchedulerOutput
     output: ModelRunnerOutput | None  # None: its sampling waits for its grammars (`forward`)
     forward: StepForward | None = None
-    # Its bitmask, filling on the manager's thread once every earlier step has been read.
-    bitmask: Future[GrammarBitmask | None] | None = None
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -213,12 +210,6 @@ class EngineCore:
         outputs += self._launch()
         if inflight is not None:
             outputs += self._resolve(inflight)
-            launched = self.inflight
-            if launched is not None and launched.output is None:
-                # Its grammars hold every token now: the bitmask fills while this step's
-                # outputs are handled.
-                launched.bitmask = self.structured_output.start_bitmask(
-                    [s.request_id for s in launched.scheduled.sampling_seqs])
         if self.structured_output.has_requests:
             for out in outputs:
                 if out.finished:
@@ -281,9 +272,8 @@ class EngineCore:
         it; outputs only of requests that failed."""
         scheduled = inflight.scheduled
         try:
-            bitmask = (inflight.bitmask.result() if inflight.bitmask is not None else
-                       self.structured_output.grammar_bitmask(
-                           [s.request_id for s in scheduled.sampling_seqs]))
+            bitmask = self.structured_output.grammar_bitmask(
+                [s.request_id for s in scheduled.sampling_seqs])
             inflight.output = self.runner.sample(scheduled, inflight.forward, bitmask)
         except Exception as e:  # as in _launch
             return self._fail(scheduled.seqs, e)

@@ -7,10 +7,6 @@ are cached by constraint, least recently used first out); the scheduler keeps it
 whose requests are constrained (the sampler applies it on the device, to those rows only); the
 tokens sampled are then given to `accept_tokens`, in order. A matcher that accepts a stop token
 has reached the grammar's end (`is_terminated`): the request finishes with "stop".
-
-`start_bitmask` fills it on a thread of its own instead: xgrammar releases the GIL while it
-fills, so the engine's other host work of the step (its outputs, the next launch's preparation)
-runs meanwhile. The matchers are not touched until the bitmask has been taken.
 """
 from __future__ import annotations
 
@@ -67,8 +63,6 @@ class StructuredOutputManager:
         self._requests: dict[str, _Request] = {}
         # Filling a step's rows is on the step's path: half the host's cores (xgrammar's auto).
         self._batch_matcher = xgr.BatchGrammarMatcher("auto")
-        # One thread, apart from the compiling ones: a fill never queues behind a compilation.
-        self._filler = ThreadPoolExecutor(1, thread_name_prefix="bitmask")
         self._pin = torch.cuda.is_available()
 
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
@@ -109,32 +103,15 @@ class StructuredOutputManager:
     def grammar_bitmask(self, request_ids: Sequence[str | None]) -> GrammarBitmask | None:
         """The bitmask of one step's rows (request ids in row order): filled for the rows of
         constrained requests whose grammar has not terminated; None if there are none."""
-        rows, matchers = self._rows(request_ids)
-        return self._fill(len(request_ids), rows, matchers) if rows else None
-
-    def start_bitmask(self, request_ids: Sequence[str | None]
-                      ) -> Future[GrammarBitmask | None]:
-        """`grammar_bitmask`, filled on the filler thread."""
-        rows, matchers = self._rows(request_ids)
-        if not rows:
-            done: Future[GrammarBitmask | None] = Future()
-            done.set_result(None)
-            return done
-        return self._filler.submit(self._fill, len(request_ids), rows, matchers)
-
-    def _rows(self, request_ids: Sequence[str | None]
-              ) -> tuple[list[int], list[xgr.GrammarMatcher]]:
         rows, matchers = [], []
         for row, rid in enumerate(request_ids):
             req = self._requests.get(rid) if rid is not None else None
             if req is not None and req.matcher is not None and not req.matcher.is_terminated():
                 rows.append(row)
                 matchers.append(req.matcher)
-        return rows, matchers
-
-    def _fill(self, num_rows: int, rows: list[int], matchers: list[xgr.GrammarMatcher]
-              ) -> GrammarBitmask:
-        bitmask = torch.empty(num_rows, xgr.get_bitmask_shape(1, self.vocab_size)[1],
+        if not rows:
+            return None
+        bitmask = torch.empty(len(request_ids), xgr.get_bitmask_shape(1, self.vocab_size)[1],
                               dtype=torch.int32, pin_memory=self._pin)
         self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
         return GrammarBitmask(rows, bitmask)
@@ -162,4 +139,3 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._filler.shutdown(wait=False, cancel_futures=True)

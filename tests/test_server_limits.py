@@ -465,3 +465,24 @@ def test_tokenization_never_blocks_the_event_loop(url, core, monkeypatch):
         assert not pending.done()
         assert pending.result().status_code == 200
     assert_idle(url)
+
+
+def test_serve_engine_shuts_the_engine_down_when_an_override_fails():
+    """An override the model cannot take (a chat template without a tokenizer) is the
+    command's error, and the engine (its core process) is shut down, not left running."""
+    from liteinfer.entrypoints.openai.api_server import serve_engine
+    from liteinfer.entrypoints.openai.cli_args import ServerArgs
+    from liteinfer.loader.overrides import ModelOverrides
+
+    class Engine:
+        tokenizer = generation_config = dead = None
+        shut_down = False
+
+        def shutdown(self) -> None:
+            self.shut_down = True
+
+    engine = Engine()
+    with pytest.raises(ValueError, match="no tokenizer"):
+        serve_engine(engine, "m", ServerArgs(), ModelOverrides(chat_template="{{ x }}"),
+                     "127.0.0.1", 0)
+    assert engine.shut_down

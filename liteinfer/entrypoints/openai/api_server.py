@@ -354,7 +354,7 @@ class ChoiceRenderer:
                 "finish_reason": reason and tools.finish_reason(calls, reason)}
 
     def _completion(self, out: RequestOutput, text: str, token_ids: list[int],
-                    entries: list[dict[int, float]] | None, first: bool) -> Chunk:
+                    entries: list[dict[int, Logprob]] | None, first: bool) -> Chunk:
         if self.echo and first:
             prompt = out.prompt
             if prompt is None:
@@ -572,8 +572,8 @@ def serve_engine(engine: AsyncLLM, name: str, args: ServerArgs, overrides: Model
                  ignored_signals: frozenset[int] = frozenset()) -> None:
     """Serves `engine` until shut down (on `sockets` when given, else it binds host:port),
     then shuts it down; a dead engine is the process's error."""
-    overrides.apply(engine)
     try:
+        overrides.apply(engine)
         app = build_app(engine, name, args)
         Server(app, uvicorn_config(app, host, port), ignored_signals).run(sockets)
     finally:

@@ -79,11 +79,11 @@ class LLM:
                 ids.append((base, [base] if p.n == 1 else [f"{base}-{i}" for i in range(p.n)]))
                 if output_kind is not None:
                     p = dataclasses.replace(p, output_kind=output_kind)
-                for i, rid in enumerate(ids[-1][1]):
-                    choice = p if p.seed is None or i == 0 else dataclasses.replace(
-                        p, seed=p.seed + i)
-                    self.engine.add_request(rid, prompt, choice)
-                    added.append(rid)
+                choices = [(rid, prompt, p if p.seed is None or i == 0 else
+                            dataclasses.replace(p, seed=p.seed + i))
+                           for i, rid in enumerate(ids[-1][1])]
+                self.engine.add_requests(choices)
+                added += ids[-1][1]
         except ValueError:
             self.engine.abort(added)
             raise

@@ -9,6 +9,7 @@ import pytest
 import xgrammar as xgr
 from pydantic import BaseModel
 
+from liteinfer import SamplingParams
 from liteinfer.engine import processor as processor_module
 from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest
 from liteinfer.entrypoints.openai.structured import (
@@ -158,3 +159,21 @@ def test_choices_share_one_constraint_parsed_once(tiny_llm, monkeypatch):
         [(f"r{i}", [1, 2, 3], p) for i, p in enumerate(choices)])
     assert [r.sampling_params.seed for r in requests] == [5, 6, 7]
     assert parsed == [constraint]
+
+
+def test_offline_choices_parse_their_constraint_once(tiny_llm, monkeypatch):
+    """Offline, a prompt's n choices are queued together: the grammar they share is parsed
+    once, and every choice still follows it."""
+    constraint = StructuredOutputsParams(json=Point.model_json_schema(),
+                                         disable_any_whitespace=True)
+    parsed = []
+    build_grammar = processor_module.build_grammar
+    monkeypatch.setattr(processor_module, "build_grammar",
+                        lambda c: parsed.append(c) or build_grammar(c))
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=40,
+                            structured_outputs=constraint)
+    [out] = tiny_llm.generate(["A point:"], params, use_tqdm=False)
+    assert parsed == [constraint] and len(out.outputs) == 3
+    for choice in out.outputs:
+        if choice.finish_reason == "stop":
+            Point.model_validate_json(choice.text)

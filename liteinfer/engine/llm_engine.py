@@ -29,12 +29,22 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Validates and queues a request; a ValueError leaves the engine as it was."""
-        [request] = self.processor.process([(request_id, prompt, params)], arrival_time)
-        self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
+        self.add_requests([(request_id, prompt, params)], arrival_time)
+
+    def add_requests(self, requests: list[tuple[str, str | list[int], SamplingParams]],
+                     arrival_time: float | None = None) -> None:
+        """Validates and queues requests together (a prompt's n choices: the constraint they
+        share is parsed once); a ValueError leaves the engine as it was."""
+        processed = self.processor.process(requests, arrival_time)
+        added: list[str] = []
         try:
-            self.core.add_request(request)
+            for request, (_, prompt, _) in zip(processed, requests, strict=True):
+                self.output_processor.add_request(request,
+                                                  prompt if isinstance(prompt, str) else None)
+                added.append(request.request_id)
+                self.core.add_request(request)
         except Exception:
-            self.output_processor.abort_requests([request_id])
+            self.abort(added)  # the core ignores ids it never took
             raise
 
     def abort(self, request_ids: str | list[str]) -> list[RequestOutput]:

@@ -14,7 +14,7 @@ from liteinfer.config import EngineConfig
 from liteinfer.engine.llm_engine import LLMEngine
 from liteinfer.engine.processor import Message, generation_defaults
 from liteinfer.outputs import RequestOutput
-from liteinfer.sampling_params import RequestOutputKind, SamplingParams
+from liteinfer.sampling_params import RequestOutputKind, SamplingParams, choice_seed
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -80,7 +80,7 @@ class LLM:
                 if output_kind is not None:
                     p = dataclasses.replace(p, output_kind=output_kind)
                 choices = [(rid, prompt, p if p.seed is None or i == 0 else
-                            dataclasses.replace(p, seed=p.seed + i))
+                            dataclasses.replace(p, seed=choice_seed(p.seed, i)))
                            for i, rid in enumerate(ids[-1][1])]
                 self.engine.add_requests(choices)
                 added += ids[-1][1]

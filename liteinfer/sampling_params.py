@@ -12,6 +12,15 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_N = 128
 
 
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of a seeded request's n: seed + choice, so that they differ
+    and each can be reproduced, wrapped to stay a 64-bit integer."""
+    if seed is None:
+        return None
+    seed += choice
+    return seed - 2**64 if seed > SEED_MAX else seed
+
+
 class RequestOutputKind(enum.IntEnum):
     """What a request's outputs hold while it runs (vLLM's): everything so far (CUMULATIVE),
     only what is new (DELTA: streaming, at no cost per token for the tokens before), or

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from fixtures import build_llm
 from liteinfer import SamplingParams
+from liteinfer.sampling_params import SEED_MAX, choice_seed
 from reference import hf_greedy, random_prompts
 
 MAX_NEW = 24
@@ -89,6 +90,19 @@ def test_seeded_sampling_is_reproducible(tiny_llm, prompts):
     different = token_ids(tiny_llm.generate([prompts[0]], other, use_tqdm=False))[0]
     assert alone == batch == again
     assert different != alone
+
+
+@pytest.mark.parametrize("seed", [7, SEED_MAX])
+def test_seeded_choices_draw_from_consecutive_seeds(tiny_llm, prompts, seed):
+    """Choice i of a seeded request samples as a lone request seeded seed + i, wrapped to a
+    64-bit integer past SEED_MAX (as the server's choices are)."""
+    params = SamplingParams(n=3, temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True)
+    [out] = tiny_llm.generate([prompts[0]], params, use_tqdm=False)
+    alone = [token_ids(tiny_llm.generate(
+        [prompts[0]], dataclasses.replace(params, n=1, seed=choice_seed(seed, i)),
+        use_tqdm=False))[0] for i in range(3)]
+    assert [c.token_ids for c in out.outputs] == alone
+    assert choice_seed(SEED_MAX, 1) == 0  # 2**64 wraps to 0
 
 
 def test_stop_token_ids_and_min_tokens(tiny_llm, prompts, reference):

@@ -19,7 +19,7 @@ from liteinfer.entrypoints.openai.structured import (
     structured_outputs_params,
     template_message,
 )
-from liteinfer.sampling_params import SamplingParams
+from liteinfer.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, choice_seed
 from liteinfer.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
@@ -29,7 +29,6 @@ MAX_N = 16
 Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
 PositiveCount = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenId = Count
-SEED_RANGE = (-2**63, 2**64 - 1)  # vLLM's: a signed or an unsigned 64-bit integer
 
 
 class StreamOptions(BaseModel):
@@ -51,7 +50,7 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # vLLM's: signed or unsigned 64-bit
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions
@@ -127,13 +126,6 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-
-def choice_seed(seed: int | None, choice: int) -> int | None:
-    """seed + choice, wrapped to stay a 64-bit integer."""
-    if seed is None:
-        return None
-    seed += choice
-    return seed - 2**64 if seed > SEED_RANGE[1] else seed
 
 
 class CompletionRequest(SamplingRequest):

@@ -105,6 +105,18 @@ def test_seeded_choices_draw_from_consecutive_seeds(tiny_llm, prompts, seed):
     assert choice_seed(SEED_MAX, 1) == 0  # 2**64 wraps to 0
 
 
+def test_choices_tokenize_their_prompt_once(tiny_llm, monkeypatch):
+    """A text prompt's n choices are tokenized once for them all, and each gets the ids."""
+    processor = tiny_llm.engine.processor
+    calls = []
+    tokenize = processor.tokenize
+    monkeypatch.setattr(processor, "tokenize", lambda text: calls.append(text) or tokenize(text))
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4)
+    [out] = tiny_llm.generate(["The quick brown fox"], params, use_tqdm=False)
+    assert calls == ["The quick brown fox"] and len(out.outputs) == 3
+    assert out.prompt_token_ids == tokenize("The quick brown fox")
+
+
 def test_stop_token_ids_and_min_tokens(tiny_llm, prompts, reference):
     ref = reference[3]
     stop = ref[5]

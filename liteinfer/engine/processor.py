@@ -82,19 +82,26 @@ class InputProcessor:
                 arrival_time: float | None = None) -> list[EngineCoreRequest]:
         """The (request id, prompt, params) requests as the core takes them, each with
         max_tokens resolved in a copy of its params (the caller's objects are never changed).
-        ValueError for anything that cannot run. A constraint several of them share (the
-        choices of one API request) has its grammar parsed once."""
-        checked: set[int] = set()  # the ids of the constraints parsed (all alive in `requests`)
-        return [self._process(rid, prompt, params, arrival_time, checked)
+        ValueError for anything that cannot run. A prompt or a constraint several of them share
+        (the choices of one prompt) is tokenized and checked, or its grammar parsed, once."""
+        # By id: every object is alive in `requests` until the call returns.
+        prompts: dict[int, list[int]] = {}
+        checked: set[int] = set()
+        return [self._process(rid, prompt, params, arrival_time, prompts, checked)
                 for rid, prompt, params in requests]
 
     def _process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 arrival_time: float | None, checked: set[int]) -> EngineCoreRequest:
+                 arrival_time: float | None, prompts: dict[int, list[int]],
+                 checked: set[int]) -> EngineCoreRequest:
         params.validate()
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        self.check_token_ids(token_ids, "prompt")
+        token_ids = prompts.get(id(prompt))
+        if token_ids is None:
+            token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+            if not token_ids:
+                raise ValueError("the prompt is empty")
+            self.check_token_ids(token_ids, "prompt")
+            prompts[id(prompt)] = token_ids
+        token_ids = list(token_ids)  # each request's own: its sequence grows from it
         vocab = self.vocab_size
         for name in ("logprobs", "prompt_logprobs", "top_k"):
             if (getattr(params, name) or 0) > vocab:

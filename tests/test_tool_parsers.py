@@ -50,8 +50,10 @@ def stream(text: str, piece: int, parser_cls=Llama3JsonToolParser):
     parser = parser_cls()
     content, calls = "", []
     pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
+    so_far = ""
     for i, p in enumerate(pieces):
-        delta = parser.extract_tool_calls_streaming(p, i == len(pieces) - 1)
+        so_far += p
+        delta = parser.extract_tool_calls_streaming(so_far, i == len(pieces) - 1)
         content += delta.get("content", "")
         for c in delta.get("tool_calls", []):
             assert c["index"] == len(calls) and c["type"] == "function"
@@ -95,11 +97,11 @@ def test_malformed_calls_stay_text(text):
 def test_streamed_text_is_not_held_back():
     parser = Llama3JsonToolParser()
     assert parser.extract_tool_calls_streaming("  ", False) == {}
-    assert parser.extract_tool_calls_streaming("Hi", False) == {"content": "  Hi"}
-    assert parser.extract_tool_calls_streaming(" there", False) == {"content": " there"}
+    assert parser.extract_tool_calls_streaming("  Hi", False) == {"content": "  Hi"}
+    assert parser.extract_tool_calls_streaming("  Hi there", False) == {"content": " there"}
     tagged = Llama3JsonToolParser()
     assert tagged.extract_tool_calls_streaming("<|python", False) == {}
-    assert tagged.extract_tool_calls_streaming("_tag|>{\"na", False) == {}
+    assert tagged.extract_tool_calls_streaming("<|python_tag|>{\"na", False) == {}
 
 
 QWEN_CALL = ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": '

@@ -247,5 +247,5 @@ class ToolCalls:
         parser = self._streams.get(choice)
         if parser is None:
             parser = self._streams[choice] = self._parser()
-        delta = parser.extract_tool_calls_streaming(new_text, finished)
+        delta = parser.extract_tool_calls_streaming(text, finished)
         return delta, parser.saw_tool_calls

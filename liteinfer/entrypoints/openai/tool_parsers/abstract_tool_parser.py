@@ -36,7 +36,7 @@ class ParsedCalls:
 
 class ToolParser(ABC):
     def __init__(self) -> None:
-        self._text = ""
+        self._text = ""  # the output so far
         self._calls_at: int | None = None  # where the calls begin, once found
         self._malformed = False
         self._sent_calls = 0
@@ -68,15 +68,13 @@ class ToolParser(ABC):
             return text, []
         return text[:at] or None, [tool_call(c.name, c.arguments) for c in parsed.calls]
 
-    def extract_tool_calls_streaming(self, delta_text: str, finished: bool
-                                     ) -> dict[str, Any]:
-        """The chat delta ({"content"} and/or {"tool_calls"}, possibly empty) for the output's
-        next piece of text. Content goes out as it comes, but for what may begin a call; a call
-        goes out whole (one entry per call) once complete; what turns out malformed, or is left
-        unfinished at the end, is content."""
+    def extract_tool_calls_streaming(self, text: str, finished: bool) -> dict[str, Any]:
+        """The chat delta ({"content"} and/or {"tool_calls"}, possibly empty) once the output
+        so far is `text` (the text of the last call and more). Content goes out as it comes,
+        but for what may begin a call; a call goes out whole (one entry per call) once
+        complete; what turns out malformed, or is left unfinished at the end, is content."""
         searched = len(self._text)
-        self._text += delta_text
-        text = self._text
+        self._text = text
         if self._calls_at is None and not self._malformed:
             self._calls_at = self.find_calls(text, searched)
             if self._calls_at is None:

@@ -79,12 +79,13 @@ def request_body(target: Target, job: Job) -> dict[str, Any]:
     return body
 
 
-async def stream_one(session: Any, target: Target, job: Job) -> Timing:
+async def stream_one(session: Any, url: Any, target: Target, job: Job) -> Timing:
+    """url: the endpoint, parsed once per run (yarl.URL): aiohttp parses a string URL on
+    every request, ~0.1 ms of client time inside each TTFT."""
+    body = orjson.dumps(request_body(target, job))
     timing = Timing(job.index, time.perf_counter())
     try:
-        async with session.post(target.base_url.rstrip("/") + "/v1/completions",
-                                data=orjson.dumps(request_body(target, job)),
-                                headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(url, data=body) as resp:
             if resp.status != 200:
                 timing.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return timing
@@ -122,10 +123,14 @@ async def run_jobs(target: Target, jobs: list[Job], max_in_flight: int,
     """Sends `jobs` in order, each no earlier than `start_at + job.at`, at most `max_in_flight`
     at once (the semaphore is first come, first served)."""
     import aiohttp
+    import yarl
 
     gate = asyncio.Semaphore(max_in_flight)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=READ_TIMEOUT_S)
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else None
+    url = yarl.URL(target.base_url.rstrip("/") + "/v1/completions")
+    headers = {"Content-Type": "application/json"}
+    if target.api_key:
+        headers["Authorization"] = f"Bearer {target.api_key}"
     connector = aiohttp.TCPConnector(limit=max_in_flight, force_close=False)
     async with aiohttp.ClientSession(timeout=timeout, headers=headers,
                                      connector=connector) as session:
@@ -134,7 +139,7 @@ async def run_jobs(target: Target, jobs: list[Job], max_in_flight: int,
             if delay > 0:
                 await asyncio.sleep(delay)
             async with gate:
-                return await stream_one(session, target, job)
+                return await stream_one(session, url, target, job)
 
         return await asyncio.gather(*(one(j) for j in jobs))
 

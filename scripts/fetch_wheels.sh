@@ -2,7 +2,7 @@
 # Downloads into .whl/ the wheels that `liteinfer serve` and `liteinfer-bench serve` need and the
 # CUDA machine lacks (it has no package registry): the ASGI stack, pydantic, ZeroMQ, msgspec and
 # orjson, for CPython 3.12 on x86_64 Linux, without their dependencies (those the machine has:
-# anyio, click, h11, httpx, aiohttp, uvloop, prometheus-client, annotated-doc). pydantic needs a
+# anyio, click, h11, httpx, aiohttp, uvloop, prometheus-client). pydantic needs a
 # newer typing-extensions than the machine's torch image may hold, so that one travels too.
 # On that machine:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(
-  fastapi==0.165.0 opentelemetry-api==1.45.2 starlette==1.10.0 pydantic==2.14.4
+  starlette==1.10.0 pydantic==2.14.4
   pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
   uvicorn==0.54.0 httptools==0.7.1 pyzmq==27.3.0 msgspec==0.23.0 orjson==3.13.0
 )

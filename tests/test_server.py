@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+import liteinfer
 from fixtures import serve
 from liteinfer import SamplingParams
 from liteinfer.config import EngineConfig
@@ -79,6 +80,12 @@ def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["max_model_len"] == 256
+    assert client.get(f"/v1/models/{MODEL}").json() == models["data"][0]
+    missing = client.get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    assert client.get("/version").json() == {"version": liteinfer.__version__}
+    unknown = client.get("/v1/no-such-route")
+    assert unknown.status_code == 404 and "error" in unknown.json()
 
 
 def test_completions_match_offline_greedy(client, tiny_llm):

@@ -219,13 +219,18 @@ class AsyncLLM:
             processed = await self.run_in_pool(process)
             self._check_room(len(requests))  # others may have come in while this one waited
         assert self._client is not None, "AsyncLLM.start() was not called"
+        for request in processed:
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            request.client_index = self.client_index
+        # Sent first, so that the core starts on them while this front end sets up their
+        # state: their outputs are read on this thread, after this call returns.
+        self._client.add_requests(processed)
         stream = RequestStream(self, [r.request_id for r in processed])
         self._prompt_tokens += sum(len(r.prompt_token_ids) for r in processed)
         for request, (_, prompt, _) in zip(processed, requests):
-            request.client_index = self.client_index
             self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
             self._streams[request.request_id] = stream
-        self._client.add_requests(processed)
         return stream
 
     def _check_room(self, n: int) -> None:

@@ -241,7 +241,7 @@ def test_fp8_outside_bf16_on_cuda_dequantizes_at_load(tiny_llama_dir, prompts, r
     assert linears and all(m.weight_scale is None and m.weight.dtype == getattr(torch, dtype)
                            for m in linears)
     bounds = {"margin": 0.1, "logprob_tol": 0.05} if dtype == "float16" else {}
-    assert_agree(reference, llm.generate(prompts, GREEDY, use_tqdm=False), **bounds)
+    assert_agree(reference, llm, prompts, **bounds)
 
 
 def test_fp8_kv_pool_holds_more_tokens(tiny_llama_dir):

@@ -49,21 +49,27 @@ cat "$OUT/env.txt"
 [ -f "$MODEL_DIR/tokenizer.json" ] \
   || say "warning: no tokenizer.json in $MODEL_DIR (scripts/fetch_llama3_tokenizer.sh)"
 
-# (a) offline: one engine for the three widths, rows like `liteinfer-bench run`'s
+# (a) offline: one engine for the three widths, rows like `liteinfer-bench run`'s with the
+# run's id (the report's offline tables leave a serving run's baseline out)
 offline() {
   say "offline liteinfer"
-  timeout "$(cap 170)" python3 - "$MODEL_DIR" "$ROWS" >> "$LOG" 2>&1 <<'EOF' \
+  timeout "$(cap 170)" python3 - "$MODEL_DIR" "$ROWS" "$RUN_ID" >> "$LOG" 2>&1 <<'EOF' \
     || say "offline failed ($?)"
 import sys
+import tempfile
 from pathlib import Path
 
 from liteinfer.bench import cli, registry
+from liteinfer.bench.store import append_row
 from liteinfer.bench.workloads import HEADLINE
 
 config = registry.get(registry.DEFAULT)
 runs = [config.run("latency", HEADLINE, 1, 16), config.run("throughput", HEADLINE, 32, 128),
         config.run("throughput", HEADLINE, 128, 512)]
-cli._measure_group(config, runs, sys.argv[1], {}, Path(sys.argv[2]))
+with tempfile.TemporaryDirectory() as scratch:
+    rows = cli._measure_group(config, runs, sys.argv[1], {}, Path(scratch) / "rows.jsonl")
+for row in rows:
+    append_row({**row, "run_id": sys.argv[3]}, Path(sys.argv[2]))
 EOF
 }
 want offline && offline

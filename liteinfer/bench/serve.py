@@ -338,12 +338,14 @@ def describe(row: Row) -> str:
 
 
 def offline_row(row: Row, rows: list[Row]) -> Row | None:
-    """The newest offline liteinfer row of the same GPU, model, shape and width."""
+    """The newest offline liteinfer row of the same GPU, model, shape and width: of the same
+    run (scripts/bench_serving.sh gives its offline rows the run's id) where there is one."""
     same = [r for r in rows if r["kind"] in ("latency", "throughput")
             and r.get("engine") == LITEINFER and r.get("gpu") == row.get("gpu")
             and (r["model"], str(r["isl"]), r["osl"], r["width"])
             == (row["model"], str(row["isl"]), row["osl"], row["width"])]
-    return max(same, key=lambda r: r["timestamp"]) if same else None
+    return max(same, key=lambda r: (r.get("run_id") == row.get("run_id"), r["timestamp"]),
+               default=None)
 
 
 def summary(rows: list[Row]) -> str:

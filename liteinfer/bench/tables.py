@@ -281,9 +281,11 @@ def _header(model: str, rows: list[Row], headline: Shape) -> list[tuple[str, str
 
 
 def build_page(rows: list[Row], model: str | None = None) -> Page:
-    """The newest row per (config, kind, shape, width) of one model, laid out as the page."""
+    """The newest row per (config, kind, shape, width) of one model, laid out as the page; the
+    offline rows of a serving run (its baseline, on fewer prompts) only in its own table."""
     served = [r for r in rows if r["kind"] == SERVE]
-    rows = [r for r in latest(rows) if r["kind"] != SERVE and r["config"] in registry.BY_NAME]
+    rows = latest([r for r in rows if r["kind"] != SERVE and "run_id" not in r
+                   and r["config"] in registry.BY_NAME])
     if model is None:
         own = [r for r in rows if r.get("engine") == LITEINFER]
         model = max(own, key=lambda r: r["timestamp"])["model"] if own else MODEL

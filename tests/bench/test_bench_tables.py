@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from liteinfer.bench import registry
+from liteinfer.bench.serve import offline_row
 from liteinfer.bench.store import append_row, engine_commit, latest, load_rows, results_file
 from liteinfer.bench.tables import SPANS_ENGINES, build_page, ratio
 from liteinfer.bench.workloads import fingerprint, make_prompts
@@ -138,6 +139,20 @@ def test_latest_row_wins(tmp_path):
     assert sorted(r["itl_p50"] for r in rows) == [1.0, 5.0]
     page = build_page(rows, model="m")
     assert [x.row["itl_p50"] for x in page.tables[0].lines] == [5.0]
+
+
+def test_a_serving_runs_offline_baseline_stays_out_of_the_offline_tables():
+    """bench_serving.sh's offline rows (fewer prompts, tagged with the run's id) are newer than
+    the page's row but do not replace it; the serving summary pairs a serve row with them."""
+    page_row = row("splitk", itl_p50=5.0, timestamp="2026-01-01T00:00:00+00:00")
+    baseline = row("splitk", itl_p50=9.0, prompts=16, run_id="serving-1",
+                   timestamp="2026-02-01T00:00:00+00:00")
+    page = build_page([page_row, baseline], model="m")
+    assert [x.row["itl_p50"] for x in page.tables[0].lines] == [5.0]
+    served = row("splitk", kind="serve", run_id="serving-1", timestamp="2026-02-01T00:01:00+00:00")
+    newer = row("splitk", itl_p50=7.0, timestamp="2026-03-01T00:00:00+00:00")
+    assert offline_row(served, [page_row, baseline, newer]) is baseline
+    assert offline_row({**served, "run_id": "other"}, [page_row, baseline, newer]) is newer
 
 
 def test_reference_rows_map_onto_configs():

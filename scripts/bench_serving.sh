@@ -56,20 +56,15 @@ offline() {
   timeout "$(cap 170)" python3 - "$MODEL_DIR" "$ROWS" "$RUN_ID" >> "$LOG" 2>&1 <<'EOF' \
     || say "offline failed ($?)"
 import sys
-import tempfile
 from pathlib import Path
 
 from liteinfer.bench import cli, registry
-from liteinfer.bench.store import append_row
 from liteinfer.bench.workloads import HEADLINE
 
 config = registry.get(registry.DEFAULT)
 runs = [config.run("latency", HEADLINE, 1, 16), config.run("throughput", HEADLINE, 32, 128),
         config.run("throughput", HEADLINE, 128, 512)]
-with tempfile.TemporaryDirectory() as scratch:
-    rows = cli._measure_group(config, runs, sys.argv[1], {}, Path(scratch) / "rows.jsonl")
-for row in rows:
-    append_row({**row, "run_id": sys.argv[3]}, Path(sys.argv[2]))
+cli._measure_group(config, runs, sys.argv[1], {}, Path(sys.argv[2]), run_id=sys.argv[3])
 EOF
 }
 want offline && offline

@@ -151,8 +151,9 @@ def check_device(runs: list[Run], overrides: dict[str, Any]) -> None:
 
 
 def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
-                   overrides: dict[str, Any], out: Path) -> list[Row]:
-    """Loads the model once for all runs of one config; each row is saved as soon as it exists."""
+                   overrides: dict[str, Any], out: Path, run_id: str | None = None) -> list[Row]:
+    """Loads the model once for all runs of one config; each row is saved as soon as it exists
+    (with `run_id`, the serving run it is the offline baseline of)."""
     rows = []
     if config.engine == TRANSFORMERS:
         from liteinfer.bench.hf_baseline import HFBaseline, measure_hf  # imports transformers
@@ -167,6 +168,8 @@ def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
     try:
         for run in runs:
             row = measure_one(handle, run, model, args)
+            if run_id is not None:
+                row["run_id"] = run_id
             append_row(row, out)
             rows.append(row)
             print(f"{run.config} {run.kind} {run.shape.label} W={run.width}: "

@@ -9,7 +9,8 @@ grammar's end stops early, which tok/s alone would not show.
     python scripts/bench_structured.py [--requests 64] [--out $OUT] [--profile]
 
 --profile also splits each run's engine steps: wall time per step, the part spent waiting for the
-device (SampledTokens.result), the part filling bitmasks, and the costliest host functions.
+device (SampledTokens.result), the part waiting for bitmasks (the grammar process fills them), and
+the costliest host functions.
 """
 from __future__ import annotations
 

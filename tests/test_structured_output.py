@@ -18,7 +18,12 @@ from pydantic import BaseModel, Field
 from liteinfer import SamplingParams
 from liteinfer.structured_output import StructuredOutputsParams
 from liteinfer.structured_output.backend import XgrammarBackend
-from liteinfer.structured_output.manager import StructuredOutputManager
+from liteinfer.structured_output.manager import (
+    ALLOWED,
+    FORBIDDEN,
+    TERMINATED,
+    StructuredOutputManager,
+)
 
 
 class Color(StrEnum):
@@ -180,40 +185,57 @@ def test_constrained_steps_sample_in_the_next_call_before_the_next_launch(tiny_l
     replay(tiny_llm, constraint, tokens)
 
 
+def wait_ready(manager: StructuredOutputManager, request_ids) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        manager.poll()
+        if all(manager.is_ready(r) for r in request_ids):
+            return
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_manager_bitmask_equals_xgrammar(tiny_llm):
+    """The grammar process's bitmask rows equal xgrammar's own matcher's, whether they were
+    filled on demand or while the caller went on (`advance` given the next step's rows); the
+    statuses of accepted, forbidden and final tokens."""
     engine = tiny_llm.engine
     vocab = engine.model_config.vocab_size
-    manager = StructuredOutputManager(engine.tokenizer, vocab, engine.core.eos_token_ids)
+    eos = engine.core.eos_token_ids
+    manager = StructuredOutputManager(engine.tokenizer, vocab, eos, max_rows=4)
     a = StructuredOutputsParams(json=Order.model_json_schema())
     b = StructuredOutputsParams(regex=r"(ab|cd)+")
     manager.add_request("a", a)
     manager.add_request("b", b)
     manager.add_request("a2", StructuredOutputsParams(json=Order.model_json_schema()))
-    deadline = time.monotonic() + 60
-    while not all(manager.is_ready(r) for r in ("a", "b", "a2")):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_ready(manager, ("a", "b", "a2"))
     assert manager.error("a") is None
-    assert len(manager._compiled) == 2  # the same schema compiles once
-    backend = XgrammarBackend(engine.tokenizer, vocab, engine.core.eos_token_ids)
+    assert len(manager._grammars) == 2  # the same schema compiles once
+    backend = XgrammarBackend(engine.tokenizer, vocab, eos)
     refs = {"a": xgr.GrammarMatcher(backend.compile(a)),
             "b": xgr.GrammarMatcher(backend.compile(b))}
     steps = {"a": ['{"', 'color', '":', ' "', 'red'], "b": ["a", "b", "c"]}
+    rows = [None, "a", "unconstrained", "b"]
     for i in range(3):
-        rows = [None, "a", "unconstrained", "b"]
         mask = manager.grammar_bitmask(rows)
         assert mask.rows == [1, 3]
         for row, rid in ((1, "a"), (3, "b")):
             want = xgr.allocate_token_bitmask(1, vocab)
             refs[rid].fill_next_token_bitmask(want)
             assert torch.equal(mask.bitmask[row], want[0])
-            text = steps[rid][i]
-            token = engine.tokenizer.encode(text, add_special_tokens=False)
-            assert manager.accept_tokens(rid, token)
+        accepts = [(rid, engine.tokenizer.encode(steps[rid][i], add_special_tokens=False))
+                   for rid in ("a", "b")]
+        # Every other step, the next rows are filled ahead.
+        next_rows = [(1, "a"), (3, "b")] if i % 2 == 0 else []
+        assert manager.advance(accepts, next_rows) == [ALLOWED, ALLOWED]
+        for rid, token in accepts:
             for t in token:
                 assert refs[rid].accept_token(t)
     bad = engine.tokenizer.encode("zzz", add_special_tokens=False)
-    assert not manager.accept_tokens("b", bad)
+    assert manager.advance([("b", bad)]) == [FORBIDDEN]
+    assert manager.advance([("b", engine.tokenizer.encode("d", add_special_tokens=False)),
+                            ("a2", bad)]) == [ALLOWED, FORBIDDEN]
+    assert manager.advance([("b", [eos[0]])]) == [TERMINATED]
     for rid in ("a", "b", "a2"):
         manager.finish_request(rid)
     assert manager.grammar_bitmask(["a", "b"]) is None
@@ -223,19 +245,18 @@ def test_manager_bitmask_equals_xgrammar(tiny_llm):
 def test_compiled_grammars_are_evicted_least_recently_used_first(tiny_llm):
     engine = tiny_llm.engine
     manager = StructuredOutputManager(engine.tokenizer, engine.model_config.vocab_size,
-                                      engine.core.eos_token_ids, cache_size=2)
+                                      engine.core.eos_token_ids, max_rows=2, cache_size=2)
     keys = [StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+")]
     manager.add_request("1", keys[0])
     manager.add_request("2", keys[1])
     manager.add_request("3", keys[0])  # a hit: "a+" is now the most recent
     manager.add_request("4", keys[2])  # evicts "b+"
-    assert list(manager._compiled) == [keys[0].key, keys[2].key]
-    deadline = time.monotonic() + 60
-    while not all(manager.is_ready(r) for r in "1234"):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    assert list(manager._grammars) == [keys[0].key, keys[2].key]
+    wait_ready(manager, "1234")
     # An evicted grammar's request keeps its matcher.
     assert manager.grammar_bitmask(["2"]).rows == [0]
+    b = engine.tokenizer.encode("b", add_special_tokens=False)
+    assert manager.advance([("2", b)]) == [ALLOWED]
     manager.shutdown()
 
 

@@ -28,7 +28,7 @@ from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed, torchrun_rank
 from liteinfer.engine.worker import EXIT_WAIT, WorkerGroup
 from liteinfer.loader import ModelSource, load_model_source
-from liteinfer.structured_output.manager import StructuredOutputManager
+from liteinfer.structured_output.manager import FORBIDDEN, TERMINATED, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +85,11 @@ class EngineCore:
     sampled tokens feed step N+1 on the device and reach the host afterwards. A step whose
     requests need every earlier token on the host (penalties) is read back before the next.
     A step that samples for constrained requests (structured outputs) is launched without its
-    sampling, which waits for the next call: by then the step before it has been read, so the
-    grammars have every token and the bitmask can be filled. That call samples it, launches the
-    step after it and only then reads it, so the device always has a forward pass queued while
-    the host fills bitmasks and processes outputs.
+    sampling, which waits for the next call: by then the step before it has been read, its
+    tokens given to the grammars, and the grammar process has been filling the bitmask while
+    this core returned those outputs and schedules the step after. That call samples the step,
+    launches the next one and only then reads it, so the device always has a forward pass
+    queued while the host processes outputs.
 
     A step that raises fails its own requests (finish reason "error", blocks returned); the
     others, and the core, go on. A tensor-parallel rank that exits is fatal (RankDiedError).
@@ -132,7 +133,8 @@ class EngineCore:
                                    config.mixed_prompt_tokens, self.eos_token_ids)
         self.inflight: InFlight | None = None
         self.structured_output = StructuredOutputManager(
-            source.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            source.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+            config.max_num_seqs)
         # Constrained requests whose grammar is still compiling; queued once it is ready.
         self.compiling: list[Sequence] = []
 
@@ -200,14 +202,23 @@ class EngineCore:
         """Launches the next step, then returns the outputs of the previous one."""
         outputs: list[EngineCoreOutput] = self._queue_compiled()
         inflight, self.inflight = self.inflight, None
+        upcoming: SchedulerOutput | None = None
         if inflight is not None and inflight.output is None:
-            outputs += self._sample_constrained(inflight)
+            if self._can_overlap(inflight):
+                # Scheduled while the grammar process fills the bitmask the sampling waits for.
+                upcoming, failed = self._schedule()
+                outputs += failed
+            outputs += self._sample_constrained(inflight, upcoming)
             if inflight.output is None:  # its sampling failed, and so did its requests
-                inflight = None
+                inflight = upcoming = None
         if inflight is not None and not self._can_overlap(inflight):
             outputs += self._resolve(inflight)
             inflight = None
-        outputs += self._launch()
+        if upcoming is None:
+            upcoming, failed = self._schedule()
+            outputs += failed
+        if upcoming is not None:
+            outputs += self._launch(upcoming)
         if inflight is not None:
             outputs += self._resolve(inflight)
         if self.structured_output.has_requests:
@@ -219,13 +230,17 @@ class EngineCore:
     def _queue_compiled(self) -> list[EngineCoreOutput]:
         """Queues the constrained requests whose grammar is ready; fails those whose grammar
         did not compile."""
-        ready = [s for s in self.compiling if self.structured_output.is_ready(s.request_id)]
+        if not self.compiling:
+            return []
+        manager = self.structured_output
+        manager.poll()
+        ready = [s for s in self.compiling if manager.is_ready(s.request_id)]
         if not ready:
             return []
         self.compiling = [s for s in self.compiling if s not in ready]
         failed = []
         for seq in ready:
-            error = self.structured_output.error(seq.request_id)
+            error = manager.error(seq.request_id)
             if error is None:
                 self.scheduler.add(seq)
             else:
@@ -238,14 +253,18 @@ class EngineCore:
     def _can_overlap(inflight: InFlight) -> bool:
         return not any(s.needs_penalties for s in inflight.scheduled.seqs)
 
-    def _launch(self) -> list[EngineCoreOutput]:
-        """Schedules and launches the next step (self.inflight); outputs only of requests
-        that failed. A step that samples for constrained requests is launched unsampled."""
-        scheduled = None
+    def _schedule(self) -> tuple[SchedulerOutput | None, list[EngineCoreOutput]]:
+        """The next step (None if there is nothing to run), and the outputs of the requests
+        that failed if scheduling raised."""
         try:
-            scheduled = self.scheduler.schedule()
-            if scheduled is None:
-                return []
+            return self.scheduler.schedule(), []
+        except Exception as e:  # the requests fail, the core goes on
+            return None, self._fail([*self.scheduler.running, *self.scheduler.waiting], e)
+
+    def _launch(self, scheduled: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Launches the scheduled step (self.inflight); outputs only of requests that failed.
+        A step that samples for constrained requests is launched unsampled."""
+        try:
             if self.workers is not None:
                 self.workers.execute_model(scheduled)
             if self._samples_constrained(scheduled):
@@ -255,9 +274,7 @@ class EngineCore:
         except RankDiedError:
             raise
         except Exception as e:  # the step's requests fail, the core goes on
-            seqs = scheduled.seqs if scheduled is not None else [
-                *self.scheduler.running, *self.scheduler.waiting]
-            return self._fail(seqs, e)
+            return self._fail(scheduled.seqs, e)
         self.scheduler.mark_launched(scheduled)
         self.inflight = inflight
         return []
@@ -267,16 +284,18 @@ class EngineCore:
         return manager.has_requests and any(
             manager.is_constrained(s.request_id) for s in scheduled.sampling_seqs)
 
-    def _sample_constrained(self, inflight: InFlight) -> list[EngineCoreOutput]:
-        """Fills the launched step's bitmask (every earlier step has been read) and samples
-        it; outputs only of requests that failed."""
+    def _sample_constrained(self, inflight: InFlight, upcoming: SchedulerOutput | None
+                            ) -> list[EngineCoreOutput]:
+        """Samples the launched step with its bitmask (every earlier step has been read);
+        outputs only of requests that failed. If it fails, so does the step scheduled after it
+        (`upcoming`): its rows would read tokens never sampled."""
         scheduled = inflight.scheduled
         try:
             bitmask = self.structured_output.grammar_bitmask(
                 [s.request_id for s in scheduled.sampling_seqs])
             inflight.output = self.runner.sample(scheduled, inflight.forward, bitmask)
         except Exception as e:  # as in _launch
-            return self._fail(scheduled.seqs, e)
+            return self._fail(scheduled.seqs + (upcoming.seqs if upcoming else []), e)
         inflight.forward = None
         return []
 
@@ -292,21 +311,28 @@ class EngineCore:
     def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
         """Gives each constrained request's new token to its grammar: one at the grammar's
         end finishes the request ("stop"); one the grammar forbids (none can be sampled, unless
-        min_tokens held back the only stop token allowed) fails it."""
+        min_tokens held back the only stop token allowed) fails it. The grammar process then
+        fills the bitmask of the launched step, if it waits for one, while the core goes on."""
         manager = self.structured_output
         if not manager.has_requests:
             return
-        for out in outputs:
-            rid = out.request_id
-            if out.finished or not manager.is_constrained(rid):
-                continue
-            if not manager.accept_tokens(rid, out.new_token_ids):
+        advancing = [out for out in outputs
+                     if not out.finished and manager.is_constrained(out.request_id)]
+        next_rows = []
+        if self.inflight is not None and self.inflight.output is None:
+            next_rows = [(row, s.request_id)
+                         for row, s in enumerate(self.inflight.scheduled.sampling_seqs)
+                         if not s.is_finished and manager.is_constrained(s.request_id)]
+        statuses = manager.advance([(out.request_id, out.new_token_ids) for out in advancing],
+                                   next_rows)
+        for out, status in zip(advancing, statuses):
+            if status == FORBIDDEN:
                 out.finish_reason = "error"
                 out.error = "the sampled token is not one the output's grammar allows"
-            elif manager.is_terminated(rid):
+            elif status == TERMINATED:
                 out.finish_reason = "stop"
             if out.finished:
-                self.scheduler.finish_requests([rid], out.finish_reason)
+                self.scheduler.finish_requests([out.request_id], out.finish_reason)
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[EngineCoreOutput]:
         if self.workers is not None:

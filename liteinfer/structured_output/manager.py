@@ -1,28 +1,46 @@
-"""The engine core's structured outputs: grammars compiled off the step loop, one matcher per
-constrained request, and the token bitmask of each step's constrained rows.
+"""The engine core's structured outputs: the constrained requests, their grammars (compiled,
+cached and matched in the grammar process, structured_output/worker.py) and the token bitmask
+of each step's constrained rows.
 
-A request's grammar is compiled on a worker thread when the request arrives (compiled grammars
-are cached by constraint, least recently used first out); the scheduler keeps it waiting until
-`is_ready`. Before a step samples, `grammar_bitmask` fills on the host the bitmask of the rows
-whose requests are constrained (the sampler applies it on the device, to those rows only); the
-tokens sampled are then given to `accept_tokens`, in order. A matcher that accepts a stop token
-has reached the grammar's end (`is_terminated`): the request finishes with "stop".
+A request's grammar is compiled in the grammar process when the request arrives (compiled
+grammars are cached by constraint, least recently used first out); the scheduler keeps it
+waiting until `is_ready`. Each step's sampled tokens go to `advance`, which returns at once
+with each request's status (its grammar's end finishes it with "stop") and may also ask for the
+bitmask rows of the step that samples next: the grammar process fills them while the core goes
+on, and `grammar_bitmask` waits for them only when that step samples.
+
+The grammar process starts with the first constrained request (reading a 128k vocabulary and
+starting a process take a few seconds).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
 import torch
+import torch.multiprocessing
 import xgrammar as xgr
 
-from liteinfer.structured_output.backend import XgrammarBackend
+from liteinfer.structured_output import worker
 from liteinfer.structured_output.params import StructuredOutputsParams
+from liteinfer.structured_output.worker import ALLOWED, FORBIDDEN, TERMINATED
 from liteinfer.utils import to_device
+
+__all__ = ["ALLOWED", "FORBIDDEN", "TERMINATED", "GrammarBitmask", "StructuredOutputManager",
+           "apply_grammar_bitmask"]
+# Fill threads in the grammar process: the H200 host's best (worker.py); half the cores at most.
+FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+COMPILE_THREADS = 2
+# How long the core waits for the grammar process before it counts it as dead.
+REPLY_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -43,92 +61,118 @@ def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> None
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
 
+class GrammarWorkerDied(RuntimeError):
+    pass
+
+
 @dataclass
-class _Request:
-    grammar: Future[xgr.CompiledGrammar]
-    matcher: xgr.GrammarMatcher | None = None
+class _Grammar:
+    gid: int
+    ready: bool = False
     error: str | None = None
+
+
+class _Process:
+    """The started grammar process, the pipe to it and the bitmask it fills."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 max_rows: int):
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids))
+        words = xgr.get_bitmask_shape(1, vocab_size)[1]
+        self.bitmask = torch.zeros(max_rows, words, dtype=torch.int32).share_memory_()
+        # Registered with CUDA, the shared pages are pinned: the copy to the device is async.
+        self.registered = torch.cuda.is_available()
+        if self.registered:
+            nbytes = self.bitmask.numel() * self.bitmask.element_size()
+            flags = 1  # cudaHostRegisterPortable: pinned for every device
+            error = torch.cuda.cudart().cudaHostRegister(self.bitmask.data_ptr(), nbytes, flags)
+            if int(error) != 0:
+                raise RuntimeError(f"cudaHostRegister of the grammar bitmask failed: {error}")
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker.run_grammar_worker, daemon=True,
+                                name="liteinfer-grammar",
+                                args=(child, info.serialize_json(), self.bitmask, FILL_THREADS,
+                                      COMPILE_THREADS))
+        self.proc.start()
+        child.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # it may be gone already
+            self.conn.send_bytes(msgspec.msgpack.encode([worker.SHUTDOWN]))
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.bitmask.data_ptr())
 
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 cache_size: int = 256, compile_threads: int = 2):
-        self._backend_args = (tokenizer, vocab_size, stop_token_ids)
-        self.vocab_size = vocab_size
+                 max_rows: int, cache_size: int = 256):
+        self._process_args = (tokenizer, vocab_size, stop_token_ids, max_rows)
         self.cache_size = cache_size
-        self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar")
-        # Built on the first constrained request (reading a 128k vocabulary takes a while).
-        self._backend: Future[XgrammarBackend] | None = None
-        self._compiled: OrderedDict[tuple[str, str, bool], Future[xgr.CompiledGrammar]] = (
-            OrderedDict())
-        self._requests: dict[str, _Request] = {}
-        # Filling a step's rows is on the step's path. On the H200 host 16 rows took 1.02 ms on
-        # one thread, 0.38-0.41 on four and 0.44 on eight (xgrammar's "auto": half the cores),
-        # and rows that allow few tokens 0.15 ms on four against 0.33 on eight (the threads'
-        # start): at most four.
-        self._batch_matcher = xgr.BatchGrammarMatcher(max(1, min(4, (os.cpu_count() or 2) // 2)))
-        self._pin = torch.cuda.is_available()
+        self._starter = ThreadPoolExecutor(1, thread_name_prefix="grammar-start")
+        self._process: Future[_Process] | None = None
+        self._outbox: list[bytes] = []  # sent once the process has started
+        self._grammars: OrderedDict[tuple[str, str, bool], _Grammar] = OrderedDict()
+        self._by_gid: dict[int, _Grammar] = {}
+        self._next_gid = 0
+        self._requests: dict[str, _Grammar] = {}
+        self._finished: list[str] = []  # told to the grammar process with the next message
+        self._fills: list[dict[int, str]] = []  # rows asked for, not filled yet, oldest first
+        self._filled: dict[int, str] = {}  # rows filled for the step that samples next
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder()
 
+    # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
         """Starts (or reuses) the compilation of the request's grammar."""
-        self._requests[request_id] = _Request(self._grammar(params))
+        grammar = self._grammar(params)
+        self._requests[request_id] = grammar
+        self._send([worker.ADD, request_id, grammar.gid])
 
-    def _grammar(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
+    def _grammar(self, params: StructuredOutputsParams) -> _Grammar:
         key = params.key
-        future = self._compiled.get(key)
-        if future is not None:
-            self._compiled.move_to_end(key)
-            return future
-        if self._backend is None:
-            self._backend = self._executor.submit(XgrammarBackend, *self._backend_args)
-        backend = self._backend
-        future = self._executor.submit(lambda: backend.result().compile(params))
-        self._compiled[key] = future
-        if len(self._compiled) > self.cache_size:
-            self._compiled.popitem(last=False)
-        return future
+        grammar = self._grammars.get(key)
+        if grammar is not None:
+            self._grammars.move_to_end(key)
+            return grammar
+        if self._process is None:
+            self._process = self._starter.submit(_Process, *self._process_args)
+        grammar = _Grammar(self._next_gid)
+        self._next_gid += 1
+        self._grammars[key] = self._by_gid[grammar.gid] = grammar
+        self._send(worker.params_message(grammar.gid, params))
+        if len(self._grammars) > self.cache_size:
+            _, evicted = self._grammars.popitem(last=False)
+            self._send([worker.DROP, evicted.gid])
+        return grammar
+
+    def poll(self) -> None:
+        """Learns which compilations have finished (for `is_ready`)."""
+        if self._process is None or not self._process.done():
+            return
+        error = self._process.exception()
+        if error is not None:  # every grammar fails with it
+            for grammar in self._by_gid.values():
+                grammar.error = f"structured outputs: the grammar process did not start: {error}"
+            self._by_gid.clear()
+            return
+        self._send([worker.POLL])
+        self._receive(worker.COMPILED)
 
     def is_ready(self, request_id: str) -> bool:
-        """Whether the request can run: its grammar compiled (or failed: see `error`)."""
-        req = self._requests[request_id]
-        if req.matcher is not None or req.error is not None:
-            return True
-        if not req.grammar.done():
-            return False
-        try:
-            req.matcher = xgr.GrammarMatcher(req.grammar.result())
-        except Exception as e:  # reported as this request's error
-            req.error = f"structured outputs: {e}"
-        return True
+        """Whether the request can run: its grammar compiled (or failed: see `error`), as of
+        the last reply from the grammar process (`poll` asks for one)."""
+        grammar = self._requests[request_id]
+        return grammar.ready or grammar.error is not None
 
     def error(self, request_id: str) -> str | None:
         return self._requests[request_id].error
-
-    def grammar_bitmask(self, request_ids: Sequence[str | None]) -> GrammarBitmask | None:
-        """The bitmask of one step's rows (request ids in row order): filled for the rows of
-        constrained requests whose grammar has not terminated; None if there are none."""
-        rows, matchers = [], []
-        for row, rid in enumerate(request_ids):
-            req = self._requests.get(rid) if rid is not None else None
-            if req is not None and req.matcher is not None and not req.matcher.is_terminated():
-                rows.append(row)
-                matchers.append(req.matcher)
-        if not rows:
-            return None
-        bitmask = torch.empty(len(request_ids), xgr.get_bitmask_shape(1, self.vocab_size)[1],
-                              dtype=torch.int32, pin_memory=self._pin)
-        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
-        return GrammarBitmask(rows, bitmask)
-
-    def accept_tokens(self, request_id: str, token_ids: Sequence[int]) -> bool:
-        """Advances the request's matcher; False if a token is not one the grammar allows
-        (the matcher stays where it was before that token)."""
-        matcher = self._requests[request_id].matcher
-        return all(matcher.accept_token(t) for t in token_ids)
-
-    def is_terminated(self, request_id: str) -> bool:
-        matcher = self._requests[request_id].matcher
-        return matcher is not None and matcher.is_terminated()
 
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -139,7 +183,91 @@ class StructuredOutputManager:
         return bool(self._requests)
 
     def finish_request(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        if self._requests.pop(request_id, None) is not None:
+            self._finished.append(request_id)
+
+    # ---- steps ----------------------------------------------------------------------------
+    def advance(self, accepts: Sequence[tuple[str, list[int]]],
+                next_rows: Sequence[tuple[int, str]] = ()) -> list[int]:
+        """Gives each request its new tokens; returns their statuses (ALLOWED, FORBIDDEN: the
+        matcher stays before the token, TERMINATED: the grammar's end). `next_rows` (row,
+        request id) are the constrained rows of the step that samples next: the grammar
+        process fills them after these tokens, while the caller goes on."""
+        if not accepts and not next_rows:
+            return []
+        self._send([worker.STEP, list(accepts), list(next_rows)])
+        if next_rows:
+            self._fills.append(dict(next_rows))
+        return self._receive(worker.ACCEPTED)[1] if accepts else []
+
+    def grammar_bitmask(self, request_ids: Sequence[str | None]) -> GrammarBitmask | None:
+        """The bitmask of one step's rows (request ids in row order), filled for the rows of
+        the constrained requests still running; None if there are none."""
+        while self._fills:  # rows asked for by `advance`
+            self._receive(worker.FILLED)
+        filled, self._filled = self._filled, {}
+        rows = [(row, rid) for row, rid in enumerate(request_ids)
+                if rid is not None and rid in self._requests]
+        if not rows:
+            return None
+        missing = [(row, rid) for row, rid in rows if filled.get(row) != rid]
+        if missing:
+            self._send([worker.STEP, [], missing])
+            self._fills.append(dict(missing))
+            self._receive(worker.FILLED)
+            self._filled = {}
+        bitmask = self._started().bitmask
+        return GrammarBitmask([row for row, _ in rows], bitmask[:len(request_ids)])
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._starter.shutdown(wait=False, cancel_futures=True)
+        if self._process is not None and self._process.done() and (
+                self._process.exception() is None):
+            self._process.result().close()
+
+    # ---- the pipe -------------------------------------------------------------------------
+    def _started(self) -> _Process:
+        assert self._process is not None
+        return self._process.result()
+
+    def _send(self, message: list[Any]) -> None:
+        """Sends `message` (with the requests finished since the last one), or keeps it until
+        the grammar process has started."""
+        if self._finished:
+            finished, self._finished = self._finished, []
+            self._send([worker.FINISH, finished])
+        self._outbox.append(self._encoder.encode(message))
+        if self._process is not None and self._process.done():
+            if self._process.exception() is None:
+                self._flush(self._started().conn)
+            else:  # nothing will run: poll() fails every grammar
+                self._outbox.clear()
+
+    def _flush(self, conn: Connection) -> None:
+        for data in self._outbox:
+            conn.send_bytes(data)
+        self._outbox.clear()
+
+    def _receive(self, kind: int) -> list[Any]:
+        """Replies until one of `kind`; each reports the compilations that have finished."""
+        process = self._started()
+        self._flush(process.conn)
+        while True:
+            reply = self._decoder.decode(self._recv(process.conn, process))
+            for gid, error in reply[-1]:
+                grammar = self._by_gid.pop(gid)
+                grammar.ready = error is None
+                grammar.error = None if error is None else f"structured outputs: {error}"
+            if reply[0] == worker.FILLED:
+                self._filled.update(self._fills.pop(0))
+            if reply[0] == kind:
+                return reply
+
+    @staticmethod
+    def _recv(conn: Connection, process: _Process) -> bytes:
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while not conn.poll(0.5):
+            if not process.proc.is_alive() or time.monotonic() > deadline:
+                raise GrammarWorkerDied(f"the grammar process exited with code "
+                                        f"{process.proc.exitcode}")
+        return conn.recv_bytes()

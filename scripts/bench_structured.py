@@ -112,8 +112,10 @@ def split_steps(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict
         engine.step, SampledTokens.result = step, result
         core.structured_output.grammar_bitmask = fill
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
-    print(text.getvalue()[-2600:])
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+    print(text.getvalue())
     runs = 2
     return {f"{k}_ms_per_step": v / steps * 1e3 for k, v in spent.items()} | {
         "steps": steps / runs}

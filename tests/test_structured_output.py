@@ -227,15 +227,18 @@ def test_manager_bitmask_equals_xgrammar(tiny_llm):
                    for rid in ("a", "b")]
         # Every other step, the next rows are filled ahead.
         next_rows = [(1, "a"), (3, "b")] if i % 2 == 0 else []
-        assert manager.advance(accepts, next_rows) == [ALLOWED, ALLOWED]
+        manager.advance(accepts, next_rows)
+        assert manager.accepted() == [ALLOWED, ALLOWED]
         for rid, token in accepts:
             for t in token:
                 assert refs[rid].accept_token(t)
     bad = engine.tokenizer.encode("zzz", add_special_tokens=False)
-    assert manager.advance([("b", bad)]) == [FORBIDDEN]
-    assert manager.advance([("b", engine.tokenizer.encode("d", add_special_tokens=False)),
-                            ("a2", bad)]) == [ALLOWED, FORBIDDEN]
-    assert manager.advance([("b", [eos[0]])]) == [TERMINATED]
+    for accepts, statuses in (([("b", bad)], [FORBIDDEN]),
+                              ([("b", engine.tokenizer.encode("d", add_special_tokens=False)),
+                                ("a2", bad)], [ALLOWED, FORBIDDEN]),
+                              ([("b", [eos[0]])], [TERMINATED])):
+        manager.advance(accepts)
+        assert manager.accepted() == statuses
     for rid in ("a", "b", "a2"):
         manager.finish_request(rid)
     assert manager.grammar_bitmask(["a", "b"]) is None
@@ -256,7 +259,8 @@ def test_compiled_grammars_are_evicted_least_recently_used_first(tiny_llm):
     # An evicted grammar's request keeps its matcher.
     assert manager.grammar_bitmask(["2"]).rows == [0]
     b = engine.tokenizer.encode("b", add_special_tokens=False)
-    assert manager.advance([("2", b)]) == [ALLOWED]
+    manager.advance([("2", b)])
+    assert manager.accepted() == [ALLOWED]
     manager.shutdown()
 
 

@@ -302,30 +302,44 @@ class EngineCore:
     def _resolve(self, inflight: InFlight) -> list[EngineCoreOutput]:
         """The step's outputs."""
         try:
+            advancing = self._advance_grammars(inflight)
             outputs = self.scheduler.update_from_output(inflight.scheduled, inflight.output)
-            self._advance_grammars(outputs)
+            self._apply_grammar_statuses(outputs, advancing)
         except Exception as e:  # as in _launch
             return self._fail(inflight.scheduled.seqs, e)
         return outputs
 
-    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
-        """Gives each constrained request's new token to its grammar: one at the grammar's
-        end finishes the request ("stop"); one the grammar forbids (none can be sampled, unless
-        min_tokens held back the only stop token allowed) fails it. The grammar process then
-        fills the bitmask of the launched step, if it waits for one, while the core goes on."""
+    def _advance_grammars(self, inflight: InFlight) -> list[str]:
+        """Gives each constrained request's new token to its grammar as soon as the step's
+        tokens are on the host, and asks for the bitmask rows of the launched step if it waits
+        for one: the grammar process works while the core processes the outputs. Returns the
+        requests advanced, in order."""
         manager = self.structured_output
         if not manager.has_requests:
-            return
-        advancing = [out for out in outputs
-                     if not out.finished and manager.is_constrained(out.request_id)]
+            return []
+        tokens = inflight.output.wait().token_ids
+        accepts = [(s.request_id, [t]) for s, t in zip(inflight.scheduled.sampling_seqs, tokens)
+                   if not s.is_finished and manager.is_constrained(s.request_id)]
         next_rows = []
         if self.inflight is not None and self.inflight.output is None:
             next_rows = [(row, s.request_id)
                          for row, s in enumerate(self.inflight.scheduled.sampling_seqs)
                          if not s.is_finished and manager.is_constrained(s.request_id)]
-        statuses = manager.advance([(out.request_id, out.new_token_ids) for out in advancing],
-                                   next_rows)
-        for out, status in zip(advancing, statuses):
+        manager.advance(accepts, next_rows)
+        return [rid for rid, _ in accepts]
+
+    def _apply_grammar_statuses(self, outputs: list[EngineCoreOutput], advanced: list[str]
+                                ) -> None:
+        """A token at its grammar's end finishes the request ("stop"); one the grammar forbids
+        (none can be sampled, unless min_tokens held back the only stop token allowed) fails it.
+        Requests that finished on their own (length, a stop token) keep their reason."""
+        if not advanced:
+            return
+        statuses = dict(zip(advanced, self.structured_output.accepted()))
+        for out in outputs:
+            status = statuses.get(out.request_id)
+            if out.finished or status is None:
+                continue
             if status == FORBIDDEN:
                 out.finish_reason = "error"
                 out.error = "the sampled token is not one the output's grammar allows"

@@ -36,6 +36,7 @@ class SampledTokens:
                  num_top: int | None):
         self.token_ids = token_ids  # [B] int64 on the device
         self._params, self._num_top = params, num_top
+        self._result: SamplerOutput | None = None
         if rows.device.type == "cpu":
             self._host, self._event = rows, None
         else:
@@ -45,13 +46,16 @@ class SampledTokens:
             self._event.record()
 
     def result(self) -> SamplerOutput:
-        if self._event is not None:
-            self._event.synchronize()
-        if self._num_top is None:
-            return SamplerOutput(self._host.tolist(), [None] * len(self._params))
-        rows = self._host.tolist()
-        return SamplerOutput([int(r[0]) for r in rows], logprob_entries(
-            rows, [p.logprobs for p in self._params], self._num_top))
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            rows = self._host.tolist()
+            if self._num_top is None:
+                self._result = SamplerOutput(rows, [None] * len(self._params))
+            else:
+                self._result = SamplerOutput([int(r[0]) for r in rows], logprob_entries(
+                    rows, [p.logprobs for p in self._params], self._num_top))
+        return self._result
 
 
 class Sampler:

@@ -4,10 +4,10 @@ of each step's constrained rows.
 
 A request's grammar is compiled in the grammar process when the request arrives (compiled
 grammars are cached by constraint, least recently used first out); the scheduler keeps it
-waiting until `is_ready`. Each step's sampled tokens go to `advance`, which returns at once
-with each request's status (its grammar's end finishes it with "stop") and may also ask for the
-bitmask rows of the step that samples next: the grammar process fills them while the core goes
-on, and `grammar_bitmask` waits for them only when that step samples.
+waiting until `is_ready`. Each step's sampled tokens go to `advance` as soon as they reach the
+host, with the bitmask rows of the step that samples next; `accepted` then gives each request's
+status (its grammar's end finishes it with "stop"), and the grammar process fills the rows
+while the core goes on: `grammar_bitmask` waits for them only when that step samples.
 
 The grammar process starts with the first constrained request (reading a 128k vocabulary and
 starting a process take a few seconds).
@@ -125,6 +125,7 @@ class StructuredOutputManager:
         self._finished: list[str] = []  # told to the grammar process with the next message
         self._fills: list[dict[int, str]] = []  # rows asked for, not filled yet, oldest first
         self._filled: dict[int, str] = {}  # rows filled for the step that samples next
+        self._accepting = False  # an ACCEPTED reply is due
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder()
 
@@ -188,17 +189,24 @@ class StructuredOutputManager:
 
     # ---- steps ----------------------------------------------------------------------------
     def advance(self, accepts: Sequence[tuple[str, list[int]]],
-                next_rows: Sequence[tuple[int, str]] = ()) -> list[int]:
-        """Gives each request its new tokens; returns their statuses (ALLOWED, FORBIDDEN: the
-        matcher stays before the token, TERMINATED: the grammar's end). `next_rows` (row,
-        request id) are the constrained rows of the step that samples next: the grammar
-        process fills them after these tokens, while the caller goes on."""
+                next_rows: Sequence[tuple[int, str]] = ()) -> None:
+        """Gives each request its new tokens (their statuses: `accepted`). `next_rows` (row,
+        request id) are the constrained rows of the step that samples next: the grammar process
+        fills them after these tokens, while the caller goes on."""
+        self._accepting = bool(accepts)
         if not accepts and not next_rows:
-            return []
+            return
         self._send([worker.STEP, list(accepts), list(next_rows)])
         if next_rows:
             self._fills.append(dict(next_rows))
-        return self._receive(worker.ACCEPTED)[1] if accepts else []
+
+    def accepted(self) -> list[int]:
+        """The statuses of the tokens of the last `advance`, in its order: ALLOWED, FORBIDDEN
+        (the matcher stays before the token) or TERMINATED (the grammar's end)."""
+        if not self._accepting:
+            return []
+        self._accepting = False
+        return self._receive(worker.ACCEPTED)[1]
 
     def grammar_bitmask(self, request_ids: Sequence[str | None]) -> GrammarBitmask | None:
         """The bitmask of one step's rows (request ids in row order), filled for the rows of

@@ -56,9 +56,16 @@ def run(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, fl
     first: dict[str, float] = {}
     count: dict[str, int] = {}
     stops = 0
+    # The longest wait for one step, and how many took over 10 ms: a stall shows here, not in
+    # the mean inter-token latency.
+    gaps: list[float] = []
+    before = time.perf_counter()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            now = time.perf_counter()
+        step_outputs = engine.step()
+        now = time.perf_counter()
+        gaps.append(now - before)
+        before = now
+        for out in step_outputs:
             rid = out.request_id
             first.setdefault(rid, now)
             count[rid] = count.get(rid, 0) + len(out.outputs[0].token_ids)
@@ -73,7 +80,8 @@ def run(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, fl
     return {**{f"tok_s_{h}": tokens[h] / (last[h] - start) for h in tokens},
             **{f"itl_ms_{h}": sum(v) / len(v) for h, v in itl.items() if v},
             **{f"tokens_{h}": tokens[h] for h in tokens},
-            "grammar_stops": stops, "seconds": max(last.values()) - start}
+            "grammar_stops": stops, "seconds": max(last.values()) - start,
+            "max_step_ms": max(gaps) * 1e3, "steps_over_10ms": sum(g > 0.01 for g in gaps)}
 
 
 def split_steps(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, float]:

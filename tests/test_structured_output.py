@@ -219,6 +219,7 @@ def test_manager_bitmask_equals_xgrammar(tiny_llm):
     for i in range(3):
         mask = manager.grammar_bitmask(rows)
         assert mask.rows == [1, 3]
+        assert (mask.bitmask[[0, 2]] == -1).all()  # unconstrained rows allow every token
         for row, rid in ((1, "a"), (3, "b")):
             want = xgr.allocate_token_bitmask(1, vocab)
             refs[rid].fill_next_token_bitmask(want)

@@ -320,12 +320,13 @@ class EngineCore:
         tokens = inflight.output.wait().token_ids
         accepts = [(s.request_id, [t]) for s, t in zip(inflight.scheduled.sampling_seqs, tokens)
                    if not s.is_finished and manager.is_constrained(s.request_id)]
-        next_rows = []
+        next_rows, num_rows = [], 0
         if self.inflight is not None and self.inflight.output is None:
-            next_rows = [(row, s.request_id)
-                         for row, s in enumerate(self.inflight.scheduled.sampling_seqs)
+            upcoming = self.inflight.scheduled.sampling_seqs
+            num_rows = len(upcoming)
+            next_rows = [(row, s.request_id) for row, s in enumerate(upcoming)
                          if not s.is_finished and manager.is_constrained(s.request_id)]
-        manager.advance(accepts, next_rows)
+        manager.advance(accepts, next_rows, num_rows)
         return [rid for rid, _ in accepts]
 
     def _apply_grammar_statuses(self, outputs: list[EngineCoreOutput], advanced: list[str]

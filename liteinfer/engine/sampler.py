@@ -75,8 +75,9 @@ class Sampler:
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         pen_rows = [i for i, s in enumerate(seqs) if s.needs_penalties]
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(greedy) and grammar_bitmask is None and not (min_tok_rows or bias_rows or pen_rows
-                                                            or want_logprobs):
+        if all(greedy) and not (min_tok_rows or bias_rows or pen_rows or want_logprobs):
+            if grammar_bitmask is not None:  # in place: nothing reads these logits afterwards
+                apply_grammar_bitmask(logits, grammar_bitmask)
             token_ids = logits.argmax(dim=-1)
             return SampledTokens(token_ids, token_ids, params, None)
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -32,33 +31,29 @@ import xgrammar as xgr
 from liteinfer.structured_output import worker
 from liteinfer.structured_output.params import StructuredOutputsParams
 from liteinfer.structured_output.worker import ALLOWED, FORBIDDEN, TERMINATED
-from liteinfer.utils import to_device
 
 __all__ = ["ALLOWED", "FORBIDDEN", "TERMINATED", "GrammarBitmask", "StructuredOutputManager",
            "apply_grammar_bitmask"]
 # Fill threads in the grammar process: the H200 host's best (worker.py); half the cores at most.
 FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 COMPILE_THREADS = 2
-# How long the core waits for the grammar process before it counts it as dead.
-REPLY_TIMEOUT_S = 60.0
 
 
 @dataclass
 class GrammarBitmask:
     """One step's allowed tokens: bit t of row r (int32 words, 32 tokens each) is set when
-    token t may follow; only `rows` are filled and applied."""
+    token t may follow. `rows` are the constrained rows; the others allow every token (rows of
+    requests that finished since may hold anything: their tokens are discarded)."""
 
     rows: list[int]
     bitmask: torch.Tensor  # int32 [step rows, ceil(vocab / 32)], on the host
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> None:
-    """Sets the logits of the tokens the grammar forbids to -inf, in place, in the constrained
-    rows only (on CUDA one Triton kernel; the bitmask is copied asynchronously from pinned
-    memory, as are the rows)."""
+    """Sets the logits of the tokens the grammar forbids to -inf, in place (on CUDA one Triton
+    kernel over every row; the bitmask is copied asynchronously from pinned memory)."""
     bitmask = grammar.bitmask.to(logits.device, non_blocking=True)
-    rows = to_device(grammar.rows, torch.int32, logits.device)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
 
 
 class GrammarWorkerDied(RuntimeError):
@@ -189,14 +184,15 @@ class StructuredOutputManager:
 
     # ---- steps ----------------------------------------------------------------------------
     def advance(self, accepts: Sequence[tuple[str, list[int]]],
-                next_rows: Sequence[tuple[int, str]] = ()) -> None:
+                next_rows: Sequence[tuple[int, str]] = (), num_rows: int = 0) -> None:
         """Gives each request its new tokens (their statuses: `accepted`). `next_rows` (row,
-        request id) are the constrained rows of the step that samples next: the grammar process
-        fills them after these tokens, while the caller goes on."""
+        request id) are the constrained rows of the step that samples next, of its `num_rows`:
+        the grammar process fills them after these tokens, while the caller goes on."""
         self._accepting = bool(accepts)
         if not accepts and not next_rows:
             return
-        self._send([worker.STEP, list(accepts), list(next_rows)])
+        self._send([worker.STEP, list(accepts),
+                    *self._fill_message(next_rows, (row for row, _ in next_rows), num_rows)])
         if next_rows:
             self._fills.append(dict(next_rows))
 
@@ -220,12 +216,20 @@ class StructuredOutputManager:
             return None
         missing = [(row, rid) for row, rid in rows if filled.get(row) != rid]
         if missing:
-            self._send([worker.STEP, [], missing])
+            self._send([worker.STEP, [], *self._fill_message(
+                missing, (row for row, _ in rows), len(request_ids))])
             self._fills.append(dict(missing))
             self._receive(worker.FILLED)
             self._filled = {}
         bitmask = self._started().bitmask
         return GrammarBitmask([row for row, _ in rows], bitmask[:len(request_ids)])
+
+    @staticmethod
+    def _fill_message(rows: Sequence[tuple[int, str]], constrained: Iterable[int],
+                      num_rows: int) -> list[Any]:
+        """The rows to fill, and the step's unconstrained rows: they allow every token."""
+        held = set(constrained)
+        return [list(rows), [r for r in range(num_rows) if r not in held]]
 
     def shutdown(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
@@ -273,9 +277,11 @@ class StructuredOutputManager:
 
     @staticmethod
     def _recv(conn: Connection, process: _Process) -> bytes:
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while not conn.poll(0.5):
-            if not process.proc.is_alive() or time.monotonic() > deadline:
-                raise GrammarWorkerDied(f"the grammar process exited with code "
-                                        f"{process.proc.exitcode}")
-        return conn.recv_bytes()
+        # Blocking: a grammar process that exits closes its end of the pipe (this one's copy
+        # of it was closed at the start). Connection.poll costs ~20 us a call.
+        try:
+            return conn.recv_bytes()
+        except (EOFError, OSError):
+            process.proc.join(1)
+            raise GrammarWorkerDied(f"the grammar process exited with code "
+                                    f"{process.proc.exitcode}") from None

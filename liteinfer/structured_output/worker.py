@@ -11,9 +11,10 @@ Messages, msgpack over a pipe; the core's, in the order it sends them:
     [DROP, gid]                                        forget it (the core's cache evicted it)
     [ADD, rid, gid]                                    a matcher for the request, once gid compiled
     [FINISH, [rid, ...]]                               drop the requests' matchers
-    [STEP, [[rid, [token, ...]], ...], [[row, rid], ...]]
+    [STEP, [[rid, [token, ...]], ...], [[row, rid], ...], [row, ...]]
         accept the tokens (reply ACCEPTED: one status per request), then fill the rows of the
-        named requests whose grammar has not ended (reply FILLED); either part may be empty, and
+        named requests whose grammar has not ended and set the last rows (the step's
+        unconstrained ones) to allow every token (reply FILLED); either part may be empty, and
         an empty part gets no reply
     [POLL]                                             reply COMPILED
     [SHUTDOWN]
@@ -95,11 +96,12 @@ class GrammarWorker:
                 for rid in message[1]:
                     self.matchers.pop(rid, None)
             elif kind == STEP:
-                accepts, rows = message[1], message[2]
+                accepts, rows, free_rows = message[1:]
                 if accepts:
                     statuses = [self._accept(rid, tokens) for rid, tokens in accepts]
                     self._reply(ACCEPTED, statuses)
                 if rows:
+                    self.bitmask[free_rows] = -1
                     self._fill(rows)
                     self._reply(FILLED)
             elif kind == POLL:

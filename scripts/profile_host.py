@@ -37,7 +37,7 @@ MODEL = Path(__file__).resolve().parents[1] / "benchmarks/models/llama-3.2-1b-in
 
 
 def stub_device_work() -> None:
-    def forward(self, batch):
+    def forward(self, batch, staged):
         build_step_inputs(batch, self.block_size, self.max_blocks_per_seq)
         rows = len(batch.sampling_seqs)
         return (torch.zeros(rows, 1) if rows else None), None

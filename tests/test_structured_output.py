@@ -286,9 +286,11 @@ def test_params_take_exactly_one_valid_constraint(fields):
 
 @pytest.mark.gpu
 def test_constrained_generation_on_cuda(tiny_llama_dir):
-    """The bitmask copied from pinned memory and applied by xgrammar's Triton kernel, with
-    overlap scheduling and CUDA graphs: outputs validate, every token is one the grammar
-    allows, unconstrained rows beside them keep their tokens."""
+    """The bitmask copied from shared, CUDA-registered memory and applied by xgrammar's
+    Triton kernel (in place when every row is greedy), with overlap scheduling, CUDA graphs and
+    the next decode step's inputs sent before the constrained step is sampled: outputs
+    validate, every token is one the grammar allows, unconstrained rows beside them keep their
+    tokens."""
     from fixtures import build_llm
 
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cuda", max_model_len=256)
@@ -297,13 +299,14 @@ def test_constrained_generation_on_cuda(tiny_llama_dir):
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
     constraint = StructuredOutputsParams(json=Order.model_json_schema(),
                                          disable_any_whitespace=True)
-    held = SamplingParams(temperature=1.0, seed=7, max_tokens=150,
-                          structured_outputs=constraint)
-    mixed = llm.generate(prompts + prompts, [free] * 3 + [held] * 3, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
-    for o in mixed[3:]:
-        Order.model_validate_json(o.outputs[0].text)
-        assert replay(llm, constraint, o.outputs[0].token_ids).is_terminated()
+    for temperature in (0.0, 1.0):
+        held = SamplingParams(temperature=temperature, seed=7, max_tokens=150,
+                              structured_outputs=constraint)
+        mixed = llm.generate(prompts + prompts, [free] * 3 + [held] * 3, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+        for o in mixed[3:]:
+            Order.model_validate_json(o.outputs[0].text)
+            assert replay(llm, constraint, o.outputs[0].token_ids).is_terminated()
 
 
 def test_params_cross_the_engine_core_boundary():

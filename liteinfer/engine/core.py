@@ -15,6 +15,7 @@ import torch
 
 from liteinfer.config import EngineConfig, ModelConfig, parse_dtype
 from liteinfer.engine.block_manager import BlockManager
+from liteinfer.engine.cuda_graph import StagedDecode
 from liteinfer.engine.messages import (
     EngineCoreInfo,
     EngineCoreOutput,
@@ -40,6 +41,14 @@ class InFlight:
     scheduled: SchedulerOutput
     output: ModelRunnerOutput | None  # None: its sampling waits for its grammars (`forward`)
     forward: StepForward | None = None
+
+
+@dataclass
+class Ahead:
+    """The next step, scheduled (and its inputs sent, where `staged`) before its launch."""
+
+    scheduled: SchedulerOutput
+    staged: StagedDecode | None
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -202,23 +211,23 @@ class EngineCore:
         """Launches the next step, then returns the outputs of the previous one."""
         outputs: list[EngineCoreOutput] = self._queue_compiled()
         inflight, self.inflight = self.inflight, None
-        upcoming: SchedulerOutput | None = None
+        ahead: Ahead | None = None
         if inflight is not None and inflight.output is None:
             if self._can_overlap(inflight):
-                # Scheduled while the grammar process fills the bitmask the sampling waits for.
-                upcoming, failed = self._schedule()
-                outputs += failed
-            outputs += self._sample_constrained(inflight, upcoming)
+                # While the grammar process fills the bitmask the sampling waits for.
+                ahead = self._schedule_ahead(outputs)
+            outputs += self._sample_constrained(inflight, ahead)
             if inflight.output is None:  # its sampling failed, and so did its requests
-                inflight = upcoming = None
+                inflight = ahead = None
         if inflight is not None and not self._can_overlap(inflight):
             outputs += self._resolve(inflight)
             inflight = None
-        if upcoming is None:
-            upcoming, failed = self._schedule()
+        if ahead is None:
+            scheduled, failed = self._schedule()
             outputs += failed
-        if upcoming is not None:
-            outputs += self._launch(upcoming)
+            ahead = Ahead(scheduled, None) if scheduled is not None else None
+        if ahead is not None:
+            outputs += self._launch(ahead)
         if inflight is not None:
             outputs += self._resolve(inflight)
         if self.structured_output.has_requests:
@@ -261,16 +270,30 @@ class EngineCore:
         except Exception as e:  # the requests fail, the core goes on
             return None, self._fail([*self.scheduler.running, *self.scheduler.waiting], e)
 
-    def _launch(self, scheduled: SchedulerOutput) -> list[EngineCoreOutput]:
+    def _schedule_ahead(self, outputs: list[EngineCoreOutput]) -> Ahead | None:
+        """Schedules the next step and sends its inputs (a captured decode step's) before the
+        launched one is sampled; failures are added to `outputs`."""
+        scheduled, failed = self._schedule()
+        outputs += failed
+        if scheduled is None:
+            return None
+        try:
+            return Ahead(scheduled, self.runner.stage(scheduled))
+        except Exception as e:  # as in _launch; the next step is scheduled afresh
+            outputs += self._fail(scheduled.seqs, e)
+            return None
+
+    def _launch(self, ahead: Ahead) -> list[EngineCoreOutput]:
         """Launches the scheduled step (self.inflight); outputs only of requests that failed.
         A step that samples for constrained requests is launched unsampled."""
+        scheduled, staged = ahead.scheduled, ahead.staged
         try:
             if self.workers is not None:
                 self.workers.execute_model(scheduled)
             if self._samples_constrained(scheduled):
-                inflight = InFlight(scheduled, None, self.runner.forward(scheduled))
+                inflight = InFlight(scheduled, None, self.runner.forward(scheduled, staged))
             else:
-                inflight = InFlight(scheduled, self.runner.execute(scheduled))
+                inflight = InFlight(scheduled, self.runner.execute(scheduled, staged))
         except RankDiedError:
             raise
         except Exception as e:  # the step's requests fail, the core goes on
@@ -284,18 +307,18 @@ class EngineCore:
         return manager.has_requests and any(
             manager.is_constrained(s.request_id) for s in scheduled.sampling_seqs)
 
-    def _sample_constrained(self, inflight: InFlight, upcoming: SchedulerOutput | None
+    def _sample_constrained(self, inflight: InFlight, ahead: Ahead | None
                             ) -> list[EngineCoreOutput]:
         """Samples the launched step with its bitmask (every earlier step has been read);
         outputs only of requests that failed. If it fails, so does the step scheduled after it
-        (`upcoming`): its rows would read tokens never sampled."""
+        (`ahead`): its rows would read tokens never sampled."""
         scheduled = inflight.scheduled
         try:
             bitmask = self.structured_output.grammar_bitmask(
                 [s.request_id for s in scheduled.sampling_seqs])
             inflight.output = self.runner.sample(scheduled, inflight.forward, bitmask)
         except Exception as e:  # as in _launch
-            return self._fail(scheduled.seqs + (upcoming.seqs if upcoming else []), e)
+            return self._fail(scheduled.seqs + (ahead.scheduled.seqs if ahead else []), e)
         inflight.forward = None
         return []
 

@@ -10,6 +10,7 @@ write the KV pool.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -57,6 +58,15 @@ class StagedInputs:
         self._step += 1
 
 
+@dataclass(frozen=True)
+class StagedDecode:
+    """A decode step whose inputs are on their way to the device: which graph replays it."""
+
+    batch_size: int
+    may_split: bool
+    num_rows: int
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16)) + [max_num_seqs]
@@ -101,6 +111,11 @@ class CUDAGraphRunner:
         return sm.model.compute_logits(sm.model(ids, self.positions[:bs], meta))
 
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
+        return self.replay(self.stage(batch))
+
+    def stage(self, batch: SchedulerOutput) -> StagedDecode:
+        """Sends the step's inputs to the device buffer (behind the work already queued, which
+        may still read the previous step's); `replay` launches it."""
         # Fills the mirror directly rather than through build_step_inputs (step_inputs.py): a
         # one-sequence decode step has ~0.9 ms of GPU time to hide all of its host work in.
         seqs = batch.seqs
@@ -125,6 +140,10 @@ class CUDAGraphRunner:
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
         self.inputs.send(5 * m + n * self.width)
-        graph, logits = self.graphs[bs, rows_may_split(lens)]
+        return StagedDecode(bs, rows_may_split(lens), n)
+
+    def replay(self, staged: StagedDecode) -> torch.Tensor:
+        """The staged step's logits, once launched: [rows, vocab]."""
+        graph, logits = self.graphs[staged.batch_size, staged.may_split]
         graph.replay()
-        return logits[:n]
+        return logits[:staged.num_rows]

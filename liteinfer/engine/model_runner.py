@@ -6,6 +6,7 @@ import torch
 
 from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.config import EngineConfig, ModelConfig
+from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
 from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
@@ -61,7 +62,6 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids)
         self.graphs = self.prompt_graphs = None
         if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
-            from liteinfer.engine.cuda_graph import CUDAGraphRunner
             from liteinfer.engine.prompt_graph import PromptGraphRunner, PromptStepLayout
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
             layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
@@ -182,16 +182,27 @@ class ModelRunner:
         return (ids, as_tensor(step.positions, torch.int64), meta,
                 as_tensor(step.sample_rows, torch.int64), prompt_rows)
 
-    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, batch: SchedulerOutput, staged: StagedDecode | None = None
+                ) -> ModelRunnerOutput:
         """Launches one step and its sampling without waiting for the device. The sampled
         tokens stay in the step model's buffer, where the next step reads the pending ones."""
-        return self.sample(batch, self.forward(batch))
+        return self.sample(batch, self.forward(batch, staged))
+
+    def stage(self, batch: SchedulerOutput) -> StagedDecode | None:
+        """Sends a captured decode step's inputs ahead of its launch (`forward`/`execute` with
+        the result), e.g. while the step before it waits to be sampled; None for other steps,
+        whose inputs go with their launch. The pending tokens are read at the launch."""
+        if not batch.is_prefill and self.graphs is not None:
+            return self.graphs.stage(batch)
+        return None
 
     @torch.inference_mode()
-    def forward(self, batch: SchedulerOutput) -> StepForward:
+    def forward(self, batch: SchedulerOutput, staged: StagedDecode | None = None
+                ) -> StepForward:
         """Launches the step's forward pass (and scores the prompt tokens that asked for
-        logprobs); `sample` follows, at once or once the constrained rows' bitmask is known."""
-        logits, prompt_hidden = self._forward(batch)
+        logprobs); `sample` follows, at once or once the constrained rows' bitmask is known.
+        `staged`: the step's inputs, sent already (`stage`)."""
+        logits, prompt_hidden = self._forward(batch, staged)
         prompt_logprobs = ([] if prompt_hidden is None else
                            self._prompt_logprobs(batch, prompt_hidden))
         return StepForward(logits, prompt_logprobs)
@@ -207,11 +218,12 @@ class ModelRunner:
         self.step_model.keep_sampled(sampled.token_ids)
         return ModelRunnerOutput(sampled, forward.prompt_logprobs)
 
-    def _forward(self, batch: SchedulerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(self, batch: SchedulerOutput, staged: StagedDecode | None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logits of the rows that sample ([rows, vocab], None if none do) and the final
         hidden states of the rows scoring prompt tokens (None if none do)."""
         if not batch.is_prefill and self.graphs is not None:
-            return self.graphs.run(batch), None
+            return self.graphs.replay(staged or self.graphs.stage(batch)), None
         prompt_hidden = None
         if (self.prompt_graphs is not None and not batch.prompt_logprob_spans
                 and self.prompt_graphs.fits(batch)):

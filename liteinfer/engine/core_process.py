@@ -318,8 +318,10 @@ class EngineCoreClient:
     def _send(self, kind: bytes, payload: bytes) -> None:
         if self.dead is not None:
             raise self.dead
-        # SNDHWM 0: a PUSH to a connected peer never blocks, so this needs no await.
-        self.input.send_multipart([kind, payload], flags=zmq.NOBLOCK, copy=False)
+        # SNDHWM 0: a PUSH to a connected peer never blocks, so this needs no await. Two
+        # sends, not send_multipart: half its cost in Python for a two-frame message.
+        self.input.send(kind, zmq.SNDMORE | zmq.NOBLOCK, copy=False)
+        self.input.send(payload, zmq.NOBLOCK, copy=False)
 
     def _read_outputs(self) -> None:
         """Runs when the output socket's descriptor is readable (a plain socket read on the

@@ -3,7 +3,6 @@ only requests that can run reach the engine core (a bad one is refused before it
 admitted, and never fails a step that other requests share)."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -73,7 +72,12 @@ class InputProcessor:
     def check_token_ids(self, token_ids: Iterable[Any], what: str) -> None:
         """A ValueError unless every id is one of the model's vocabulary."""
         vocab = self.vocab_size
-        bad = [t for t in token_ids
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        # Plain ints in range, checked at C speed; only others need the loop (a prompt's ids
+        # one by one take ~8 us per 128 in it).
+        if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
+            return
+        bad = [t for t in ids
                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{what}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -101,7 +105,8 @@ class InputProcessor:
                 raise ValueError("the prompt is empty")
             self.check_token_ids(token_ids, "prompt")
             prompts[id(prompt)] = token_ids
-        token_ids = list(token_ids)  # each request's own: its sequence grows from it
+        else:  # each request's own list: its sequence grows from it
+            token_ids = list(token_ids)
         vocab = self.vocab_size
         for name in ("logprobs", "prompt_logprobs", "top_k"):
             if (getattr(params, name) or 0) > vocab:
@@ -125,6 +130,5 @@ class InputProcessor:
         elif n + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"max_model_len={self.max_model_len}")
-        return EngineCoreRequest(request_id, token_ids,
-                                 dataclasses.replace(params, max_tokens=max_tokens),
+        return EngineCoreRequest(request_id, token_ids, params.with_max_tokens(max_tokens),
                                  arrival_time or time.perf_counter())

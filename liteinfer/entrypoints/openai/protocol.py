@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
 
 from liteinfer.entrypoints.openai.structured import (
     ResponseFormat,
@@ -26,8 +26,9 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
 # Counts (tokens, ids) fit in 32 bits: anything larger is refused here, before it can overflow
 # an encoder or a tensor; the engine then checks them against the model.
-Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
-PositiveCount = Annotated[int, Field(ge=1, le=2**31 - 1)]
+COUNT_MAX = 2**31 - 1
+Count = Annotated[int, Field(ge=0, le=COUNT_MAX)]
+PositiveCount = Annotated[int, Field(ge=1, le=COUNT_MAX)]
 TokenId = Count
 
 
@@ -136,6 +137,17 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A flat list of in-range ints (a token-id prompt) is what the union would make of it;
+        checked at C speed here, where the union's member-by-member matching takes ~20 us for
+        128 ids. Anything else goes through the union (and its errors)."""
+        if (type(value) is list and value and set(map(type, value)) == {int}
+                and min(value) >= 0 and max(value) <= COUNT_MAX):
+            return value
+        return handler(value)
 
     def unsupported(self) -> list[str]:
         names = super().unsupported()

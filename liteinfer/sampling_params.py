@@ -1,6 +1,7 @@
 """Per-request sampling settings, validated before a request reaches the engine."""
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from dataclasses import dataclass, field
@@ -124,9 +125,9 @@ class SamplingParams:
         """A copy with `max_tokens` set and lists of its own, not validated again (validate()
         this one first): dataclasses.replace would run __post_init__ and validate() again,
         ~5 us on a request's path."""
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__, max_tokens=max_tokens, stop=list(self.stop),
-                            stop_token_ids=list(self.stop_token_ids))
+        new = copy.copy(self)
+        new.max_tokens = max_tokens
+        new.stop, new.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         return new
 
     @property

@@ -134,7 +134,7 @@ want liteinfer && serve_phase liteinfer "$PORT_LITEINFER" 150 "$OUT/liteinfer-se
 if ! want vllm; then
   :
 elif [ -d "$VLLM_SITE" ]; then
-  serve_phase vllm "$PORT_VLLM" 240 "$OUT/vllm-serve.log" \
+  serve_phase vllm "$PORT_VLLM" 300 "$OUT/vllm-serve.log" \
     env PYTHONPATH="$VLLM_SITE:$VLLM_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH" \
     VLLM_SERVER_DEV_MODE=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
     python3 -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --load-format dummy \

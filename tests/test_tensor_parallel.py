@@ -164,7 +164,7 @@ def test_a_worker_mirrors_rank_0s_sequences(tiny_llama_dir):
     mirror.runner.execute = lambda batch: worker_batches.append(batch) or run_worker_step(batch)
     run_rank_0 = core.runner.execute
 
-    def execute(batch):
+    def execute(batch, staged):
         message = msgspec.msgpack.encode(builder.build(batch))
         step = msgspec.msgpack.decode(message, type=worker.WorkerStep)
         steps.append((step, len(message)))
@@ -180,7 +180,7 @@ def test_a_worker_mirrors_rank_0s_sequences(tiny_llama_dir):
         for name in ("input_ids", "pending_rows", "positions", "slots", "context_lens",
                      "block_tables", "sample_rows", "prompt_rows"):
             assert np.array_equal(getattr(a, name), getattr(b, name)), name
-        output = run_rank_0(batch)
+        output = run_rank_0(batch, staged)
         rows = len(batch.sampling_seqs)
         assert torch.equal(core.runner.step_model.sampled_tokens[:rows],
                            mirror.runner.step_model.sampled_tokens[:rows])

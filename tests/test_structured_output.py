@@ -265,6 +265,43 @@ def test_compiled_grammars_are_evicted_least_recently_used_first(tiny_llm):
     manager.shutdown()
 
 
+def test_a_dead_grammar_process_fails_only_the_constrained_requests(tiny_llama_dir):
+    """The grammar process killed mid-run: the constrained requests finish with an error that
+    says so, the others run to their full length with the tokens they get alone, later
+    constrained requests fail at once and unconstrained ones still run."""
+    from fixtures import build_llm
+
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256)
+    engine = llm.engine
+    prompts = ["The quick brown fox", "Hello world! How are", "Once upon a time there"]
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
+    held = SamplingParams(temperature=0.0, max_tokens=30,
+                          structured_outputs=StructuredOutputsParams(regex=r"[a-z]{60}"))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"free{i}", prompt, free)
+        engine.add_request(f"held{i}", prompt, held)
+    done, tokens = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids  # all so far
+            if out.finished:
+                done[out.request_id] = out
+        if len(tokens.get("held0", [])) == 5:  # the grammars run: stop their process
+            process = engine.core.structured_output._process.result().proc
+            process.kill()
+            process.join()
+    for i in range(3):
+        assert (done[f"free{i}"].outputs[0].finish_reason, tokens[f"free{i}"]) == (
+            "length", alone[i])
+        assert done[f"held{i}"].outputs[0].finish_reason == "error"
+        assert "grammar process exited" in done[f"held{i}"].error
+    later = llm.generate(prompts[:2], [held, free], use_tqdm=False)
+    assert later[0].outputs[0].finish_reason == "error"
+    assert "grammar process exited" in later[0].error
+    assert later[1].outputs[0].token_ids == alone[1]
+
+
 @pytest.mark.parametrize("constraint, message", [
     ({"regex": "a(b"}, "invalid regex for structured outputs: Regex parsing error"),
     ({"json": '{"type": '}, "invalid JSON schema for structured outputs"),

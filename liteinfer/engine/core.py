@@ -29,7 +29,12 @@ from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed, torchrun_rank
 from liteinfer.engine.worker import EXIT_WAIT, WorkerGroup
 from liteinfer.loader import ModelSource, load_model_source
-from liteinfer.structured_output.manager import FORBIDDEN, TERMINATED, StructuredOutputManager
+from liteinfer.structured_output.manager import (
+    FORBIDDEN,
+    TERMINATED,
+    GrammarWorkerDied,
+    StructuredOutputManager,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +174,11 @@ class EngineCore:
         seq = Sequence(request.request_id, request.prompt_token_ids, params)
         if constraint is not None:
             self.structured_output.add_request(request.request_id, constraint)
-        # A grammar compiled before (cached) is ready at once and keeps the request's place.
-        if constraint is None or self.structured_output.is_ready(request.request_id):
+        # A grammar compiled before (cached) is ready at once and keeps the request's place; one
+        # that failed fails the request through `compiling`, as a compilation that fails later.
+        manager = self.structured_output
+        if constraint is None or (manager.is_ready(request.request_id)
+                                  and manager.error(request.request_id) is None):
             self.scheduler.add(seq)
         else:
             self.compiling.append(seq)
@@ -313,24 +321,33 @@ class EngineCore:
         outputs only of requests that failed. If it fails, so does the step scheduled after it
         (`ahead`): its rows would read tokens never sampled."""
         scheduled = inflight.scheduled
+        failed: list[EngineCoreOutput] = []
         try:
-            bitmask = self.structured_output.grammar_bitmask(
-                [s.request_id for s in scheduled.sampling_seqs])
+            try:
+                bitmask = self.structured_output.grammar_bitmask(
+                    [s.request_id for s in scheduled.sampling_seqs])
+            except GrammarWorkerDied as e:  # the constrained requests fail, the others go on
+                failed, bitmask = self._fail_constrained(e), None
             inflight.output = self.runner.sample(scheduled, inflight.forward, bitmask)
         except Exception as e:  # as in _launch
-            return self._fail(scheduled.seqs + (ahead.scheduled.seqs if ahead else []), e)
+            return failed + self._fail(
+                scheduled.seqs + (ahead.scheduled.seqs if ahead else []), e)
         inflight.forward = None
-        return []
+        return failed
 
     def _resolve(self, inflight: InFlight) -> list[EngineCoreOutput]:
         """The step's outputs."""
+        failed: list[EngineCoreOutput] = []
         try:
             advancing = self._advance_grammars(inflight)
             outputs = self.scheduler.update_from_output(inflight.scheduled, inflight.output)
-            self._apply_grammar_statuses(outputs, advancing)
+            try:
+                self._apply_grammar_statuses(outputs, advancing)
+            except GrammarWorkerDied as e:  # the constrained requests fail, the others go on
+                failed = self._fail_constrained(e)
         except Exception as e:  # as in _launch
             return self._fail(inflight.scheduled.seqs, e)
-        return outputs
+        return outputs + failed
 
     def _advance_grammars(self, inflight: InFlight) -> list[str]:
         """Gives each constrained request's new token to its grammar as soon as the step's
@@ -371,6 +388,16 @@ class EngineCore:
                 out.finish_reason = "stop"
             if out.finished:
                 self.scheduler.finish_requests([out.request_id], out.finish_reason)
+
+    def _fail_constrained(self, error: GrammarWorkerDied) -> list[EngineCoreOutput]:
+        """Fails every constrained request the scheduler holds (their grammars are gone)."""
+        manager = self.structured_output
+        seqs = [s for s in (*self.scheduler.running, *self.scheduler.waiting)
+                if manager.is_constrained(s.request_id)]
+        if seqs:
+            logger.error("%s; its %d constrained requests are finished with an error", error,
+                         len(seqs))
+        return self.scheduler.fail(seqs, str(error))
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[EngineCoreOutput]:
         if self.workers is not None:

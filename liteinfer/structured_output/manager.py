@@ -20,7 +20,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -32,8 +31,8 @@ from liteinfer.structured_output import worker
 from liteinfer.structured_output.params import StructuredOutputsParams
 from liteinfer.structured_output.worker import ALLOWED, FORBIDDEN, TERMINATED
 
-__all__ = ["ALLOWED", "FORBIDDEN", "TERMINATED", "GrammarBitmask", "StructuredOutputManager",
-           "apply_grammar_bitmask"]
+__all__ = ["ALLOWED", "FORBIDDEN", "TERMINATED", "GrammarBitmask", "GrammarWorkerDied",
+           "StructuredOutputManager", "apply_grammar_bitmask"]
 # Fill threads in the grammar process: the H200 host's best (worker.py); half the cores at most.
 FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 COMPILE_THREADS = 2
@@ -121,12 +120,18 @@ class StructuredOutputManager:
         self._fills: list[dict[int, str]] = []  # rows asked for, not filled yet, oldest first
         self._filled: dict[int, str] = {}  # rows filled for the step that samples next
         self._accepting = False  # an ACCEPTED reply is due
+        # Why the grammar process is gone (it did not start, or exited): every constrained
+        # request fails, and the core goes on with the others.
+        self._broken: str | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder()
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
         """Starts (or reuses) the compilation of the request's grammar."""
+        if self._broken is not None:
+            self._requests[request_id] = _Grammar(-1, error=self._broken)
+            return
         grammar = self._grammar(params)
         self._requests[request_id] = grammar
         self._send([worker.ADD, request_id, grammar.gid])
@@ -150,13 +155,11 @@ class StructuredOutputManager:
 
     def poll(self) -> None:
         """Learns which compilations have finished (for `is_ready`)."""
-        if self._process is None or not self._process.done():
+        if self._broken is not None or self._process is None or not self._process.done():
             return
         error = self._process.exception()
-        if error is not None:  # every grammar fails with it
-            for grammar in self._by_gid.values():
-                grammar.error = f"structured outputs: the grammar process did not start: {error}"
-            self._by_gid.clear()
+        if error is not None:
+            self._break(f"structured outputs: the grammar process did not start: {error}")
             return
         self._send([worker.POLL])
         self._receive(worker.COMPILED)
@@ -242,30 +245,51 @@ class StructuredOutputManager:
         assert self._process is not None
         return self._process.result()
 
+    def _break(self, reason: str) -> None:
+        """The grammar process is gone: the grammars still compiling fail with `reason`, as
+        will later requests; the requests running fail at their next step
+        (GrammarWorkerDied)."""
+        self._broken = reason
+        for grammar in self._by_gid.values():
+            grammar.error = reason
+        self._by_gid.clear()
+        self._grammars.clear()
+        self._outbox.clear()
+        self._fills.clear()
+        self._filled = {}
+
     def _send(self, message: list[Any]) -> None:
         """Sends `message` (with the requests finished since the last one), or keeps it until
-        the grammar process has started."""
+        the grammar process has started; dropped once it is gone."""
+        if self._broken is not None:
+            return
         if self._finished:
             finished, self._finished = self._finished, []
             self._send([worker.FINISH, finished])
         self._outbox.append(self._encoder.encode(message))
         if self._process is not None and self._process.done():
             if self._process.exception() is None:
-                self._flush(self._started().conn)
+                self._flush(self._started())
             else:  # nothing will run: poll() fails every grammar
                 self._outbox.clear()
 
-    def _flush(self, conn: Connection) -> None:
-        for data in self._outbox:
-            conn.send_bytes(data)
+    def _flush(self, process: _Process) -> None:
+        try:
+            for data in self._outbox:
+                process.conn.send_bytes(data)
+        except OSError:  # it exited: the next reply awaited says so
+            self._break(self._exit_reason(process))
         self._outbox.clear()
 
     def _receive(self, kind: int) -> list[Any]:
         """Replies until one of `kind`; each reports the compilations that have finished."""
+        if self._broken is None:
+            self._flush(self._started())
+        if self._broken is not None:
+            raise GrammarWorkerDied(self._broken)
         process = self._started()
-        self._flush(process.conn)
         while True:
-            reply = self._decoder.decode(self._recv(process.conn, process))
+            reply = self._decoder.decode(self._recv(process))
             for gid, error in reply[-1]:
                 grammar = self._by_gid.pop(gid)
                 grammar.ready = error is None
@@ -275,13 +299,16 @@ class StructuredOutputManager:
             if reply[0] == kind:
                 return reply
 
-    @staticmethod
-    def _recv(conn: Connection, process: _Process) -> bytes:
+    def _recv(self, process: _Process) -> bytes:
         # Blocking: a grammar process that exits closes its end of the pipe (this one's copy
         # of it was closed at the start). Connection.poll costs ~20 us a call.
         try:
-            return conn.recv_bytes()
+            return process.conn.recv_bytes()
         except (EOFError, OSError):
-            process.proc.join(1)
-            raise GrammarWorkerDied(f"the grammar process exited with code "
-                                    f"{process.proc.exitcode}") from None
+            self._break(self._exit_reason(process))
+            raise GrammarWorkerDied(self._broken) from None
+
+    @staticmethod
+    def _exit_reason(process: _Process) -> str:
+        process.proc.join(1)
+        return f"structured outputs: the grammar process exited (code {process.proc.exitcode})"

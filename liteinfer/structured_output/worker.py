@@ -152,8 +152,8 @@ class GrammarWorker:
         return results
 
     def _accept(self, rid: str, tokens: Sequence[int]) -> int:
-        matcher = self.matchers[rid]
-        if not all(matcher.accept_token(t) for t in tokens):
+        matcher = self.matchers.get(rid)
+        if matcher is None or not all(matcher.accept_token(t) for t in tokens):
             return FORBIDDEN
         return TERMINATED if matcher.is_terminated() else ALLOWED
 

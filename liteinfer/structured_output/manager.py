@@ -191,6 +191,8 @@ class StructuredOutputManager:
         """Gives each request its new tokens (their statuses: `accepted`). `next_rows` (row,
         request id) are the constrained rows of the step that samples next, of its `num_rows`:
         the grammar process fills them after these tokens, while the caller goes on."""
+        if self._accepting:  # the last statuses were never read (that step failed): skip them
+            self.accepted()
         self._accepting = bool(accepts)
         if not accepts and not next_rows:
             return

@@ -266,6 +266,33 @@ def test_compiled_grammars_are_evicted_least_recently_used_first(tiny_llm):
     manager.shutdown()
 
 
+def test_a_request_finished_while_its_grammar_compiles_gets_no_matcher(tiny_llm):
+    """The grammar process's side: a request that ends before its grammar has compiled leaves
+    nothing behind once the compilation ends."""
+    import threading
+    from multiprocessing import Pipe
+
+    from liteinfer.structured_output.worker import GrammarWorker
+
+    engine = tiny_llm.engine
+    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer,
+                                              vocab_size=engine.model_config.vocab_size)
+    conn, _ = Pipe()
+    bitmask = torch.zeros(2, 8, dtype=torch.int32)
+    grammar_worker = GrammarWorker(conn, info.serialize_json(), bitmask, fill_threads=1,
+                                   compile_threads=1)
+    release = threading.Event()
+    grammar_worker.executor.submit(release.wait)  # the compilation waits behind this
+    grammar_worker._compile(0, StructuredOutputsParams(regex="a+"))
+    grammar_worker._add("gone", 0)
+    grammar_worker._add("kept", 0)
+    grammar_worker._finish(["gone"])
+    release.set()
+    grammar_worker.grammars[0].result(timeout=60)
+    assert grammar_worker._finished_compiles() == [(0, None)]
+    assert set(grammar_worker.matchers) == {"kept"}
+
+
 def test_a_dead_grammar_process_fails_only_the_constrained_requests(tiny_llama_dir):
     """The grammar process killed mid-run: the constrained requests finish with an error that
     says so, the others run to their full length with the tokens they get alone, later

@@ -93,8 +93,7 @@ class GrammarWorker:
             elif kind == ADD:
                 self._add(message[1], message[2])
             elif kind == FINISH:
-                for rid in message[1]:
-                    self.matchers.pop(rid, None)
+                self._finish(message[1])
             elif kind == STEP:
                 accepts, rows, free_rows = message[1:]
                 if accepts:
@@ -128,6 +127,13 @@ class GrammarWorker:
                 self.matchers[rid] = xgr.GrammarMatcher(grammar.result())
         else:
             self.waiting.setdefault(gid, []).append(rid)
+
+    def _finish(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.matchers.pop(rid, None)
+            for waiting in self.waiting.values():  # finished while its grammar compiled
+                if rid in waiting:
+                    waiting.remove(rid)
 
     def _finished_compiles(self) -> list[tuple[int, str | None]]:
         """The compilations finished since the last reply, as [gid, error]; their waiting

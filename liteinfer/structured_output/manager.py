@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +37,9 @@ __all__ = ["ALLOWED", "FORBIDDEN", "TERMINATED", "GrammarBitmask", "GrammarWorke
 # Fill threads in the grammar process: the H200 host's best (worker.py); half the cores at most.
 FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 COMPILE_THREADS = 2
+# `poll` asks at most this often: an idle core steps in a tight loop while a grammar compiles,
+# and each question is a round trip the grammar process answers while it compiles.
+POLL_INTERVAL_S = 0.001
 
 
 @dataclass
@@ -123,6 +127,7 @@ class StructuredOutputManager:
         # Why the grammar process is gone (it did not start, or exited): every constrained
         # request fails, and the core goes on with the others.
         self._broken: str | None = None
+        self._polled = 0.0  # when `poll` last asked
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder()
 
@@ -157,6 +162,10 @@ class StructuredOutputManager:
         """Learns which compilations have finished (for `is_ready`)."""
         if self._broken is not None or self._process is None or not self._process.done():
             return
+        now = time.monotonic()
+        if now - self._polled < POLL_INTERVAL_S:
+            return
+        self._polled = now
         error = self._process.exception()
         if error is not None:
             self._break(f"structured outputs: the grammar process did not start: {error}")

@@ -20,7 +20,7 @@ from liteinfer.entrypoints.openai.structured import (
     forced_tool_schema,
 )
 from liteinfer.structured_output import StructuredOutputsParams
-from liteinfer.structured_output.backend import XgrammarBackend
+from liteinfer.structured_output.backend import XgrammarBackend, tokenizer_info
 from test_structured_output import Color, Point
 from test_tool_parsers import calls_of
 
@@ -79,8 +79,8 @@ def test_required_schema_hoists_defs(tiny_llm, parallel):
     assert set(schema["$defs"]) == {"tool0_Point", "tool0_Color"}  # Point alone has none
     assert ("maxItems" in schema) != parallel
     engine = tiny_llm.engine
-    backend = XgrammarBackend(engine.tokenizer, engine.model_config.vocab_size,
-                              engine.core.eos_token_ids)
+    backend = XgrammarBackend(tokenizer_info(engine.tokenizer, engine.model_config.vocab_size,
+                                             engine.core.eos_token_ids))
     # Every reference resolves, and the grammar takes the calls and nothing else.
     grammar = backend.compile(StructuredOutputsParams(json=schema))
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from liteinfer import SamplingParams
 from liteinfer.structured_output import StructuredOutputsParams
-from liteinfer.structured_output.backend import XgrammarBackend
+from liteinfer.structured_output.backend import XgrammarBackend, tokenizer_info
 from liteinfer.structured_output.manager import (
     ALLOWED,
     FORBIDDEN,
@@ -65,8 +65,8 @@ def generate(llm, prompts, constraint: StructuredOutputsParams, **params):
 def replay(llm, constraint: StructuredOutputsParams, token_ids: list[int]) -> xgr.GrammarMatcher:
     """A fresh xgrammar matcher for `constraint` that has accepted `token_ids`, each checked."""
     engine = llm.engine
-    backend = XgrammarBackend(engine.tokenizer, engine.model_config.vocab_size,
-                              engine.core.eos_token_ids)
+    backend = XgrammarBackend(tokenizer_info(engine.tokenizer, engine.model_config.vocab_size,
+                                             engine.core.eos_token_ids))
     matcher = xgr.GrammarMatcher(backend.compile(constraint))
     for i, t in enumerate(token_ids):
         assert matcher.accept_token(t), f"token {i} ({t}) is not one the grammar allows"
@@ -211,7 +211,7 @@ def test_manager_bitmask_equals_xgrammar(tiny_llm):
     wait_ready(manager, ("a", "b", "a2"))
     assert manager.error("a") is None
     assert len(manager._grammars) == 2  # the same schema compiles once
-    backend = XgrammarBackend(engine.tokenizer, vocab, eos)
+    backend = XgrammarBackend(tokenizer_info(engine.tokenizer, vocab, eos))
     refs = {"a": xgr.GrammarMatcher(backend.compile(a)),
             "b": xgr.GrammarMatcher(backend.compile(b))}
     steps = {"a": ['{"', 'color', '":', ' "', 'red'], "b": ["a", "b", "c"]}
@@ -275,8 +275,8 @@ def test_a_request_finished_while_its_grammar_compiles_gets_no_matcher(tiny_llm)
     from liteinfer.structured_output.worker import GrammarWorker
 
     engine = tiny_llm.engine
-    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer,
-                                              vocab_size=engine.model_config.vocab_size)
+    info = tokenizer_info(engine.tokenizer, engine.model_config.vocab_size,
+                          engine.core.eos_token_ids)
     conn, _ = Pipe()
     bitmask = torch.zeros(2, 8, dtype=torch.int32)
     grammar_worker = GrammarWorker(conn, info.serialize_json(), bitmask, fill_threads=1,

@@ -44,17 +44,20 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
                          f"{message}") from None
 
 
-class XgrammarBackend:
-    """Compiles grammars for one model: its tokenizer's vocabulary, read once, padded to the
-    width of the model's logits (`vocab_size`)."""
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+                   ) -> xgr.TokenizerInfo:
+    """A model's vocabulary as xgrammar reads it (once: a 128k vocabulary takes a while), padded
+    to the width of the model's logits (`vocab_size`)."""
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=sorted(stop_token_ids))
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_threads: int = 2):
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
+
+class XgrammarBackend:
+    """Compiles grammars for one model's vocabulary (`tokenizer_info`)."""
+
+    def __init__(self, info: xgr.TokenizerInfo, max_threads: int = 2):
         # Compiled grammars are cached by the manager, keyed by the request's constraint.
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
-                                            cache_enabled=False)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         return self.compiler.compile_grammar(build_grammar(params))

@@ -29,6 +29,7 @@ import torch.multiprocessing
 import xgrammar as xgr
 
 from liteinfer.structured_output import worker
+from liteinfer.structured_output.backend import tokenizer_info
 from liteinfer.structured_output.params import StructuredOutputsParams
 from liteinfer.structured_output.worker import ALLOWED, FORBIDDEN, TERMINATED
 
@@ -75,8 +76,7 @@ class _Process:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
                  max_rows: int):
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids))
+        info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         words = xgr.get_bitmask_shape(1, vocab_size)[1]
         self.bitmask = torch.zeros(max_rows, words, dtype=torch.int32).share_memory_()
         # Registered with CUDA, the shared pages are pinned: the copy to the device is async.

@@ -33,7 +33,7 @@ import msgspec
 import torch
 import xgrammar as xgr
 
-from liteinfer.structured_output.backend import build_grammar
+from liteinfer.structured_output.backend import XgrammarBackend
 from liteinfer.structured_output.params import StructuredOutputsParams
 
 COMPILE, DROP, ADD, FINISH, STEP, POLL, SHUTDOWN = range(7)
@@ -60,10 +60,9 @@ class GrammarWorker:
                  fill_threads: int, compile_threads: int):
         self.conn = conn
         self.bitmask = bitmask  # int32 [rows, words], shared with the core
-        info = xgr.TokenizerInfo.deserialize_json(tokenizer_info)
         # Compiled grammars are cached by the core, which names each one (gid).
-        self.compiler = xgr.GrammarCompiler(info, max_threads=compile_threads,
-                                            cache_enabled=False)
+        self.backend = XgrammarBackend(xgr.TokenizerInfo.deserialize_json(tokenizer_info),
+                                       compile_threads)
         self.executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="compile")
         self.grammars: dict[int, Future[xgr.CompiledGrammar]] = {}
         self.unreported: list[int] = []  # compilations whose end the core has not been told
@@ -110,8 +109,7 @@ class GrammarWorker:
         self.conn.send_bytes(self.encoder.encode([kind, *payload, self._finished_compiles()]))
 
     def _compile(self, gid: int, params: StructuredOutputsParams) -> None:
-        self.grammars[gid] = self.executor.submit(
-            lambda: self.compiler.compile_grammar(build_grammar(params)))
+        self.grammars[gid] = self.executor.submit(self.backend.compile, params)
         self.unreported.append(gid)
 
     def _drop(self, gid: int) -> None:

@@ -10,6 +10,12 @@ import numpy as np
 import torch
 
 
+def ints_below(values: list, end: int) -> bool:
+    """Whether every value is a plain int (not a bool) in [0, end), checked at C speed: a
+    token-id prompt's ids one by one in Python take ~8 us per 128."""
+    return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < end
+
+
 def to_device(data: Sequence | np.ndarray, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
     """Host list or array -> device tensor; a pinned source lets the copy run without a stream

@@ -21,6 +21,7 @@ from liteinfer.entrypoints.openai.structured import (
 )
 from liteinfer.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, choice_seed
 from liteinfer.structured_output import StructuredOutputsParams
+from liteinfer.utils import ints_below
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_N = 16
@@ -144,8 +145,7 @@ class CompletionRequest(SamplingRequest):
         """A flat list of in-range ints (a token-id prompt) is what the union would make of it;
         checked at C speed here, where the union's member-by-member matching takes ~20 us for
         128 ids. Anything else goes through the union (and its errors)."""
-        if (type(value) is list and value and set(map(type, value)) == {int}
-                and min(value) >= 0 and max(value) <= COUNT_MAX):
+        if type(value) is list and value and ints_below(value, COUNT_MAX + 1):
             return value
         return handler(value)
 

@@ -19,7 +19,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,16 +160,10 @@ class StructuredOutputManager:
 
     def poll(self) -> None:
         """Learns which compilations have finished (for `is_ready`)."""
-        if self._broken is not None or self._process is None or not self._process.done():
-            return
         now = time.monotonic()
-        if now - self._polled < POLL_INTERVAL_S:
+        if now - self._polled < POLL_INTERVAL_S or self._live() is None:
             return
         self._polled = now
-        error = self._process.exception()
-        if error is not None:
-            self._break(f"structured outputs: the grammar process did not start: {error}")
-            return
         self._send([worker.POLL])
         self._receive(worker.COMPILED)
 
@@ -235,7 +229,7 @@ class StructuredOutputManager:
             self._fills.append(dict(missing))
             self._receive(worker.FILLED)
             self._filled = {}
-        bitmask = self._started().bitmask
+        bitmask = self._live_or_raise().bitmask
         return GrammarBitmask([row for row, _ in rows], bitmask[:len(request_ids)])
 
     @staticmethod
@@ -247,14 +241,30 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
-        if self._process is not None and self._process.done() and (
-                self._process.exception() is None):
-            self._process.result().close()
+        process = self._live()
+        if process is not None:
+            process.close()
 
     # ---- the pipe -------------------------------------------------------------------------
-    def _started(self) -> _Process:
-        assert self._process is not None
+    def _live(self) -> _Process | None:
+        """The grammar process once it has started, while it lives (None before it has, or
+        once it is gone: a start that failed breaks the manager here)."""
+        if self._broken is not None or self._process is None or not self._process.done():
+            return None
+        error = self._process.exception()
+        if error is not None:
+            self._break(f"structured outputs: the grammar process did not start: {error}")
+            return None
         return self._process.result()
+
+    def _live_or_raise(self) -> _Process:
+        """The grammar process a reply is awaited from, once it has started."""
+        if self._process is not None:
+            wait([self._process])
+        process = self._live()
+        if process is None:
+            raise GrammarWorkerDied(self._broken or "structured outputs: no grammar process")
+        return process
 
     def _break(self, reason: str) -> None:
         """The grammar process is gone: the grammars still compiling fail with `reason`, as
@@ -278,11 +288,9 @@ class StructuredOutputManager:
             finished, self._finished = self._finished, []
             self._send([worker.FINISH, finished])
         self._outbox.append(self._encoder.encode(message))
-        if self._process is not None and self._process.done():
-            if self._process.exception() is None:
-                self._flush(self._started())
-            else:  # nothing will run: poll() fails every grammar
-                self._outbox.clear()
+        process = self._live()
+        if process is not None:
+            self._flush(process)
 
     def _flush(self, process: _Process) -> None:
         try:
@@ -294,11 +302,9 @@ class StructuredOutputManager:
 
     def _receive(self, kind: int) -> list[Any]:
         """Replies until one of `kind`; each reports the compilations that have finished."""
-        if self._broken is None:
-            self._flush(self._started())
-        if self._broken is not None:
-            raise GrammarWorkerDied(self._broken)
-        process = self._started()
+        process = self._live_or_raise()
+        self._flush(process)
+        process = self._live_or_raise()  # the flush finds an exit first
         while True:
             reply = self._decoder.decode(self._recv(process))
             for gid, error in reply[-1]:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import select
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +16,30 @@ def ints_below(values: list, end: int) -> bool:
     """Whether every value is a plain int (not a bool) in [0, end), checked at C speed: a
     token-id prompt's ids one by one in Python take ~8 us per 128."""
     return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < end
+
+
+def cpus_to_spin(spinners: int) -> bool:
+    """Whether this machine can give each of `spinners` busy-waiting processes a CPU of its own
+    and keep two for the rest (clients, tokenizer threads, the system). Below that a process
+    that spins takes CPU time from the one it waits for."""
+    return len(os.sched_getaffinity(0)) >= spinners + 2
+
+
+class ReadableWait:
+    """Waits until a descriptor has input (or its peer has closed it), spinning on it where
+    `spin`: a process asleep in the kernel takes tens of microseconds to wake (more on a
+    virtual machine's idle CPUs), and each wake-up lands on the latency of whatever the
+    message carries. Without `spin` the caller's blocking read does the waiting."""
+
+    def __init__(self, fd: int, spin: bool):
+        self.spin = spin
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def wait(self) -> None:
+        if self.spin:
+            while not self._poll.poll(0):
+                pass
 
 
 def to_device(data: Sequence | np.ndarray, dtype: torch.dtype,

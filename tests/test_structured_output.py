@@ -280,7 +280,7 @@ def test_a_request_finished_while_its_grammar_compiles_gets_no_matcher(tiny_llm)
     conn, _ = Pipe()
     bitmask = torch.zeros(2, 8, dtype=torch.int32)
     grammar_worker = GrammarWorker(conn, info.serialize_json(), bitmask, fill_threads=1,
-                                   compile_threads=1)
+                                   compile_threads=1, spin=False)
     release = threading.Event()
     grammar_worker.executor.submit(release.wait)  # the compilation waits behind this
     grammar_worker._compile(0, StructuredOutputsParams(regex="a+"))
@@ -293,12 +293,18 @@ def test_a_request_finished_while_its_grammar_compiles_gets_no_matcher(tiny_llm)
     assert set(grammar_worker.matchers) == {"kept"}
 
 
-def test_a_dead_grammar_process_fails_only_the_constrained_requests(tiny_llama_dir):
+@pytest.mark.parametrize("spin", [False, True])
+def test_a_dead_grammar_process_fails_only_the_constrained_requests(tiny_llama_dir, monkeypatch,
+                                                                    spin):
     """The grammar process killed mid-run: the constrained requests finish with an error that
     says so, the others run to their full length with the tokens they get alone, later
-    constrained requests fail at once and unconstrained ones still run."""
+    constrained requests fail at once and unconstrained ones still run. With `spin`, both ends
+    spin on the pipe (as on machines with CPUs to spare), and the core's spin ends when the
+    grammar process does."""
+    import liteinfer.structured_output.manager as manager_module
     from fixtures import build_llm
 
+    monkeypatch.setattr(manager_module, "cpus_to_spin", lambda spinners: spin)
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256)
     engine = llm.engine
     prompts = ["The quick brown fox", "Hello world! How are", "Once upon a time there"]

@@ -32,6 +32,7 @@ from liteinfer.structured_output import worker
 from liteinfer.structured_output.backend import tokenizer_info
 from liteinfer.structured_output.params import StructuredOutputsParams
 from liteinfer.structured_output.worker import ALLOWED, FORBIDDEN, TERMINATED
+from liteinfer.utils import ReadableWait, cpus_to_spin
 
 __all__ = ["ALLOWED", "FORBIDDEN", "TERMINATED", "GrammarBitmask", "GrammarWorkerDied",
            "StructuredOutputManager", "apply_grammar_bitmask"]
@@ -89,10 +90,14 @@ class _Process:
                 raise RuntimeError(f"cudaHostRegister of the grammar bitmask failed: {error}")
         ctx = torch.multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
+        # Both ends spin on the pipe where the CPUs allow: a constrained step waits on the
+        # grammar process's replies, and the grammar process on the core's tokens.
+        spin = cpus_to_spin(2)
+        self.reply_wait = ReadableWait(self.conn.fileno(), spin)
         self.proc = ctx.Process(target=worker.run_grammar_worker, daemon=True,
                                 name="liteinfer-grammar",
                                 args=(child, info.serialize_json(), self.bitmask, FILL_THREADS,
-                                      COMPILE_THREADS))
+                                      COMPILE_THREADS, spin))
         self.proc.start()
         child.close()
 
@@ -317,9 +322,10 @@ class StructuredOutputManager:
                 return reply
 
     def _recv(self, process: _Process) -> bytes:
-        # Blocking: a grammar process that exits closes its end of the pipe (this one's copy
-        # of it was closed at the start). Connection.poll costs ~20 us a call.
+        # A grammar process that exits closes its end of the pipe (this one's copy of it was
+        # closed at the start), which ends the wait and the read.
         try:
+            process.reply_wait.wait()
             return process.conn.recv_bytes()
         except (EOFError, OSError):
             self._break(self._exit_reason(process))

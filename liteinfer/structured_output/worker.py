@@ -35,6 +35,7 @@ import xgrammar as xgr
 
 from liteinfer.structured_output.backend import XgrammarBackend
 from liteinfer.structured_output.params import StructuredOutputsParams
+from liteinfer.utils import ReadableWait
 
 COMPILE, DROP, ADD, FINISH, STEP, POLL, SHUTDOWN = range(7)
 ACCEPTED, FILLED, COMPILED = range(3)
@@ -57,8 +58,11 @@ def params_from_message(kind: str, spec: Any, disable_any_whitespace: bool
 
 class GrammarWorker:
     def __init__(self, conn: Connection, tokenizer_info: str, bitmask: torch.Tensor,
-                 fill_threads: int, compile_threads: int):
+                 fill_threads: int, compile_threads: int, spin: bool):
         self.conn = conn
+        # While a constrained request runs, its next step's tokens come within a step: the
+        # wait spins where `spin` (utils.ReadableWait), else blocks.
+        self.step_wait = ReadableWait(conn.fileno(), spin)
         self.bitmask = bitmask  # int32 [rows, words], shared with the core
         # Compiled grammars are cached by the core, which names each one (gid).
         self.backend = XgrammarBackend(xgr.TokenizerInfo.deserialize_json(tokenizer_info),
@@ -78,6 +82,8 @@ class GrammarWorker:
 
     def run(self) -> None:
         while True:
+            if self.matchers:
+                self.step_wait.wait()
             try:
                 message = self.decoder.decode(self.conn.recv_bytes())
             except EOFError:  # the core is gone
@@ -173,8 +179,8 @@ class GrammarWorker:
 
 
 def run_grammar_worker(conn: Connection, tokenizer_info: str, bitmask: torch.Tensor,
-                       fill_threads: int, compile_threads: int) -> None:
+                       fill_threads: int, compile_threads: int, spin: bool) -> None:
     """The grammar process's main function."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the core's to handle
     torch.set_num_threads(1)
-    GrammarWorker(conn, tokenizer_info, bitmask, fill_threads, compile_threads).run()
+    GrammarWorker(conn, tokenizer_info, bitmask, fill_threads, compile_threads, spin).run()

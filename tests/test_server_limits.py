@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -219,50 +218,6 @@ def test_waiting_queue_is_bounded(core, tiny_llama_dir):
 
     with serve(front, MODEL) as base:
         asyncio.run(run(base))
-    front.shutdown()
-
-
-def test_a_spinning_front_end_serves_the_same_tokens(core, tiny_llama_dir, tiny_llm,
-                                                    monkeypatch):
-    """A front end on a machine with CPUs to spare keeps its event loop polling while it has
-    requests in flight (and a while after): the streams are the offline engine's, and the
-    loop goes back to sleeping once idle."""
-    import liteinfer.engine.async_llm as async_llm
-
-    monkeypatch.setattr(async_llm, "cpus_to_spin", lambda spinners: True)
-    monkeypatch.setattr(async_llm, "FRONT_END_IDLE_SPIN_S", 0.05)
-    front = AsyncLLM(str(tiny_llama_dir), EngineConfig(**ENGINE_ARGS), core.core_handle,
-                     client_index=1)
-    lengths = [5, 17, 30, 9]
-    expected = references(tiny_llm, [(p, n) for p, n in zip(PROMPTS, lengths)])
-    awake_while_running = []
-
-    async def run(base: str) -> list[tuple[str, list]]:
-        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-            streams = [asyncio.ensure_future(stream_text(client, {
-                "prompt": p, "max_tokens": n, "ignore_eos": True, "temperature": 0}))
-                for p, n in zip(PROMPTS, lengths)]
-            while front.num_requests == 0:
-                await asyncio.sleep(0.001)
-            return await asyncio.gather(*streams)
-
-    with serve(front, MODEL) as base:
-        def watch() -> None:
-            while front.num_requests == 0:
-                time.sleep(0.001)
-            awake_while_running.append(front._awake is not None)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        results = asyncio.run(run(base))
-        watcher.join()
-        for (text, chunks), p, n in zip(results, PROMPTS, lengths):
-            assert chunks[-1] == "[DONE]" and text == expected[(p, n)]
-        deadline = time.monotonic() + 5
-        while front._awake is not None:
-            assert time.monotonic() < deadline, "the loop kept spinning while idle"
-            time.sleep(0.01)
-    assert awake_while_running == [True]
     front.shutdown()
 
 

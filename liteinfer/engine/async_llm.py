@@ -30,7 +30,6 @@ from liteinfer.engine.processor import InputProcessor
 from liteinfer.loader import load_model_source
 from liteinfer.outputs import RequestOutput
 from liteinfer.sampling_params import SamplingParams
-from liteinfer.utils import cpus_to_spin
 
 Prompt = str | list[int]
 T = TypeVar("T")
@@ -41,10 +40,6 @@ TOKENIZER_THREADS = 4
 # Token-id prompts up to this many tokens in all are validated on the event loop: a hop to the
 # pool and back costs more (a few hundred microseconds of the first token's latency).
 INLINE_PROMPT_TOKENS = 4096
-# Where the CPUs allow, a front end's event loop does not sleep while it has requests in flight,
-# nor for this long after the last one ends (the next often follows at once): each wake-up of a
-# sleeping loop, for a step's message or a client's request, lands on a token's latency.
-FRONT_END_IDLE_SPIN_S = 0.5
 
 
 class EngineError(RuntimeError):
@@ -136,9 +131,6 @@ class AsyncLLM:
         self._stats_task: asyncio.Task[None] | None = None
         self._prompt_tokens = self._generation_tokens = 0
         self.on_death: list[Callable[[], None]] = []
-        # The core, the grammar process and every front end of the core spin.
-        self._spin = cpus_to_spin(len(core.addresses.outputs) + 2)
-        self._awake: asyncio.Task[None] | None = None
 
     @classmethod
     def from_args(cls, model: str, load_format: str = "auto",
@@ -181,10 +173,9 @@ class AsyncLLM:
 
     async def stop(self) -> None:
         """Fails what is still running and disconnects from the core."""
-        for task in (self._stats_task, self._awake):
-            if task is not None:
-                task.cancel()
-        self._stats_task = self._awake = None
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            self._stats_task = None
         self.fail_all(EngineError("the server is shutting down"))
         if self._client is not None:
             self._client.close()
@@ -240,25 +231,7 @@ class AsyncLLM:
         for request, (_, prompt, _) in zip(processed, requests):
             self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
             self._streams[request.request_id] = stream
-        if self._spin and self._awake is None:
-            self._awake = asyncio.get_running_loop().create_task(self._stay_awake())
         return stream
-
-    async def _stay_awake(self) -> None:
-        """Keeps the event loop polling instead of sleeping (each pass yields at once) while
-        requests are in flight and FRONT_END_IDLE_SPIN_S after."""
-        idle_since = None
-        while True:
-            await asyncio.sleep(0)
-            if self._streams:
-                idle_since = None
-                continue
-            now = time.monotonic()
-            if idle_since is None:
-                idle_since = now
-            elif now - idle_since > FRONT_END_IDLE_SPIN_S:
-                break
-        self._awake = None
 
     def _check_room(self, n: int) -> None:
         if self.dead is not None:

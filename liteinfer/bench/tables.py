@@ -155,9 +155,11 @@ def vllm_serve_row(row: Row, rows: list[Row]) -> Row | None:
 
 def serving_tables(rows: list[Row], model: str) -> list[ServingTable]:
     """The newest serve row per (engine, config, shape, load) of `model`, a table per shape;
-    liteinfer rows scored against vLLM serve's tok/s of the same run."""
+    liteinfer rows scored against vLLM serve's tok/s of the same run. Runs that measured vLLM
+    serve too come first: a later run without it does not push a compared row out."""
     rows = [r for r in rows if r["kind"] == SERVE and r.get("model") == model]
-    newest = latest(rows, serve_key)
+    compared = {r.get("run_id") for r in rows if r["engine"] == VLLM}
+    newest = latest([r for r in rows if r.get("run_id") in compared] or rows, serve_key)
     tables = []
     for shape in sorted({shape_of(r) for r in newest}, key=lambda s: s.sort_key):
         of_shape = sorted((r for r in newest if shape_of(r) == shape),

@@ -216,7 +216,9 @@ def test_serving_table_compares_with_vllm_serve_of_the_same_run():
             # vLLM at 128 streams only in another run: no ratio for liteinfer's row of run a.
             serve_row("vllm", "b", 128, 25_000.0),
             # An older measurement of the same load gives way to the newest.
-            serve_row("liteinfer", "a", 32, 10_000.0, timestamp="2026-11-01T00:00:00+00:00")]
+            serve_row("liteinfer", "a", 32, 10_000.0, timestamp="2026-11-01T00:00:00+00:00"),
+            # A newer run without vLLM serve does not push run a's compared row out.
+            serve_row("liteinfer", "c", 32, 40_000.0, timestamp="2026-12-02T00:00:00+00:00")]
     (table,) = build_page(rows, "m").serving
     ratios = {(line.row["engine"], line.row["width"]): line.vs_vllm for line in table.lines}
     assert ratios == {("liteinfer", 32): pytest.approx(1.5), ("vllm", 32): None,
@@ -224,3 +226,7 @@ def test_serving_table_compares_with_vllm_serve_of_the_same_run():
     page = render_markdown(build_page(rows, "m"))
     assert "## serving · m · ISL=128 OSL=256" in page
     assert "| liteinfer-serve | 32 | 30,000.0 | 2.0 | 3.0 | 1.0 | 1.5 | 0.9 | 0 | 1.50x |" in page
+    # Without any vLLM serve row, the newest rows are shown.
+    (alone,) = build_page([r for r in rows if r["engine"] == "liteinfer"], "m").serving
+    assert {line.row["width"]: line.row["tok_s"] for line in alone.lines} == {
+        32: 40_000.0, 128: 50_000.0}

@@ -266,6 +266,66 @@ def test_compiled_grammars_are_evicted_least_recently_used_first(tiny_llm):
     manager.shutdown()
 
 
+def test_the_grammar_process_fills_rows_and_allows_every_token_in_the_others(tiny_llm):
+    """The grammar process over its pipe: each STEP leaves its constrained rows as xgrammar's
+    own matcher fills them and its other rows allowing every token, as the rows change roles
+    from step to step; rows that already allow every token are not written again."""
+    import threading
+    from multiprocessing import Pipe
+
+    import msgspec
+
+    from liteinfer.structured_output import worker
+    from liteinfer.structured_output.worker import GrammarWorker
+
+    engine = tiny_llm.engine
+    vocab = engine.model_config.vocab_size
+    info = tokenizer_info(engine.tokenizer, vocab, engine.core.eos_token_ids)
+    words = xgr.get_bitmask_shape(1, vocab)[1]
+    bitmask = torch.zeros(3, words, dtype=torch.int32)
+    ours, theirs = Pipe()
+    grammar_worker = GrammarWorker(theirs, info.serialize_json(), bitmask, fill_threads=1,
+                                   compile_threads=1, spin=False)
+    thread = threading.Thread(target=grammar_worker.run, daemon=True)
+    thread.start()
+    params = StructuredOutputsParams(regex="(ab)+")
+
+    def ask(message: list) -> list:
+        ours.send_bytes(msgspec.msgpack.encode(message))
+        return msgspec.msgpack.decode(ours.recv_bytes())
+
+    ours.send_bytes(msgspec.msgpack.encode(worker.params_message(0, params)))
+    ours.send_bytes(msgspec.msgpack.encode([worker.ADD, "r", 0]))
+    deadline = time.monotonic() + 60
+    while ask([worker.POLL])[-1] != [[0, None]]:
+        assert time.monotonic() < deadline
+    reference = xgr.GrammarMatcher(XgrammarBackend(info).compile(params))
+    expected = xgr.allocate_token_bitmask(1, vocab)
+    reference.fill_next_token_bitmask(expected, 0)
+    everything = torch.full((words,), -1, dtype=torch.int32)
+
+    assert ask([worker.STEP, [], [[0, "r"]], [1, 2]])[0] == worker.FILLED
+    assert torch.equal(bitmask[0], expected[0])
+    assert torch.equal(bitmask[1], everything) and torch.equal(bitmask[2], everything)
+    bitmask[2, 0] = 7  # row 2 allows every token already: the next step leaves it as it is
+
+    token = engine.tokenizer.encode("a", add_special_tokens=False)[0]
+    assert reference.accept_token(token)
+    reference.fill_next_token_bitmask(expected, 0)
+    assert ask([worker.STEP, [["r", [token]]], [[1, "r"]], [0, 2]])[1] == [worker.ALLOWED]
+    assert ours.poll(60)
+    assert msgspec.msgpack.decode(ours.recv_bytes())[0] == worker.FILLED
+    assert torch.equal(bitmask[1], expected[0])
+    assert torch.equal(bitmask[0], everything)
+    assert bitmask[2, 0] == 7
+
+    assert ask([worker.STEP, [], [[0, "r"]], [1, 2]])[0] == worker.FILLED  # row 1 was filled
+    assert torch.equal(bitmask[0], expected[0]) and torch.equal(bitmask[1], everything)
+    ours.send_bytes(msgspec.msgpack.encode([worker.SHUTDOWN]))
+    thread.join(10)
+    assert not thread.is_alive()
+
+
 def test_a_request_finished_while_its_grammar_compiles_gets_no_matcher(tiny_llm):
     """The grammar process's side: a request that ends before its grammar has compiled leaves
     nothing behind once the compilation ends."""

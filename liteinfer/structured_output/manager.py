@@ -15,6 +15,7 @@ starting a process take a few seconds).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections import OrderedDict
@@ -56,9 +57,23 @@ class GrammarBitmask:
 
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> None:
     """Sets the logits of the tokens the grammar forbids to -inf, in place (on CUDA one Triton
-    kernel over every row; the bitmask is copied asynchronously from pinned memory)."""
-    bitmask = grammar.bitmask.to(logits.device, non_blocking=True)
+    kernel over every row). On CUDA the bitmask (pinned) is copied on a stream of its own: the
+    copy, ~0.5 MB for 32 rows of a 128k vocabulary, runs while the step's forward pass still
+    does instead of after it on the step's stream."""
+    bitmask = grammar.bitmask
+    if logits.device.type == "cuda":
+        step_stream = torch.cuda.current_stream(logits.device)
+        copy_stream = _bitmask_copy_stream(logits.device)
+        with torch.cuda.stream(copy_stream):
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        step_stream.wait_stream(copy_stream)
+        bitmask.record_stream(step_stream)  # allocated on the copy stream, read on this one
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
+
+
+@functools.cache
+def _bitmask_copy_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 class GrammarWorkerDied(RuntimeError):

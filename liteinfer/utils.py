@@ -5,6 +5,7 @@ import gc
 import os
 import select
 import socket
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,20 +27,23 @@ def cpus_to_spin(spinners: int) -> bool:
 
 
 class ReadableWait:
-    """Waits until a descriptor has input (or its peer has closed it), spinning on it where
-    `spin`: a process asleep in the kernel takes tens of microseconds to wake (more on a
-    virtual machine's idle CPUs), and each wake-up lands on the latency of whatever the
-    message carries. Without `spin` the caller's blocking read does the waiting."""
+    """Spins until a descriptor has input (or its peer has closed it), where `spin`, for at
+    most `max_spin_s`: a process asleep in the kernel takes tens of microseconds to wake (more
+    on a virtual machine's idle CPUs), and each wake-up lands on the latency of whatever the
+    message carries. The caller's blocking read does the rest of the waiting (all of it
+    without `spin`), so a peer gone quiet costs no CPU after max_spin_s."""
 
-    def __init__(self, fd: int, spin: bool):
-        self.spin = spin
+    def __init__(self, fd: int, spin: bool, max_spin_s: float = 0.5):
+        self.spin, self.max_spin_s = spin, max_spin_s
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
 
     def wait(self) -> None:
-        if self.spin:
-            while not self._poll.poll(0):
-                pass
+        if not self.spin:
+            return
+        deadline = time.monotonic() + self.max_spin_s
+        while not self._poll.poll(0) and time.monotonic() < deadline:
+            pass
 
 
 def to_device(data: Sequence | np.ndarray, dtype: torch.dtype,

@@ -50,3 +50,14 @@ def test_a_spinning_wait_ends_when_the_writer_closes():
     assert not thread.is_alive()
     assert os.read(read_fd, 1) == b""
     os.close(read_fd)
+
+
+def test_a_spinning_wait_gives_up_after_its_bound():
+    """A peer gone quiet (the last constrained request finished, nothing more to say) leaves
+    the waiter to its blocking read once max_spin_s has passed."""
+    read_fd, write_fd = os.pipe()
+    start = time.monotonic()
+    ReadableWait(read_fd, spin=True, max_spin_s=0.05).wait()
+    assert 0.05 <= time.monotonic() - start < 5
+    os.close(read_fd)
+    os.close(write_fd)

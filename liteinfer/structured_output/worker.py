@@ -61,7 +61,8 @@ class GrammarWorker:
                  fill_threads: int, compile_threads: int, spin: bool):
         self.conn = conn
         # While a constrained request runs, its next step's tokens come within a step: the
-        # wait spins where `spin` (utils.ReadableWait), else blocks.
+        # wait spins where `spin` (utils.ReadableWait), else blocks. The spin is bounded: the
+        # matchers of finished requests go only with the core's next message.
         self.step_wait = ReadableWait(conn.fileno(), spin)
         self.bitmask = bitmask  # int32 [rows, words], shared with the core
         # Compiled grammars are cached by the core, which names each one (gid).

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from liteinfer.bench.tables import (
+    FLOOR,
     INTRO,
     MIXED_PROMPTS,
     RATIOS,
@@ -31,13 +32,13 @@ def _table(t: Table) -> list[str]:
     out = [f"## {t.title}", ""]
     if t.mixed_prompts:
         out += [MIXED_PROMPTS, ""]
-    out.append(_row(["config"] + [name for name, _ in t.columns] + list(RATIOS)))
-    out.append(_row(["---"] + ["---:"] * (len(t.columns) + len(RATIOS))))
+    out.append(_row(["config"] + [name for name, _ in t.columns] + [FLOOR, *RATIOS]))
+    out.append(_row(["---"] + ["---:"] * (len(t.columns) + 1 + len(RATIOS))))
     for line in t.lines:
         label = f"**{line.label}**<br><sub>{' · '.join(line.notes)}</sub>"
         values = [fmt(line.row.get(key)) for _, key in t.columns]
         ratios = [c.text + (mark(c.note) if c.note else "") for c in line.ratios]
-        out.append(_row([label] + values + ratios))
+        out.append(_row([label] + values + [line.floor_text] + ratios))
     if t.footnotes:
         out.append("")
         out += [f"- ~{mark(i)} {note}" for i, note in enumerate(t.footnotes, 1)]

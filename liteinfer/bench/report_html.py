@@ -9,7 +9,17 @@ from liteinfer.bench import registry
 from liteinfer.bench.plots import PALETTE, REFERENCE_COLOR, Series, bar, line_chart
 from liteinfer.bench.registry import VLLM
 from liteinfer.bench.report import fmt
-from liteinfer.bench.tables import INTRO, MIXED_PROMPTS, RATIOS, Cell, Page, Pivot, Table, standing
+from liteinfer.bench.tables import (
+    FLOOR,
+    INTRO,
+    MIXED_PROMPTS,
+    RATIOS,
+    Cell,
+    Page,
+    Pivot,
+    Table,
+    standing,
+)
 from liteinfer.bench.workloads import MIXED
 
 _CSS = """
@@ -66,7 +76,7 @@ def _table(t: Table) -> str:
     out = [f'<section class="table" id="{anchor}">', f"<h2>{escape(t.title)}</h2>"]
     if t.mixed_prompts:
         out.append(f'<p class="warn">{MIXED_PROMPTS}</p>')
-    heads = ["config"] + [name for name, _ in t.columns] + list(RATIOS)
+    heads = ["config"] + [name for name, _ in t.columns] + [FLOOR, *RATIOS]
     out.append("<table><thead><tr>" + "".join(f"<th>{escape(h)}</th>" for h in heads)
                + "</tr></thead><tbody>")
     for line in t.lines:
@@ -80,6 +90,7 @@ def _table(t: Table) -> str:
                 cells.append(f'<td class="num headline">{bar(line.standing)}{value}</td>')
             else:
                 cells.append(f'<td class="num">{value}</td>')
+        cells.append(f'<td class="num">{line.floor_text}</td>')
         cells += [_ratio(c, f"{anchor}-note") for c in line.ratios]
         out.append(f'<tr class="{kind}">' + "".join(cells) + "</tr>")
     out.append("</tbody></table>")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from liteinfer.bench import registry
+from liteinfer.bench.floor import floor_share
 from liteinfer.bench.registry import LITEINFER, REMOVED, VLLM, BenchConfig
 from liteinfer.bench.store import Row, build_of, latest, shape_of
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
@@ -18,11 +19,15 @@ COLUMNS = {"latency": (("ITL p50", "itl_p50"), ("ITL p95", "itl_p95"), ("TTFT p5
            "throughput": (("tok/s", "tok_s"), ("req/s", "req_s"), ("wall (s)", "wall_s"))}
 HEADLINE_METRIC = {"latency": "itl_p50", "throughput": "tok_s"}
 RATIOS = ("vs base", "vs first", "vs vLLM")
+FLOOR = "of floor"  # the row's share of its physical floor (bench/floor.py)
 INTRO = ("Each config is scored against the one it improves on (vs base), against the start of "
          "its lineage (vs first), and against vLLM at the same batch width (vs vLLM). Above 1.00x "
          "is better. Each row names the config it improves on; vLLM rows are references, not "
          "competitors. Bars show standing on the headline metric of each table. A ratio marked ~ "
-         "compares rows not measured under the same conditions; the note under its table says why.")
+         "compares rows not measured under the same conditions; the note under its table says why. "
+         "Of floor: the time one decode step must take to read its bytes (the weights it "
+         "multiplies by and every row's KV cache at the run's mean context) at the GPU's measured "
+         "copy bandwidth, over the row's ITL p50.")
 MIXED_PROMPTS = "These runs did not all use the same prompts."
 SPANS_ENGINES = "which is no longer runnable, so this delta spans two engines"
 
@@ -79,7 +84,12 @@ class Line:
     label: str
     notes: list[str]
     ratios: list[Cell]
+    floor_share: float | None = None  # floor step time over the ITL p50 (bench/floor.py)
     standing: float = 0.0  # headline metric relative to the table's best, in (0, 1]
+
+    @property
+    def floor_text(self) -> str:
+        return "—" if self.floor_share is None else f"{self.floor_share:.0%}"
 
 
 @dataclass
@@ -242,7 +252,7 @@ class _TableBuilder:
                 if config.engine != VLLM and vllm_name is not None else None)
         ratios = [self.cell(label, row, base, True), self.cell(label, row, first, True),
                   self.cell(label, row, vllm, False)]
-        return Line(config, row, label, _notes(config), ratios)
+        return Line(config, row, label, _notes(config), ratios, floor_share(row))
 
     def build(self) -> Table:
         order = sorted(self.rows, key=lambda k: (registry.ORDER[k[0]], k[1]))

@@ -9,6 +9,7 @@ from liteinfer.bench import registry
 from liteinfer.bench.plots import PALETTE, REFERENCE_COLOR, Series, bar, line_chart
 from liteinfer.bench.registry import VLLM
 from liteinfer.bench.report import fmt
+from liteinfer.bench.store import DEFAULT_PRECISION
 from liteinfer.bench.tables import (
     FLOOR,
     INTRO,
@@ -57,7 +58,8 @@ svg.chart polyline { fill: none; stroke-width: 2; } svg.chart .series line { str
 
 
 def _anchor(t: Table) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", f"{t.kind}-{t.shape.label}".lower()).strip("-")
+    precision = "" if t.precision == DEFAULT_PRECISION else f"-{t.precision}"
+    return re.sub(r"[^a-z0-9]+", "-", f"{t.kind}{precision}-{t.shape.label}".lower()).strip("-")
 
 
 def _ratio(cell: Cell, note_id: str) -> str:
@@ -135,6 +137,8 @@ def _charts(page: Page) -> str:
     by_width: dict[str, dict[str, list[tuple[float, float]]]] = {"tok_s": {}, "itl_p50": {}}
     by_isl: dict[str, list[tuple[float, float]]] = {}
     for t in page.tables:
+        if t.precision != DEFAULT_PRECISION:  # the charts show the default precision's rows
+            continue
         for line in t.lines:
             family = VLLM if line.config.engine == VLLM else line.config.name
             if t.kind == "throughput" and t.shape == page.headline:

@@ -141,9 +141,21 @@ def stored_rows(config: str, results: Path = RESULTS_DIR) -> dict[Path, list[Row
     return {f: rows for f, rows in found.items() if rows}
 
 
-def row_key(row: Row) -> tuple[str, str, str, str, int, int]:
-    """What a row measures: (model, config, kind, isl, osl, width)."""
-    return row["model"], row["config"], row["kind"], str(row["isl"]), row["osl"], row["width"]
+DEFAULT_PRECISION = "bf16"
+
+
+def precision_of(row: Row) -> str:
+    """The weights' and the KV cache's precision a row ran at, from its engine args: 'bf16',
+    'fp8' (quantization='fp8'), either with ' + fp8 KV' (kv_cache_dtype='fp8')."""
+    args = row.get("engine_args") or {}
+    weights = "fp8" if args.get("quantization") == "fp8" else DEFAULT_PRECISION
+    return weights + (" + fp8 KV" if args.get("kv_cache_dtype") == "fp8" else "")
+
+
+def row_key(row: Row) -> tuple[str, str, str, str, int, int, str]:
+    """What a row measures: (model, config, kind, isl, osl, width, precision)."""
+    return (row["model"], row["config"], row["kind"], str(row["isl"]), row["osl"], row["width"],
+            precision_of(row))
 
 
 def latest(rows: list[Row], key: Callable[[Row], Hashable] = row_key) -> list[Row]:

@@ -9,7 +9,7 @@ from typing import Any
 from liteinfer.bench import registry
 from liteinfer.bench.floor import floor_share
 from liteinfer.bench.registry import LITEINFER, REMOVED, VLLM, BenchConfig
-from liteinfer.bench.store import Row, build_of, latest, shape_of
+from liteinfer.bench.store import DEFAULT_PRECISION, Row, build_of, latest, precision_of, shape_of
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 
 KINDS = ("latency", "throughput")
@@ -99,10 +99,12 @@ class Table:
     model: str
     lines: list[Line]
     footnotes: list[str] = field(default_factory=list)
+    precision: str = DEFAULT_PRECISION  # store.precision_of: a table holds rows of one
 
     @property
     def title(self) -> str:
-        return f"{self.kind} · {self.model} · {self.shape.title}"
+        precision = "" if self.precision == DEFAULT_PRECISION else f" · {self.precision}"
+        return f"{self.kind} · {self.model}{precision} · {self.shape.title}"
 
     @property
     def columns(self) -> tuple[tuple[str, str], ...]:
@@ -214,10 +216,10 @@ def _notes(config: BenchConfig) -> list[str]:
 
 
 class _TableBuilder:
-    def __init__(self, kind: str, shape: Shape, model: str, rows: list[Row]):
+    def __init__(self, kind: str, shape: Shape, model: str, precision: str, rows: list[Row]):
         self.kind = kind
         self.rows = {(r["config"], r["width"]): r for r in rows}
-        self.table = Table(kind, shape, model, [])
+        self.table = Table(kind, shape, model, [], precision=precision)
 
     def counterpart(self, name: str, config: BenchConfig, width: int) -> Row | None:
         """`name`'s row to compare with: a row at a config's own width meets the other config's
@@ -268,7 +270,8 @@ class _TableBuilder:
 
 
 def _pivot(kind: str, tables: list[Table]) -> Pivot:
-    tables = [t for t in tables if t.kind == kind]
+    """The default precision's rows across shapes."""
+    tables = [t for t in tables if t.kind == kind and t.precision == DEFAULT_PRECISION]
     cells: dict[tuple[str, int], dict[Shape, float]] = {}
     for t in tables:
         for line in t.lines:
@@ -306,12 +309,14 @@ def build_page(rows: list[Row], model: str | None = None) -> Page:
     if not rows and not serving:
         raise ValueError(f"no benchmark rows for model {model!r}")
     tables = []
-    for kind in KINDS:
-        shapes = sorted({shape_of(r) for r in rows if r["kind"] == kind}, key=lambda s: s.sort_key)
-        for shape in shapes:
-            of_table = [r for r in rows if r["kind"] == kind and shape_of(r) == shape]
-            tables.append(_TableBuilder(kind, shape, model, of_table).build())
-    kinds = {t.kind for t in tables}
+    precisions = sorted({precision_of(r) for r in rows}, key=lambda p: (p != DEFAULT_PRECISION, p))
+    for precision in precisions:  # one table set per precision, the default first
+        for kind in KINDS:
+            of_kind = [r for r in rows if r["kind"] == kind and precision_of(r) == precision]
+            for shape in sorted({shape_of(r) for r in of_kind}, key=lambda s: s.sort_key):
+                of_table = [r for r in of_kind if shape_of(r) == shape]
+                tables.append(_TableBuilder(kind, shape, model, precision, of_table).build())
+    kinds = {t.kind for t in tables if t.precision == DEFAULT_PRECISION}
     pivots = [_pivot(k, tables) for k in ("throughput", "latency") if k in kinds]
     shapes = [t.shape for t in tables]
     headline = HEADLINE if HEADLINE in shapes or not shapes else shapes[0]

@@ -215,3 +215,25 @@ def test_results_file_and_commit(tmp_path, monkeypatch):
     engine_commit.cache_clear()
     assert engine_commit() == "0123abc-dirty"
     engine_commit.cache_clear()
+
+
+def test_each_precision_gets_its_own_tables_compared_with_vllm_at_that_precision():
+    fp8 = {"engine_args": {"quantization": "fp8"}}
+    fp8_kv = {"engine_args": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+    vllm = {"engine": "vllm", "commit": None, "version": "0.26.0"}
+    rows = [row("prompt-graphs", itl_p50=1.0), row("vllm", itl_p50=2.0, **vllm),
+            # The same config at fp8 is not the bf16 row's newer measurement.
+            row("prompt-graphs", itl_p50=0.5, timestamp="2026-02-01T00:00:00+00:00", **fp8),
+            row("vllm", itl_p50=0.8, **vllm, **fp8),
+            row("prompt-graphs", itl_p50=0.4, **fp8_kv)]
+    page = build_page(rows)
+    assert [t.title for t in page.tables] == [
+        "latency · m · ISL=128 OSL=256", "latency · m · fp8 · ISL=128 OSL=256",
+        "latency · m · fp8 + fp8 KV · ISL=128 OSL=256"]
+    bf16, at_fp8, at_fp8_kv = page.tables
+    assert texts(line(bf16, "liteinfer-prompt-graphs")) == ["—", "—", "2.00x"]
+    assert texts(line(at_fp8, "liteinfer-prompt-graphs")) == ["—", "—", "1.60x"]
+    assert texts(line(at_fp8_kv, "liteinfer-prompt-graphs")) == ["—", "—", "—"]
+    # The across-shapes pivots hold the default precision's rows only.
+    (pivot,) = page.pivots
+    assert dict(pivot.rows) == {"liteinfer-prompt-graphs": [1.0], "vllm": [2.0]}

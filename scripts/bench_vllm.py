@@ -7,10 +7,13 @@ prefix cache is emptied before each measured run: mixed2048/16 and mixed2048/128
 draw the same prompts.
 
 Rows are written in the format of benchmarks/reference/ (`liteinfer-bench report --reference DIR`
-reads a directory of them). Needs vLLM importable (../shared/vllm/ installs it beside the
-machine's torch) and a directory holding the model's config.json (dummy weights):
+reads a directory of them), with the model's name (the directory's) and, where set, the
+quantization and KV-cache dtype as engine args, so that the report sets them beside liteinfer's
+rows of the same model and precision. Needs vLLM importable (../shared/vllm/ installs it beside
+the machine's torch) and a directory holding the model's config.json (dummy weights):
 
     python scripts/bench_vllm.py MODEL_DIR --out vllm_rows.jsonl [--runs mixed2048:16:32 ...]
+                                 [--quantization fp8] [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
 
@@ -25,8 +28,7 @@ from liteinfer.bench.registry import DEFAULT, full_matrix
 from liteinfer.bench.runner import drive, warm_up, workload
 from liteinfer.bench.workloads import SEED, Shape
 from liteinfer.sampling_params import SamplingParams
-
-VOCAB = 128256  # Llama-3.2-1B
+from liteinfer.utils import model_label
 
 
 @dataclass
@@ -67,7 +69,11 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", metavar="ISL:OSL:WIDTH",
                    help="throughput runs (default: every run of the report's tables)")
     p.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's")
+    p.add_argument("--quantization", help="vLLM's quantization (e.g. fp8); default: none")
+    p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's (e.g. fp8); default: auto")
     args = p.parse_args()
+    with open(os.path.join(args.model_dir, "config.json"), encoding="utf-8") as f:
+        vocab = json.load(f)["vocab_size"]
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -83,15 +89,19 @@ def main() -> None:
         plan = [(r.kind, r.shape, r.width, r.prompts) for r in full_matrix([DEFAULT])]
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=16384, max_num_seqs=128, seed=0,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = VLLMEngine(llm.llm_engine, VLLMParams, TokensPrompt)
+    engine_args = {k: v for k, v in (("quantization", args.quantization),
+                                     ("kv_cache_dtype", args.kv_cache_dtype)) if v not in
+                   (None, "auto")}
     env = {"engine": "vllm", "version": vllm.__version__, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(0),
-           "max_num_batched_tokens": args.max_num_batched_tokens}
+           "gpu": torch.cuda.get_device_name(0), "model": model_label(args.model_dir),
+           "engine_args": engine_args, "max_num_batched_tokens": args.max_num_batched_tokens}
     with open(args.out, "a", encoding="utf-8") as out:
         for kind, shape, width, n in plan:
-            warm_up(engine, shape, width, VOCAB)
-            prompts, _ = workload(shape, n, SEED, VOCAB)
+            warm_up(engine, shape, width, vocab)
+            prompts, _ = workload(shape, n, SEED, vocab)
             assert llm.reset_prefix_cache()
             traces = drive(engine, prompts, [shape.osl] * n, width)
             row = {**env, "kind": kind, "isl": shape.isl, "osl": shape.osl, "prompts": n,

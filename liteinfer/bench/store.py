@@ -100,6 +100,7 @@ def _workload_fingerprint(isl: int | str, prompts: int, seed: int) -> str:
 
 def reference_row(raw: Row, source: Path) -> Row | None:
     """A vLLM or transformers reference row under its configuration name; None if unmapped.
+    Rows that name no model are of the default one (the reference files' first rows).
 
     Reference rows carry no fingerprint; they were drawn with WORKLOADS.md's generator from
     their (isl, prompts, seed), so the fingerprint is recomputed from those."""
@@ -117,7 +118,7 @@ def reference_row(raw: Row, source: Path) -> Row | None:
         if date is None:
             raise ValueError(f"{source}: rows have no 'at' time and the file name no date")
         stamp = date[0] + "T00:00:00+00:00"
-    return {**raw, "config": name, "model": MODEL, "timestamp": stamp,
+    return {**raw, "config": name, "model": raw.get("model", MODEL), "timestamp": stamp,
             "fingerprint": _workload_fingerprint(raw["isl"], raw["prompts"], raw["seed"])}
 
 

@@ -1,6 +1,7 @@
 """Ratios, `~` marks, lineage resolution and the loading of result and reference rows."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -237,3 +238,20 @@ def test_each_precision_gets_its_own_tables_compared_with_vllm_at_that_precision
     # The across-shapes pivots hold the default precision's rows only.
     (pivot,) = page.pivots
     assert dict(pivot.rows) == {"liteinfer-prompt-graphs": [1.0], "vllm": [2.0]}
+
+
+def test_vllm_rows_of_another_model_and_precision_stay_theirs(tmp_path):
+    """bench_vllm.py's rows name their model and quantization: an 8B fp8 vLLM row is set beside
+    liteinfer's 8B fp8 row, not mapped onto the default model's bf16 tables."""
+    raw = {"engine": "vllm", "version": "0.26.0", "gpu": "G", "model": "llama-3.1-8b-instruct",
+           "engine_args": {"quantization": "fp8"}, "kind": "latency", "isl": 128, "osl": 256,
+           "prompts": 50, "width": 1, "seed": 1234, "itl_p50": 3.5, "tok_s": 280.0, "at": 1.0e9}
+    (tmp_path / "vllm-fp8.jsonl").write_text(json.dumps(raw) + "\n")
+    ours = row("prompt-graphs", model="llama-3.1-8b-instruct", itl_p50=2.5,
+               engine_args={"quantization": "fp8"}, fingerprint=fingerprint(make_prompts(128, 50)))
+    (vllm,) = load_rows(None, tmp_path)
+    assert (vllm["model"], vllm["config"]) == ("llama-3.1-8b-instruct", "vllm")
+    page = build_page([ours, vllm], "llama-3.1-8b-instruct")
+    (t,) = page.tables
+    assert t.title == "latency · llama-3.1-8b-instruct · fp8 · ISL=128 OSL=256"
+    assert texts(line(t, "liteinfer-prompt-graphs"))[2] == "1.40x"

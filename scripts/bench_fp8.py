@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from liteinfer.attention import allocate_kv_pool
+from liteinfer.bench.floor import COPY_BANDWIDTH
 from liteinfer.bench.runner import engine_args_for, make_llm, run_latency, run_throughput
 from liteinfer.bench.workloads import Shape
 from liteinfer.kernels import gemv as gemv_kernels
@@ -37,7 +38,7 @@ MODELS = ("llama-3.2-1b-instruct", "llama-3.1-8b-instruct")
 MODES = {"bf16": {}, "fp8": {"quantization": "fp8"},
          "fp8-kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
 SHAPE = Shape(128, 256)
-COPY_BW = 4.3e12  # H200 copy bandwidth, bytes/s (NOTES.md)
+COPY_BW = COPY_BANDWIDTH["NVIDIA H200"]
 # 8B decode-step operands: (name, in features, out features).
 PROJECTIONS_8B = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
                   ("down", 14336, 4096))

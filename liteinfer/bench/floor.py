@@ -9,12 +9,11 @@ are left out.
 """
 from __future__ import annotations
 
-import json
 from functools import cache
-from importlib import resources
 from typing import Any
 
 from liteinfer.config import ModelConfig
+from liteinfer.loader import load_model_source
 
 # Bytes/s that a device-to-device copy reaches on each GPU (NOTES.md, "The floors").
 COPY_BANDWIDTH = {"NVIDIA H200": 4.3e12}
@@ -23,11 +22,11 @@ BF16, FP8 = 2, 1
 
 @cache
 def packaged_model_config(model: str) -> ModelConfig | None:
-    """The packaged config of a known model name (liteinfer/model_configs), else None."""
-    path = resources.files("liteinfer") / "model_configs" / f"{model}.json"
-    if not path.is_file():
+    """The config of a model the loader knows by this name (`load_model_source`), else None."""
+    try:
+        return load_model_source(model, "dummy").model_config
+    except ValueError:
         return None
-    return ModelConfig.from_hf(json.loads(path.read_text()))
 
 
 def weight_bytes(config: ModelConfig, fp8_weights: bool = False) -> int:

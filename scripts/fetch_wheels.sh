@@ -2,7 +2,7 @@
 # Downloads into .whl/ the wheels that `liteinfer serve` and `liteinfer-bench serve` need and the
 # CUDA machine lacks (it has no package registry): the ASGI stack, pydantic, ZeroMQ, msgspec and
 # orjson, for CPython 3.12 on x86_64 Linux, without their dependencies (those the machine has:
-# anyio, click, h11, httpx, aiohttp, uvloop, prometheus-client). pydantic needs a
+# anyio, click, h11, httpx, uvloop, prometheus-client). pydantic needs a
 # newer typing-extensions than the machine's torch image may hold, so that one travels too.
 # On that machine:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl

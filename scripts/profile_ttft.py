@@ -2,7 +2,7 @@
 through (1) the offline engine, (2) AsyncLLM and its engine-core process with no HTTP, (3)
 `liteinfer serve` with one and with four API-server processes, measured by the load generator,
 and (4) the one-server `liteinfer serve` from a plain blocking socket, which leaves out the
-load generator's own (aiohttp's) time.
+load generator's own (its HTTP client's) time.
 Llama-3.2-1B config, dummy bf16 weights, greedy.
 
 (2) also gives the time from the core sending a step's message (EngineCoreOutputs.timestamp,

@@ -5,7 +5,7 @@ offline rows' prompts), greedy, `ignore_eos`, `max_tokens` = OSL, usage at the e
 stream. At most --concurrency requests in flight (a new one as soon as one finishes), or Poisson
 arrivals at --request-rate. Parsing server-sent events at tens of thousands per second is more
 than one Python process can do, so the streams are spread over several client processes (each
-its own asyncio loop and aiohttp session), whose raw timings are merged.
+its own asyncio loop and connections), whose raw timings are merged.
 
 Per request, as vLLM's serving benchmark measures it (an event may carry several tokens when
 the server falls behind, so tokens are counted from the usage at the end, not from events):
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from liteinfer.bench.http_client import StreamingClient
 from liteinfer.bench.metrics import percentile
 from liteinfer.bench.registry import LITEINFER, VLLM
 from liteinfer.bench.runner import staggered_lengths, workload
@@ -79,23 +80,23 @@ def request_body(target: Target, job: Job) -> dict[str, Any]:
     return body
 
 
-async def stream_one(session: Any, url: Any, target: Target, job: Job) -> Timing:
-    """url: the endpoint, parsed once per run (yarl.URL): aiohttp parses a string URL on
-    every request, ~0.1 ms of client time inside each TTFT."""
+async def stream_one(client: StreamingClient, target: Target, job: Job) -> Timing:
     body = orjson.dumps(request_body(target, job))
     timing = Timing(job.index, time.perf_counter())
     try:
-        async with session.post(url, data=body) as resp:
+        async with client.post("/v1/completions", body) as resp:
             if resp.status != 200:
-                timing.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                text = (await resp.read()).decode(errors="replace")
+                timing.error = f"HTTP {resp.status}: {text[:200]}"
                 return timing
-            async for line in resp.content:
+            async for line in resp.lines():
                 if not line.startswith(b"data: "):
                     continue
                 now = time.perf_counter()
                 data = line[6:].rstrip()
-                if data == b"[DONE]":
-                    break
+                if data == b"[DONE]":  # read on to the body's end: the connection is reused
+                    timing.end = now
+                    continue
                 chunk = orjson.loads(data)
                 if "error" in chunk:
                     timing.error = f"error event: {str(chunk['error'])[:200]}"
@@ -106,7 +107,7 @@ async def stream_one(session: Any, url: Any, target: Target, job: Job) -> Timing
                     timing.completion_tokens = chunk["usage"]["completion_tokens"]
     except Exception as e:  # any failure of one stream is that request's error
         timing.error = f"{type(e).__name__}: {e}"[:200]
-    timing.end = time.perf_counter()
+    timing.end = timing.end or time.perf_counter()
     if timing.error is None:
         if timing.completion_tokens is None:
             timing.error = "the stream ended without usage"
@@ -122,26 +123,23 @@ async def run_jobs(target: Target, jobs: list[Job], max_in_flight: int,
                    start_at: float) -> list[Timing]:
     """Sends `jobs` in order, each no earlier than `start_at + job.at`, at most `max_in_flight`
     at once (the semaphore is first come, first served)."""
-    import aiohttp
-    import yarl
-
     gate = asyncio.Semaphore(max_in_flight)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=READ_TIMEOUT_S)
-    url = yarl.URL(target.base_url.rstrip("/") + "/v1/completions")
     headers = {"Content-Type": "application/json"}
     if target.api_key:
         headers["Authorization"] = f"Bearer {target.api_key}"
-    connector = aiohttp.TCPConnector(limit=max_in_flight, force_close=False)
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers,
-                                     connector=connector) as session:
-        async def one(job: Job) -> Timing:
-            delay = start_at + job.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            async with gate:
-                return await stream_one(session, url, target, job)
+    client = StreamingClient(target.base_url, headers, READ_TIMEOUT_S)
 
+    async def one(job: Job) -> Timing:
+        delay = start_at + job.at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with gate:
+            return await stream_one(client, target, job)
+
+    try:
         return await asyncio.gather(*(one(j) for j in jobs))
+    finally:
+        await client.close()
 
 
 def client_process(conn: Connection, target: Target, jobs: list[Job],

@@ -56,6 +56,12 @@ class Response:
         self._reader, self._parser, self._message = reader, parser, message
         self._read_timeout = read_timeout
 
+    async def read_headers(self) -> None:
+        """Reads until the headers are in; sets `status`."""
+        while not self._message.headers_done:
+            await self._feed()
+        self.status = self._parser.get_status_code()
+
     async def _feed(self) -> bool:
         """Reads more of the response into the parser; False once the message is complete."""
         if self._message.complete:
@@ -135,9 +141,7 @@ class StreamingClient:
             message = _Message()
             parser = httptools.HttpResponseParser(message)
             response = Response(conn.reader, parser, message, self.read_timeout)
-            while not message.headers_done:
-                await response._feed()
-            response.status = parser.get_status_code()
+            await response.read_headers()
             yield response
             keep = message.complete and message.framed and not message.closing
         finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -18,6 +17,7 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from liteinfer.bench.http_client import StreamingClient
+from liteinfer.utils import free_port
 
 GAP_S = 0.05  # between the streamed lines
 
@@ -38,12 +38,6 @@ async def stream(request: Request) -> StreamingResponse:
 
 async def refuse(request: Request) -> PlainTextResponse:
     return PlainTextResponse("no such thing " * 100, status_code=404)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Triton kernels: paged KV cache writes (with fused RoPE), paged decode attention (which also
 rotates and writes the step's own K/V), packed prefill attention, one-token linear layers with
-RMSNorm and SiLU-and-mul fused in, the standalone RMSNorm and SiLU-and-mul, and FP8 activation
-quantization.
+RMSNorm and SiLU-and-mul fused in, few-row linear layers, the standalone RMSNorm and
+SiLU-and-mul, and FP8 activation quantization.
 Import the submodules directly; importing this package pulls in nothing heavy."""
 from __future__ import annotations
 
@@ -30,3 +30,9 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: fp32 operands get exact fp32 products (tf32 would cost ~1e-3
+    relative error); the others multiply exactly anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import FP8_DTYPE, num_sms, supports_pdl
+from liteinfer.kernels import FP8_DTYPE, dot_precision, num_sms, supports_pdl
 from liteinfer.kernels.decode_splits import (
     MAX_SPLITS_CAP,
     MIN_SPLIT_TOKENS,
@@ -55,11 +55,6 @@ def decode_tiles(head_dim: int, block_size: int) -> DecodeTiles:
     """Tile choice for Hopper: ~16 KiB of K per tile keeps several loads in flight per SM."""
     block_n = max(128 if head_dim <= 64 else 64, block_size)
     return DecodeTiles(block_n=block_n, num_warps=4, num_stages=3)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 caches use exact fp32 products; tf32 would cost ~1e-3 relative error."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit

@@ -24,12 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import FP8_DTYPE
+from liteinfer.kernels import FP8_DTYPE, dot_precision
 from liteinfer.kernels.decode_attention import (
     LOG2E,
     attend_kv_range,
     decode_tiles,
-    dot_precision,
     finish_split,
     query_rows,
     softmax_tile,

@@ -119,7 +119,7 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
         out = torch.empty_like(q)
         ref = decode_ref(q, k_cache, v_cache, tables, lens_list)
         gbytes = 2 * sum(lens_list) * HKV * D * k_cache.element_size() / 1e9
-        policy = splits.max_splits_for(batch, HKV, num_sms, splits.rows_may_split(lens_list),
+        policy = splits.max_splits_for(batch, HKV, num_sms, splits.rows_may_split(lens_list, D),
                                        waves=waves)
         # The engine's path also rotates q and writes this step's K/V (already in the pool
         # here: the last position of each row is rewritten with the same values).

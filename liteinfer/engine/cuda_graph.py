@@ -19,7 +19,6 @@ import torch
 from liteinfer.attention import AttentionMetadata
 from liteinfer.engine.scheduler import SchedulerOutput
 from liteinfer.engine.step_model import StepModel
-from liteinfer.kernels.decode_splits import rows_may_split
 
 T = TypeVar("T")
 
@@ -140,7 +139,7 @@ class CUDAGraphRunner:
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
         self.inputs.send(5 * m + n * self.width)
-        return StagedDecode(bs, rows_may_split(lens), n)
+        return StagedDecode(bs, self.step_model.rows_may_split(lens), n)
 
     def replay(self, staged: StagedDecode) -> torch.Tensor:
         """The staged step's logits, once launched: [rows, vocab]."""

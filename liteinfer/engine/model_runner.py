@@ -14,7 +14,7 @@ from liteinfer.engine.scheduler import SchedulerOutput
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
-from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
+from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.quantization import process_weights_after_loading, quant_config
 from liteinfer.layers.rotary import cos_sin_cache
@@ -57,7 +57,8 @@ class ModelRunner:
             workspace = DecodeWorkspace.allocate(
                 config.max_num_seqs, self.num_q_heads, model_config.head_dim,
                 max_splits_for(1, self.num_kv_heads, sms), self.device)
-        self.step_model = StepModel(self.model, config.max_num_seqs, self.num_kv_heads, sms,
+        self.step_model = StepModel(self.model, config.max_num_seqs, self.num_kv_heads,
+                                    model_config.head_dim, sms,
                                     workspace, self.device)
         self.sampler = Sampler(eos_token_ids)
         self.graphs = self.prompt_graphs = None
@@ -172,7 +173,7 @@ class ModelRunner:
                 meta.tile_tokens, d, sm.max_decode_splits), torch.int32)
             meta.workspace = sm.decode_workspace
         elif self.use_triton:
-            sm.set_split_k(meta, step.num_decodes, rows_may_split(step.context_lens))
+            sm.set_split_k(meta, step.num_decodes, sm.rows_may_split(step.context_lens))
         ids = as_tensor(step.input_ids, torch.int32)
         if step.has_pending:
             ids = sm.with_pending(ids, as_tensor(step.pending_rows, torch.int32))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from liteinfer.attention import AttentionMetadata
-from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
+from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
 from liteinfer.models.llama import LlamaForCausalLM
 
 
@@ -15,10 +15,11 @@ class StepModel:
     workspace (None: no split-K, as on the torch backends)."""
 
     def __init__(self, model: LlamaForCausalLM, max_num_seqs: int, num_kv_heads: int,
-                 num_sms: int, decode_workspace: DecodeWorkspace | None,
+                 head_dim: int, num_sms: int, decode_workspace: DecodeWorkspace | None,
                  device: torch.device):
         self.model = model
         self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
         self.num_sms = num_sms
         self.decode_workspace = decode_workspace
         # The newest step's sampled tokens, which feed the next step on the device.
@@ -36,6 +37,10 @@ class StepModel:
         """Most programs a decoding row splits into (1 without split-K)."""
         workspace = self.decode_workspace
         return 1 if workspace is None else workspace.max_splits
+
+    def rows_may_split(self, context_lens) -> bool:
+        """Whether a decoding row of these host-side lengths is long enough to split."""
+        return rows_may_split(context_lens, self.head_dim)
 
     def split_width(self, num_decodes: int, may_split: bool) -> int:
         """The split-K grid width of `num_decodes` decoding rows (1: no split-K)."""

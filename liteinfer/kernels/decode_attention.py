@@ -27,8 +27,8 @@ import triton.language as tl
 from liteinfer.kernels import FP8_DTYPE, dot_precision, num_sms, supports_pdl
 from liteinfer.kernels.decode_splits import (
     MAX_SPLITS_CAP,
-    MIN_SPLIT_TOKENS,
     DecodeWorkspace,
+    min_split_tokens,
     program_slots,
 )
 from liteinfer.kernels.kv_cache import (
@@ -323,14 +323,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor, max_splits: int = 1,
                            workspace: DecodeWorkspace | None = None, new_kv: NewKV | None = None,
                            num_splits: torch.Tensor | None = None,
-                           min_split_tokens: int = MIN_SPLIT_TOKENS) -> torch.Tensor:
+                           min_tokens: int | None = None) -> torch.Tensor:
     """q, out: [B, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D] with
     equal strides, D contiguous, in q's dtype or e4m3;
     block_tables: int32 [B, max_blocks]; context_lens: int32 [B], 0 for padding rows (their
     output rows are zeros). With max_splits > 1 rows split as `decode_splits` describes (with
-    `min_split_tokens`), or into num_splits[b] programs when that int32 [B] tensor is given,
-    clamped to max_splits; a workspace with at least B rows and max_splits splits holds the
-    partials (allocated here when None); rows never read splits past their own count. The
+    min_tokens, by default `min_split_tokens` of the head size), or into num_splits[b] programs
+    when that int32 [B] tensor is given, clamped to max_splits; a workspace with at least B rows
+    and max_splits splits holds the partials (allocated here when None); rows never read splits
+    past their own count. The
     workspace's counters must be zero, as allocated; every launch leaves them so. With new_kv, q
     is rotated in registers (q itself is left as it is) and the new key/value are written before
     they are read. Returns out."""
@@ -372,7 +373,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         G=group, HEAD_DIM=head_dim, BLOCK_H=query_rows(group), BLOCK_N=tiles.block_n,
         BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1, **merge_tiles,
         SPLITS_GIVEN=splits_given, BLOCK_B=triton.next_power_of_2(batch),
-        MIN_SPLIT_TOKENS=min_split_tokens, NEW_KV=new_kv is not None,
+        MIN_SPLIT_TOKENS=min_tokens or min_split_tokens(head_dim), NEW_KV=new_kv is not None,
         DOT_PRECISION=dot_precision(q.dtype), USE_PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out

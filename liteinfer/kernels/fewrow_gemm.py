@@ -26,19 +26,38 @@ from liteinfer.kernels import dot_precision, supports_pdl
 
 # Rows the kernel takes: its input rows are one tile (BLOCK_M) held in registers.
 FEWROW_MAX_ROWS = 128
+# Programs (BLOCK_N features each) a projection is cut into at least, and the count past which a
+# shallower pipeline pays (two programs an SM); past it, 65-128 rows go to cuBLAS. H200 sweep
+# of e4m3 tiles at 4-128 rows over the 1B and 8B projections (scripts/bench_fewrow_gemm.py,
+# benchmarks/experiments/fewrow-gemm-h200-2026-12-02-03eb52a.json): the rule below picks the
+# best tile of each projection at 64 rows, and one within 8% of it at 128.
+MIN_PROGRAMS = 96
+MANY_PROGRAMS = 192
 
 
 @dataclass(frozen=True)
 class FewRowTiles:
+    block_m: int  # input rows, padded: 64 and 128 run on wgmma, 16 on mma
     block_n: int
     block_k_bytes: int  # per weight row and tile: 256 bytes = 256 e4m3 or 128 bf16 elements
     num_stages: int
     num_warps: int = 4
 
 
-def fewrow_tiles(rows: int, n: int, k: int, itemsize: int) -> FewRowTiles:
-    """The tile for a projection's shape (see the sweep's file for the measurements)."""
-    return FewRowTiles(block_n=32, block_k_bytes=256, num_stages=4)
+def fewrow_tiles(rows: int, n: int, itemsize: int) -> FewRowTiles | None:
+    """The tile for `rows` rows of a projection with n output features and weights of
+    `itemsize` bytes, or None where cuBLAS is as fast: in bf16 (within a few percent either
+    way at 4-64 rows, in the same sweep), and for a wide projection (gate/up) at over 64 rows."""
+    if itemsize != 1 or rows > FEWROW_MAX_ROWS:
+        return None
+    if rows <= 16:  # one mma tile of rows
+        return FewRowTiles(block_m=16, block_n=32, block_k_bytes=512, num_stages=3)
+    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= MIN_PROGRAMS), 16)
+    many = triton.cdiv(n, block_n) >= MANY_PROGRAMS
+    if rows > 64 and many:
+        return None
+    return FewRowTiles(block_m=64 if rows <= 64 else 128, block_n=block_n, block_k_bytes=256,
+                       num_stages=3 if many or (rows > 64 and block_n == 64) else 5)
 
 
 @triton.jit
@@ -91,7 +110,7 @@ def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor 
     both in the model dtype, or both e4m3 with x_scale (fp32 [M, 1] or [M], one per row) and
     weight_scale (fp32 [N]). Returns x W^T (times the scales) in out_dtype (x's dtype unless
     e4m3: then given), or with residual ([M, N]) adds it to residual in place and returns it.
-    `tiles` overrides the shape's tile choice (the sweep)."""
+    `tiles`: the tile, by default `fewrow_tiles`'s (which must not be None for the shape)."""
     rows, k = x.shape
     n = weight.shape[0]
     assert 1 <= rows <= FEWROW_MAX_ROWS and weight.shape[1] == k and x.dtype == weight.dtype
@@ -107,13 +126,14 @@ def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor 
         out = residual
     else:
         out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
-    tiles = tiles or fewrow_tiles(rows, n, k, weight.element_size())
+    tiles = tiles or fewrow_tiles(rows, n, weight.element_size())
+    assert tiles is not None and rows <= tiles.block_m
     block_k = tiles.block_k_bytes // weight.element_size()
     pdl = supports_pdl(x.device)
     _fewrow_gemm_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, x_scale if scaled else x, weight_scale if scaled else x, out, rows, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, SCALED=scaled, ADD=residual is not None,
         DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)

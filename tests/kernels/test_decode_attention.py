@@ -8,9 +8,11 @@ from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_attention import NewKV, paged_decode_attention
 from liteinfer.kernels.decode_splits import (
     MIN_SPLIT_TOKENS,
+    MIN_SPLIT_TOKENS_WIDE_HEADS,
     SPLIT_WAVES,
     DecodeWorkspace,
     max_splits_for,
+    min_split_tokens,
     program_slots,
     rows_may_split,
 )
@@ -36,7 +38,7 @@ def _workspace(batch, num_q_heads, head_dim, max_splits, device) -> DecodeWorksp
 
 def _check(PagedKV, attention_ref, assert_close, contexts, num_q_heads, num_kv_heads, head_dim,
            block_size, dtype, device, max_splits, num_splits=None, ws=None, head_major=True,
-           min_split_tokens=MIN_SPLIT_TOKENS, kv_dtype=None):
+           min_tokens=MIN_SPLIT_TOKENS, kv_dtype=None):
     kv = PagedKV(contexts, num_kv_heads, head_dim, block_size, dtype, device,
                  head_major=head_major, kv_dtype=kv_dtype)
     batch = len(contexts)
@@ -46,8 +48,7 @@ def _check(PagedKV, attention_ref, assert_close, contexts, num_q_heads, num_kv_h
         ws = _workspace(batch, num_q_heads, head_dim, max_splits, device)
     scale = 1 / math.sqrt(head_dim)
     paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, scale,
-                           out, max_splits, ws, num_splits=num_splits,
-                           min_split_tokens=min_split_tokens)
+                           out, max_splits, ws, num_splits=num_splits, min_tokens=min_tokens)
     assert (ws.counters == 0).all(), "the last program of each row must reset its counter"
     rows = [b for b, c in enumerate(contexts) if c > 0]
     padding = [b for b, c in enumerate(contexts) if c == 0]
@@ -125,14 +126,14 @@ def test_decode_workspace_reuse(PagedKV, attention_ref, assert_close, device):
 
 
 def _kernel_split_counts(PagedKV, contexts, max_splits, num_kv_heads, device,
-                         min_split_tokens=MIN_SPLIT_TOKENS):
+                         min_tokens=MIN_SPLIT_TOKENS):
     """The split count the kernel's own rule gives each row, read back from the workspace: a row
     in one split writes no partials (they stay NaN), a row in n writes the lse of splits 0..n-1."""
     kv = PagedKV(contexts, num_kv_heads, 64, 16, torch.float16, device)
     q = torch.randn(len(contexts), num_kv_heads, 64, dtype=torch.float16, device=device)
     ws = _workspace(len(contexts), num_kv_heads, 64, max_splits, device)
     paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, 0.125,
-                           torch.empty_like(q), max_splits, ws, min_split_tokens=min_split_tokens)
+                           torch.empty_like(q), max_splits, ws, min_tokens=min_tokens)
     written = (~ws.partial_lse[:len(contexts), 0].isnan()).sum(-1)
     return torch.where(written == 0, 1, written).tolist()
 
@@ -147,7 +148,7 @@ def test_decode_engine_policy(PagedKV, attention_ref, assert_close, device, full
     contexts = torch.randint(1, 16385 if full else 400, (batch,)).tolist()
     dtype = torch.bfloat16 if full else torch.float16
     _check(PagedKV, attention_ref, assert_close, contexts, 4 * num_kv_heads, num_kv_heads, 64,
-           16, dtype, device, max_splits, min_split_tokens=256 if full else 64)
+           16, dtype, device, max_splits, min_tokens=256 if full else 64)
 
 
 def test_split_policy():
@@ -160,7 +161,11 @@ def test_split_policy():
     # ... but only if a row may split; narrow batches fill the SMs either way.
     assert max_splits_for(32, 8, 132, may_split=False) == 1
     assert max_splits_for(4, 8, 132, may_split=False) == max_splits_for(4, 8, 132)
-    assert not rows_may_split([0, 100, 511]) and rows_may_split([0, 512]) and not rows_may_split([])
+    assert not rows_may_split([0, 100, 511], 64) and rows_may_split([0, 512], 64)
+    assert not rows_may_split([], 64) and not rows_may_split([0, 127], 128)
+    assert rows_may_split([0, 128], 128)
+    assert min_split_tokens(64) == MIN_SPLIT_TOKENS
+    assert min_split_tokens(128) == MIN_SPLIT_TOKENS_WIDE_HEADS
     assert all(1 <= w <= 64 for w in widths)
 
 

@@ -7,10 +7,12 @@ RMSNorm in front of qkv and gate/up, the SwiGLU in front of down (kernels/norm.p
 kernels/activation.py); only o_proj's input, the attention output, takes a pass of its own.
 Those are Triton kernels when the model's RMSNorm and SiluAndMul are (`use_triton`, from
 LayerOps.triton), else their torch versions followed by `quantize_per_token`.
-On CUDA in bf16 the product is `torch._scaled_mm` (an FP8 GEMM with row-wise scales) and a
-one-token step the GEMV kernel, which streams the e4m3 weight and keeps the activation in the
-model dtype. Elsewhere (the CPU, and CUDA in fp16 or fp32, which `_scaled_mm` with row-wise
-scales cannot write) the weight is dequantized once loaded, and each activation is quantized and
+On CUDA in bf16 the product is `torch._scaled_mm` (an FP8 GEMM with row-wise scales); a
+one-token step takes the GEMV kernel, which streams the e4m3 weight and keeps the activation in
+the model dtype, and a step of a few rows the few-row GEMM (kernels/fewrow_gemm.py), where
+cuBLASLt's FP8 kernels read the weight at a third to a half of the copy bandwidth. Elsewhere
+(the CPU, and CUDA in fp16 or fp32, which `_scaled_mm` with row-wise scales cannot write) the
+weight is dequantized once loaded, and each activation is quantized and
 dequantized per token before a plain matmul: the same operands the GPU multiplies, so CPU tests
 check the numbers it computes, at the speed of an unquantized model.
 
@@ -135,18 +137,28 @@ class Fp8LinearMethod(LinearMethod):
             return Fp8Activation(*per_token_quant_fp8(x, self._input_scale(layer)))
         return quantize_per_token(x, self._input_scale(layer))
 
-    def _matmul(self, layer: nn.Module, x: Fp8Activation) -> torch.Tensor:
+    def _matmul(self, layer: nn.Module, x: Fp8Activation,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T in the model dtype, or residual += x W^T in place (returning residual)."""
         if layer.weight_scale is None:  # dequantized at load
-            return nn.functional.linear(dequantize(x, self.out_dtype), layer.weight)
-        return fp8_matmul(x, layer.weight, layer.weight_scale)
+            y = nn.functional.linear(dequantize(x, self.out_dtype), layer.weight)
+            return y if residual is None else residual.add_(y)
+        if self.use_triton:
+            from liteinfer.kernels.fewrow_gemm import fewrow_gemm, fewrow_tiles
+            if fewrow_tiles(x.data.shape[0], layer.weight.shape[0], 1) is not None:
+                return fewrow_gemm(x.data, layer.weight, x_scale=x.scale,
+                                   weight_scale=layer.weight_scale, residual=residual,
+                                   out_dtype=self.out_dtype)
+        y = fp8_matmul(x, layer.weight, layer.weight_scale)
+        return y if residual is None else residual.add_(y)
 
     def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:
         return layer.weight_scale  # None once dequantized
 
     def gemm(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
              residual: torch.Tensor | None) -> torch.Tensor:
-        y = self._matmul(layer, x if isinstance(x, Fp8Activation) else self._quantize(layer, x))
-        return y if residual is None else residual.add_(y)
+        xq = x if isinstance(x, Fp8Activation) else self._quantize(layer, x)
+        return self._matmul(layer, xq, residual)
 
     def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                     act: SiluAndMul | None) -> torch.Tensor | Fp8Activation:

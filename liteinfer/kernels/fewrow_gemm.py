@@ -27,17 +27,19 @@ from liteinfer.kernels import dot_precision, supports_pdl
 # Rows the kernel takes: its input rows are one tile (BLOCK_M) held in registers.
 FEWROW_MAX_ROWS = 128
 # Programs (BLOCK_N features each) a projection is cut into at least, and the count past which a
-# shallower pipeline pays (two programs an SM); past it, 65-128 rows go to cuBLAS. H200 sweep
-# of e4m3 tiles at 4-128 rows over the 1B and 8B projections (scripts/bench_fewrow_gemm.py,
-# benchmarks/experiments/fewrow-gemm-h200-2026-12-02-03eb52a.json): the rule below picks the
-# best tile of each projection at 64 rows, and one within 8% of it at 128.
+# shallower pipeline pays (two programs an SM); past it, 65-128 rows go to cuBLAS. H200 sweeps
+# of e4m3 tiles (row tiles of 16, 64 and 128, three widths, two depths, two K widths) at 4-128
+# rows over the 1B and 8B projections (scripts/bench_fewrow_gemm.py,
+# benchmarks/experiments/fewrow-gemm-h200-2026-12-02-*.json): the rule below picks the best
+# tile of each projection at 32-128 rows, and one within 0.1 us of it at 4-16 (a row tile of 64
+# on wgmma beats one of 16 on mma at every row count: 8B, 16 rows, 66.6 us a layer against 73.3).
 MIN_PROGRAMS = 96
 MANY_PROGRAMS = 192
 
 
 @dataclass(frozen=True)
 class FewRowTiles:
-    block_m: int  # input rows, padded: 64 and 128 run on wgmma, 16 on mma
+    block_m: int  # input rows, padded (at least 16, tl.dot's minimum; 64 and up run on wgmma)
     block_n: int
     block_k_bytes: int  # per weight row and tile: 256 bytes = 256 e4m3 or 128 bf16 elements
     num_stages: int
@@ -50,8 +52,6 @@ def fewrow_tiles(rows: int, n: int, itemsize: int) -> FewRowTiles | None:
     way at 4-64 rows, in the same sweep), and for a wide projection (gate/up) at over 64 rows."""
     if itemsize != 1 or rows > FEWROW_MAX_ROWS:
         return None
-    if rows <= 16:  # one mma tile of rows
-        return FewRowTiles(block_m=16, block_n=32, block_k_bytes=512, num_stages=3)
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= MIN_PROGRAMS), 16)
     many = triton.cdiv(n, block_n) >= MANY_PROGRAMS
     if rows > 64 and many:

@@ -30,9 +30,9 @@ FEWROW_MAX_ROWS = 128
 # shallower pipeline pays (two programs an SM); past it, 65-128 rows go to cuBLAS. H200 sweeps
 # of e4m3 tiles (row tiles of 16, 64 and 128, three widths, two depths, two K widths) at 4-128
 # rows over the 1B and 8B projections (scripts/bench_fewrow_gemm.py,
-# benchmarks/experiments/fewrow-gemm-h200-2026-12-02-*.json): the rule below picks the best
-# tile of each projection at 32-128 rows, and one within 0.1 us of it at 4-16 (a row tile of 64
-# on wgmma beats one of 16 on mma at every row count: 8B, 16 rows, 66.6 us a layer against 73.3).
+# benchmarks/experiments/fewrow-gemm-h200-2026-12-02-*.json): the rule below picks the second
+# sweep's best tile for every projection at every row count (a row tile of 64 on wgmma beats one
+# of 16 on mma even at 4 rows: 8B, 16 rows, 66.6 us a layer against 73.3).
 MIN_PROGRAMS = 96
 MANY_PROGRAMS = 192
 

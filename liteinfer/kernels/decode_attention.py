@@ -331,10 +331,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     min_tokens, by default `min_split_tokens` of the head size), or into num_splits[b] programs
     when that int32 [B] tensor is given, clamped to max_splits; a workspace with at least B rows
     and max_splits splits holds the partials (allocated here when None); rows never read splits
-    past their own count. The
-    workspace's counters must be zero, as allocated; every launch leaves them so. With new_kv, q
-    is rotated in registers (q itself is left as it is) and the new key/value are written before
-    they are read. Returns out."""
+    past their own count. The workspace's counters must be zero, as allocated; every launch
+    leaves them so. With new_kv, q is rotated in registers (q itself is left as it is) and the
+    new key/value are written before they are read. Returns out."""
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     pool = pool_strides(k_cache, v_cache)

@@ -142,14 +142,15 @@ class Fp8LinearMethod(LinearMethod):
         """x W^T in the model dtype, or residual += x W^T in place (returning residual)."""
         if layer.weight_scale is None:  # dequantized at load
             y = nn.functional.linear(dequantize(x, self.out_dtype), layer.weight)
-            return y if residual is None else residual.add_(y)
-        if self.use_triton:
-            from liteinfer.kernels.fewrow_gemm import fewrow_gemm, fewrow_tiles
-            if fewrow_tiles(x.data.shape[0], layer.weight.shape[0], 1) is not None:
-                return fewrow_gemm(x.data, layer.weight, x_scale=x.scale,
-                                   weight_scale=layer.weight_scale, residual=residual,
-                                   out_dtype=self.out_dtype)
-        y = fp8_matmul(x, layer.weight, layer.weight_scale)
+        else:
+            if self.use_triton:
+                from liteinfer.kernels.fewrow_gemm import fewrow_gemm, fewrow_tiles
+                tiles = fewrow_tiles(x.data.shape[0], layer.weight.shape[0], 1)
+                if tiles is not None:
+                    return fewrow_gemm(x.data, layer.weight, x_scale=x.scale,
+                                       weight_scale=layer.weight_scale, residual=residual,
+                                       out_dtype=self.out_dtype, tiles=tiles)
+            y = fp8_matmul(x, layer.weight, layer.weight_scale)
         return y if residual is None else residual.add_(y)
 
     def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """FP8 on the GPU: engine latency and throughput in bf16, fp8 and fp8 + fp8 KV for the 1B and 8B
 dummy models, and the kernels of one 8B decode step at 1 / 32 / 128 rows against their byte
-floors. Writes $OUT/bench-fp8.json (and prints each row); about 4 minutes on one H200.
+floors. Writes $OUT/bench-fp8.json (and prints each row), and the engine's bench rows in
+benchmarks/results/'s format to $OUT/bench-fp8-rows.jsonl; about 4 minutes on one H200.
 
     python scripts/bench_fp8.py [--models llama-3.2-1b-instruct llama-3.1-8b-instruct]
                                 [--skip-engine] [--skip-kernels] [--sweep]
@@ -16,6 +17,7 @@ import json
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ import torch
 from liteinfer.attention import allocate_kv_pool
 from liteinfer.bench.floor import COPY_BANDWIDTH
 from liteinfer.bench.runner import engine_args_for, make_llm, run_latency, run_throughput
+from liteinfer.bench.store import append_row
 from liteinfer.bench.workloads import Shape
 from liteinfer.kernels import gemv as gemv_kernels
 from liteinfer.kernels.activation import silu_and_mul, silu_and_mul_fp8
@@ -45,7 +48,9 @@ PROJECTIONS_8B = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 2867
 L2_BYTES = 256 << 20  # distinct operands per timed graph so that none stays in the 50 MB L2
 
 
-def engine_rows(model: str) -> list[dict[str, Any]]:
+def engine_rows(model: str, results: Path | None) -> list[dict[str, Any]]:
+    """One summary row per mode; with `results`, the bench rows themselves are appended there
+    too, in benchmarks/results/'s format, for the report."""
     rows = []
     for mode, args in MODES.items():
         engine_args = engine_args_for("prompt-graphs", {"max_model_len": 1024, **args})
@@ -53,10 +58,15 @@ def engine_rows(model: str) -> list[dict[str, Any]]:
         row = {"model": model, "mode": mode}
         lat = run_latency(llm, "prompt-graphs", SHAPE, 3, model, engine_args)
         row["itl_p50_ms"], row["ttft_p50_ms"] = lat["itl_p50"], lat["ttft_p50"]
+        bench_rows = [lat]
         for width, prompts in ((32, 64), (128, 128)):
             tput = run_throughput(llm, "prompt-graphs", SHAPE, width, prompts, model,
                                   engine_args)
             row[f"tok_s_w{width}"] = tput["tok_s"]
+            bench_rows.append(tput)
+        if results is not None:
+            for bench_row in bench_rows:
+                append_row(bench_row, results)
         row["kv_blocks"] = llm.engine.core.block_manager.num_blocks
         print(row, flush=True)
         rows.append(row)
@@ -206,7 +216,8 @@ def main() -> None:
                 json.dump(report, f, indent=1)
 
     if not args.skip_engine:
-        report["engine"] = [row for model in args.models for row in engine_rows(model)]
+        results = Path(out, "bench-fp8-rows.jsonl") if out else None
+        report["engine"] = [row for model in args.models for row in engine_rows(model, results)]
         save()
     if not args.skip_kernels:
         kernels = []

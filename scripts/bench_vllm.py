@@ -13,7 +13,11 @@ rows of the same model and precision. Needs vLLM importable (../shared/vllm/ ins
 the machine's torch) and a directory holding the model's config.json (dummy weights):
 
     python scripts/bench_vllm.py MODEL_DIR --out vllm_rows.jsonl [--runs mixed2048:16:32 ...]
+                                 [--latency 128:256:3 ...]
                                  [--quantization fp8] [--kv-cache-dtype fp8]
+
+A throughput run is ISL:OSL:WIDTH[:PROMPTS] (200 prompts unless given), a latency run (one
+request at a time) ISL:OSL:PROMPTS; with neither, every run of the report's tables.
 """
 from __future__ import annotations
 
@@ -66,8 +70,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir")
     p.add_argument("--out", required=True, help="JSON-lines file to append rows to")
-    p.add_argument("--runs", nargs="+", metavar="ISL:OSL:WIDTH",
-                   help="throughput runs (default: every run of the report's tables)")
+    p.add_argument("--runs", nargs="+", default=[], metavar="ISL:OSL:WIDTH[:PROMPTS]",
+                   help="throughput runs")
+    p.add_argument("--latency", nargs="+", default=[], metavar="ISL:OSL:PROMPTS",
+                   help="latency runs")
     p.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's")
     p.add_argument("--quantization", help="vLLM's quantization (e.g. fp8); default: none")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's (e.g. fp8); default: auto")
@@ -82,9 +88,12 @@ def main() -> None:
     from vllm import SamplingParams as VLLMParams
     from vllm.inputs import TokensPrompt
 
-    if args.runs:
-        plan = [("throughput", Shape.parse(*s.split(":")[:2]), int(s.split(":")[2]), 200)
-                for s in args.runs]
+    if args.runs or args.latency:
+        plan = [("latency", Shape.parse(isl, osl), 1, int(n))
+                for isl, osl, n in (spec.split(":") for spec in args.latency)]
+        for spec in args.runs:
+            isl, osl, width, *n = spec.split(":")
+            plan.append(("throughput", Shape.parse(isl, osl), int(width), int(n[0]) if n else 200))
     else:
         plan = [(r.kind, r.shape, r.width, r.prompts) for r in full_matrix([DEFAULT])]
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,

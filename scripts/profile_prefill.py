@@ -6,10 +6,10 @@ kernel timeline's span, busy time and idle gaps (`--gaps N` prints the N kernel 
 most idle time between them). `--cprofile N` also prints the N Python functions that spend
 the host time (cProfile, own time). With `--decodes N`, N sequences of `--ctx` tokens decode
 beside the prompts (a mixed step; its prompt tokens trimmed as the scheduler trims them).
-Llama-3.2-1B, dummy weights, the default engine configuration.
+Dummy weights (Llama-3.2-1B unless `--model`), the default engine configuration.
 
-    python scripts/profile_prefill.py [--shape 1x15360 8x2048] [--decodes N --ctx C] [--cprofile N]
-                                      [--gaps N] [--set KEY=VALUE ...]
+    python scripts/profile_prefill.py [--model NAME] [--shape 1x15360 8x2048] [--decodes N --ctx C]
+                                      [--cprofile N] [--gaps N] [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def timeline(prof: profile, top: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b-instruct")
     ap.add_argument("--shape", nargs="+", default=["1x15360", "8x2048"],
                     help="SEQSxTOKENS prefilled in one step")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
@@ -84,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shape]
     budget = max(n * length for n, length in shapes) + args.decodes
-    llm = LLM("llama-3.2-1b-instruct", load_format="dummy", max_model_len=16384,
+    llm = LLM(args.model, load_format="dummy", max_model_len=16384,
               max_num_batched_tokens=budget, **parse_overrides(args.set))
     engine, runner, cfg = llm.engine, llm.engine.core.runner, llm.engine.model_config
     # Matmul FLOPs per prompt token (q/k/v/o, gate/up/down); the LM head runs on last tokens.
@@ -140,7 +141,7 @@ def main() -> None:
         for i in range(nseq):
             engine.abort(f"{nseq}x{length}-{i}")
     if os.environ.get("OUT"):
-        name = f"profile-prefill-d{args.decodes}.json"
+        name = f"profile-prefill-{args.model}-d{args.decodes}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(report, f, indent=1)
 

@@ -106,6 +106,44 @@ def _fp8_decoder_layer(model_dir, device: str, dtype: torch.dtype, **ops):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fp8_lm_head_is_e4m3_beside_an_intact_embedding(tiny_llama_dir, device, tied):
+    """Quantizing at load takes the LM head too: its rows e4m3 with their scales (dequantized
+    once on the CPU), while a tied embedding keeps its own rows for the lookup."""
+    import dataclasses
+
+    from liteinfer.attention import get_backend
+    from liteinfer.layers.quantization import Fp8Config, process_weights_after_loading
+    from liteinfer.layers.quantization.fp8 import quantize_weight
+    from liteinfer.loader import load_model_source
+    from liteinfer.models.llama import LayerOps, LlamaForCausalLM
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = dataclasses.replace(load_model_source(str(tiny_llama_dir)).model_config,
+                              tie_word_embeddings=tied)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, get_backend("torch"), LayerOps(quant=Fp8Config()))
+    finally:
+        torch.set_default_dtype(default)
+    model.init_dummy_weights()
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    head = model.lm_head.weight.detach().clone()
+    embedding = model.embed_tokens.weight.detach().clone()
+    process_weights_after_loading(model)
+    q, scale = quantize_weight(head)
+    if device == "cuda":
+        assert torch.equal(model.lm_head.weight.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(model.lm_head.weight_scale, scale)
+    else:
+        assert model.lm_head.weight_scale is None
+        torch.testing.assert_close(model.lm_head.weight, (q.float() * scale[:, None]).to(dtype),
+                                   rtol=0, atol=0)
+    assert torch.equal(model.embed_tokens.weight, embedding)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
 def test_fp8_passes_follow_the_triton_switch(tiny_llama_dir, monkeypatch, device):
     """The FP8 layers' fused norm, SwiGLU and per-token quantization are Triton kernels exactly
     when the model's unquantized norms are (LayerOps.triton: attention_backend=triton), on any

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from fixtures import build_llm
 from liteinfer import LLM, SamplingParams
+from liteinfer.layers.quantization import Fp8Config
 from reference import random_prompts
 
 E4M3 = torch.float8_e4m3fn
@@ -78,11 +79,13 @@ def prompts():
 
 
 def test_channel_dynamic_checkpoint_runs_as_quantized_at_load(tiny_llama_dir, tmp_path,
-                                                              prompts):
+                                                              prompts, monkeypatch):
     """Per-channel scales ([N, 1]) are the ones quantizing the fp32 weights at load computes,
-    so both engines hold the same e4m3 weights and must produce the same logprobs."""
+    so both engines hold the same e4m3 weights and must produce the same logprobs. The
+    checkpoint leaves its LM head in the model dtype; here quantizing at load does too."""
     ckpt = write_checkpoint(tiny_llama_dir, tmp_path / "fp8-dynamic", "FP8_DYNAMIC")
     loaded = build_llm(str(ckpt), dtype="float32", device="cpu", max_model_len=256)
+    monkeypatch.setattr(Fp8Config, "lm_head_method", lambda self, use_triton: None)
     at_load = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                         quantization="fp8")
     outs = loaded.generate(prompts, GREEDY, use_tqdm=False)

@@ -2,7 +2,7 @@
 copy bandwidth, against the row's measured step time (its ITL p50).
 
 A decode step reads every weight it multiplies by once (the layers' projections and norms, and
-the LM head, which stays in bf16 under fp8) and each row's whole KV cache; the embedding table
+the LM head, e4m3 under fp8 as liteinfer quantizes it) and each row's whole KV cache; the embedding table
 only at the step's own tokens, so not at all for an untied model's count. The rows' contexts
 are taken at the run's mean, ISL + OSL / 2. Biases and fp8 scales, under 0.1% of the bytes,
 are left out.
@@ -37,8 +37,8 @@ def weight_bytes(config: ModelConfig, fp8_weights: bool = False) -> int:
     projections = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size
     norms = 2 * hidden * config.num_hidden_layers + hidden
     lm_head = config.vocab_size * hidden
-    return (config.num_hidden_layers * projections * (FP8 if fp8_weights else BF16)
-            + (norms + lm_head) * BF16)
+    return ((config.num_hidden_layers * projections + lm_head) * (FP8 if fp8_weights else BF16)
+            + norms * BF16)
 
 
 def kv_bytes_per_token(config: ModelConfig, fp8_kv: bool = False) -> int:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from liteinfer.layers.linear import UnquantizedLinearMethod
+from liteinfer.layers.quantization.base import LinearMethod
 from liteinfer.utils import cdiv
 
 if TYPE_CHECKING:
@@ -84,14 +85,17 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = norm(hidden) W^T over the vocabulary, W split by rows like the embedding (and,
-    with tied embeddings, the embedding's own weight: `tie_weights`). Kept in the model dtype;
-    a one-row input goes through the GEMV kernel with the norm fused in when `use_gemv`."""
+    with tied embeddings, the embedding's own weight: `tie_weights`). W is loaded in the model
+    dtype and multiplied by `quant_method` (the model dtype's unless given; one that quantizes
+    converts its own copy after loading, so a tied embedding keeps its rows as they are); a
+    one-row input goes through the GEMV kernel with the norm fused in when `use_gemv`."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0,
-                 tp_size: int = 1, use_gemv: bool = False):
+                 tp_size: int = 1, use_gemv: bool = False,
+                 quant_method: LinearMethod | None = None):
         super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
         self.use_gemv = use_gemv
-        self.quant_method = UnquantizedLinearMethod()
+        self.quant_method = quant_method or UnquantizedLinearMethod()
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

@@ -27,7 +27,7 @@ class LayerOps:
     """Which kernels the layers run: `triton` for RMSNorm and SiLU-and-mul, and for the FP8
     linears' norm, SwiGLU and quantization passes (else plain torch), `gemv` for one-token
     projections with the norms and SwiGLU fused in (kernels/gemv.py), `quant` for the decoder
-    layers' linears (the LM head stays in the model dtype)."""
+    layers' linears and the LM head (as `QuantConfig.lm_head_method` says)."""
 
     triton: bool = False
     gemv: bool = False
@@ -123,8 +123,9 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
         # Every rank ends with the full logits.
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size,
-                                      use_gemv=ops.gemv)
+        self.lm_head = ParallelLMHead(
+            cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, use_gemv=ops.gemv,
+            quant_method=ops.quant.lm_head_method(ops.triton) if ops.quant else None)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_weights(self.embed_tokens)
         # Set by the runner once the model sits on its device (fp32, see layers/rotary.py).

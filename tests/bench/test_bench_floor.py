@@ -17,12 +17,13 @@ ONE_B, EIGHT_B = "llama-3.2-1b-instruct", "llama-3.1-8b-instruct"
 def test_weight_and_kv_bytes_of_the_llama_configs():
     one_b = packaged_model_config(ONE_B)
     # 16 layers of q, k, v, o (2048 x (2048 + 2 x 512) + 2048 x 2048) and gate, up, down
-    # (3 x 2048 x 8192), the tied LM head 128,256 x 2048, 33 norms of 2048; all bf16.
+    # (3 x 2048 x 8192), the tied LM head 128,256 x 2048, 33 norms of 2048; all bf16, or e4m3
+    # but for the norms.
     layer = 2048 * (2048 + 2 * 512) + 2048 * 2048 + 3 * 2048 * 8192
-    head_and_norms = 128256 * 2048 + 33 * 2048
-    assert weight_bytes(one_b) == 2 * (16 * layer + head_and_norms)
+    head, norms = 128256 * 2048, 33 * 2048
+    assert weight_bytes(one_b) == 2 * (16 * layer + head + norms)
     assert weight_bytes(one_b) == pytest.approx(2.47e9, rel=0.002)  # NOTES.md's floor
-    assert weight_bytes(one_b, fp8_weights=True) == 16 * layer + 2 * head_and_norms
+    assert weight_bytes(one_b, fp8_weights=True) == 16 * layer + head + 2 * norms
     assert kv_bytes_per_token(one_b) == 2 * 16 * 8 * 64 * 2
     assert kv_bytes_per_token(one_b, fp8_kv=True) == 2 * 16 * 8 * 64
     eight_b = packaged_model_config(EIGHT_B)

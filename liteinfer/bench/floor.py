@@ -4,9 +4,8 @@ copy bandwidth, against the row's measured step time (its ITL p50).
 A decode step reads every weight it multiplies by once (the layers' projections and norms, and
 the LM head, e4m3 under fp8 as liteinfer quantizes it) and each row's whole KV cache; the
 embedding table only at the step's own tokens, so not at all for an untied model's count. The
-rows' contexts
-are taken at the run's mean, ISL + OSL / 2. Biases and fp8 scales, under 0.1% of the bytes,
-are left out.
+rows' contexts are taken at the run's mean, ISL + OSL / 2. Biases and fp8 scales, under 0.1% of
+the bytes, are left out.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ additionally times alternative tile configurations, prefill also at the sizes of
 prompt pieces.
 
     python scripts/bench_kernels.py [--sweep] [--pool token-major]
+                                    [--only decode prefill elementwise]
 """
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import decode_splits as splits
 from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
+from liteinfer.kernels.argmax import argmax_rows
 from liteinfer.kernels.kv_cache import rope_store_kv
 from liteinfer.kernels.norm import rms_norm
 from liteinfer.kernels.prefill_tiles import PrefillTiles, prefill_tile_map, prefill_tile_tokens
 
 HQ, HKV, D, BLOCK_SIZE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192
 DTYPE = torch.bfloat16
+VOCAB = 128256
 PEAK_GBS = 4300.0  # measured H200 copy bandwidth
 SCALE = 1 / math.sqrt(D)
 DEV = "cuda"
@@ -219,6 +222,13 @@ def bench_elementwise(rows: list[dict]) -> None:
         moved = 2 * q.nbytes + 5 * k.nbytes  # q in/out; k in/out/pool; v in/pool
         rows.append(dict(kernel="rope_store_kv", batch=tokens, err=err, **_bandwidth(
             lambda: rope_store_kv(q, k, v, pos, cos_sin, k_cache, v_cache, slots), moved)))
+    for batch in (1, 32, 128):  # greedy sampling over Llama-3's vocabulary
+        logits = torch.randn(batch, VOCAB, dtype=DTYPE, device=DEV)
+        assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+        for kernel, fn in (("argmax_rows", argmax_rows), ("torch.argmax", torch.argmax)):
+            rows.append(dict(kernel=kernel, batch=batch, **_bandwidth(
+                lambda fn=fn, logits=logits: fn(logits, -1) if fn is torch.argmax else fn(logits),
+                logits.nbytes)))
 
 
 def _bandwidth(fn: Callable[[], object], nbytes: int) -> dict:
@@ -260,6 +270,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
     parser.add_argument("--pool", choices=POOL_LAYOUTS, default=POOL_LAYOUTS[0],
                         help="memory order of the KV pool the attention kernels read")
+    parser.add_argument("--only", nargs="+", choices=("decode", "prefill", "elementwise"),
+                        help="time only these kernels (default: all)")
     args = parser.parse_args()
     global pool_layout
     pool_layout = args.pool
@@ -267,9 +279,10 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     start = time.time()
     rows: list[dict] = []
-    bench_decode(rows, props.multi_processor_count)
-    bench_prefill(rows)
-    bench_elementwise(rows)
+    parts = {"decode": lambda: bench_decode(rows, props.multi_processor_count),
+             "prefill": lambda: bench_prefill(rows), "elementwise": lambda: bench_elementwise(rows)}
+    for name in args.only or parts:
+        parts[name]()
     if args.sweep:
         sweep(rows, props.multi_processor_count)
     print_table(rows)

@@ -60,7 +60,7 @@ class ModelRunner:
         self.step_model = StepModel(self.model, config.max_num_seqs, self.num_kv_heads,
                                     model_config.head_dim, sms,
                                     workspace, self.device)
-        self.sampler = Sampler(eos_token_ids)
+        self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)
         self.graphs = self.prompt_graphs = None
         if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             from liteinfer.engine.prompt_graph import PromptGraphRunner, PromptStepLayout

@@ -59,8 +59,15 @@ class SampledTokens:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Iterable[int]):
+    def __init__(self, eos_token_ids: Iterable[int], use_triton: bool = False):
         self.eos_token_ids = sorted(set(eos_token_ids))
+        self.use_triton = use_triton  # greedy rows' argmax through kernels/argmax.py
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from liteinfer.kernels.argmax import argmax_rows
+            return argmax_rows(x)
+        return x.argmax(dim=-1)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],
                grammar_bitmask: GrammarBitmask | None = None) -> SampledTokens:
@@ -78,7 +85,7 @@ class Sampler:
         if all(greedy) and not (min_tok_rows or bias_rows or pen_rows or want_logprobs):
             if grammar_bitmask is not None:  # in place: nothing reads these logits afterwards
                 apply_grammar_bitmask(logits, grammar_bitmask)
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self._argmax(logits)
             return SampledTokens(token_ids, token_ids, params, None)
 
         # A copy: the caller's logits buffer may be reused (CUDA graphs) and feeds the logprobs.
@@ -91,7 +98,7 @@ class Sampler:
             _add_logit_bias(x, params, bias_rows)
         if pen_rows:
             _apply_penalties(x, seqs, pen_rows)
-        token_ids = x.argmax(dim=-1)
+        token_ids = self._argmax(x)
         if not all(greedy):
             sampled = _sample(x, seqs, greedy)
             token_ids = torch.where(to_device(greedy, torch.bool, x.device), token_ids, sampled)

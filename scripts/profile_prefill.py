@@ -24,7 +24,6 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-from profile_decode import cuda_ms
 from torch.profiler import ProfilerActivity, profile
 
 from liteinfer import LLM, SamplingParams
@@ -40,6 +39,18 @@ CATEGORIES = (("attention", ("_prefill_kernel", "flash", "fmha", "sdpa", "attent
 def category(kernel: str) -> str:
     name = kernel.lower()
     return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def cuda_ms(fn: Callable[[], object], iters: int) -> float:
+    """GPU milliseconds per call (CUDA events around `iters` calls, after one warm-up)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def host_ms(fn: Callable[[], object], iters: int = 20) -> float:

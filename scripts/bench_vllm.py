@@ -82,6 +82,8 @@ def main() -> None:
         vocab = json.load(f)["vocab_size"]
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # liteinfer's bench modules initialize CUDA before vLLM starts its engine process.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     import torch
     import vllm
     from vllm import LLM

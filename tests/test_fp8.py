@@ -85,22 +85,34 @@ def test_fp8_agrees_with_fp32(tiny_llama_dir, prompts, reference, kwargs):
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _fp8_decoder_layer(model_dir, device: str, dtype: torch.dtype, **ops):
-    """The first decoder layer of the model at model_dir quantized at load (dummy weights), built
-    as the runner builds it for its LayerOps."""
+def _fp8_dummy_model(model_dir, device: str, dtype: torch.dtype, tied: bool | None = None,
+                     **ops):
+    """The model at model_dir with FP8 linears (dummy weights, not yet processed after loading),
+    built as the runner builds it for its LayerOps; `tied` overrides its tie_word_embeddings."""
+    import dataclasses
+
     from liteinfer.attention import get_backend
-    from liteinfer.layers.quantization import Fp8Config, process_weights_after_loading
+    from liteinfer.layers.quantization import Fp8Config
     from liteinfer.loader import load_model_source
     from liteinfer.models.llama import LayerOps, LlamaForCausalLM
+    cfg = load_model_source(str(model_dir)).model_config
+    if tied is not None:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=tied)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(load_model_source(str(model_dir)).model_config,
-                                     get_backend("torch"), LayerOps(quant=Fp8Config(), **ops))
+            model = LlamaForCausalLM(cfg, get_backend("torch"), LayerOps(quant=Fp8Config(), **ops))
     finally:
         torch.set_default_dtype(default)
     model.init_dummy_weights()
+    return model
+
+
+def _fp8_decoder_layer(model_dir, device: str, dtype: torch.dtype, **ops):
+    """The first decoder layer of `_fp8_dummy_model`, quantized at load."""
+    from liteinfer.layers.quantization import process_weights_after_loading
+    model = _fp8_dummy_model(model_dir, device, dtype, **ops)
     process_weights_after_loading(model)
     return model.layers[0]
 
@@ -110,24 +122,10 @@ def _fp8_decoder_layer(model_dir, device: str, dtype: torch.dtype, **ops):
 def test_fp8_lm_head_is_e4m3_beside_an_intact_embedding(tiny_llama_dir, device, tied):
     """Quantizing at load takes the LM head too: its rows e4m3 with their scales (dequantized
     once on the CPU), while a tied embedding keeps its own rows for the lookup."""
-    import dataclasses
-
-    from liteinfer.attention import get_backend
-    from liteinfer.layers.quantization import Fp8Config, process_weights_after_loading
+    from liteinfer.layers.quantization import process_weights_after_loading
     from liteinfer.layers.quantization.fp8 import quantize_weight
-    from liteinfer.loader import load_model_source
-    from liteinfer.models.llama import LayerOps, LlamaForCausalLM
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = dataclasses.replace(load_model_source(str(tiny_llama_dir)).model_config,
-                              tie_word_embeddings=tied)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg, get_backend("torch"), LayerOps(quant=Fp8Config()))
-    finally:
-        torch.set_default_dtype(default)
-    model.init_dummy_weights()
+    model = _fp8_dummy_model(tiny_llama_dir, device, dtype, tied=tied)
     assert (model.lm_head.weight is model.embed_tokens.weight) == tied
     head = model.lm_head.weight.detach().clone()
     embedding = model.embed_tokens.weight.detach().clone()

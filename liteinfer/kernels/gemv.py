@@ -22,9 +22,16 @@ output is multiplied by its row's scale after the reduction.
 Rounding follows the unfused layers of Hugging Face's Llama (norm.py, activation.py): each
 intermediate that is a tensor there is rounded to the activation dtype here.
 
+The grid is persistent: a few programs an SM (PROGRAMS_PER_SM), each walking the tiles
+p, p + grid, ... so that it reads and normalizes the input row once, not once a tile, and loads
+its next tile's weights before it reduces the current one, so that its bytes stay in flight
+while it adds. One program a tile reloads the row from L2 with every tile: on the 8B model's
+down (K 14,336, one weight row a tile in bf16) that is as many bytes as the weight.
+
 On Hopper and later the kernel is a programmatic dependent launch: it is launched while the
-previous kernel in the stream finishes, loads its weight tile (never written by a step), then
-waits for that kernel before reading any activation, and lets the next kernel launch early in turn.
+previous kernel in the stream finishes, loads its first weight tile (never written by a step),
+then waits for that kernel before reading any activation, and lets the next kernel launch early
+in turn.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import supports_pdl
+from liteinfer.kernels import num_sms, supports_pdl
 
 # Weight bytes a program loads: 8k bf16 or 16k e4m3 elements. The H200 sweeps (bench_gemv.py,
 # the 1B model in bf16; bench_fp8.py --sweep, the 8B in both) found 8-32 KiB within a few
@@ -42,6 +49,29 @@ TILE_BYTES = 16384
 # model's down) get more. Per byte, not per element: e4m3 at the 64 elements per thread that
 # suit bf16 took 39.5 us on the 8B's gate/up against 33.2 at 128 (the same bytes as bf16's).
 BYTES_PER_THREAD = 128
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _load_tile(w_ptr, w_scale_ptr, tile, N, stride_wn, k, k_mask, BLOCK_N: tl.constexpr,
+               GATED: tl.constexpr, W_SCALE: tl.constexpr):
+    """The weight rows of one tile ([gate; up] rows when gated) and their scales; nothing is
+    read for a tile past the end."""
+    offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs < N
+    rows = w_ptr + offs.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    mask = n_mask[:, None] & k_mask[None, :]
+    w = tl.load(rows, mask=mask, other=0.0)
+    w_up = w
+    if GATED:
+        w_up = tl.load(rows + N * stride_wn, mask=mask, other=0.0)
+    scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+    scale_up = scale
+    if W_SCALE:
+        scale = tl.load(w_scale_ptr + offs, mask=n_mask, other=0.0)
+        if GATED:
+            scale_up = tl.load(w_scale_ptr + N + offs, mask=n_mask, other=0.0)
+    return w, w_up, scale, scale_up
 
 
 @triton.jit
@@ -49,43 +79,49 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
                  USE_PDL: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs < N
+    num_tiles = tl.cdiv(N, BLOCK_N)
+    grid = tl.num_programs(0)
     k = tl.arange(0, BLOCK_K)
     k_mask = k < K
-    w_mask = n_mask[:, None] & k_mask[None, :]
-    w_rows = w_ptr + offs.to(tl.int64)[:, None] * stride_wn + k[None, :]
-    w = tl.load(w_rows, mask=w_mask, other=0.0)
-    if GATED:
-        w_up = tl.load(w_rows + N * stride_wn, mask=w_mask, other=0.0)
-    if W_SCALE:
-        scale = tl.load(w_scale_ptr + offs, mask=n_mask, other=0.0)
-        if GATED:
-            scale_up = tl.load(w_scale_ptr + N + offs, mask=n_mask, other=0.0)
+    w, w_up, scale, scale_up = _load_tile(w_ptr, w_scale_ptr, tl.program_id(0), N, stride_wn,
+                                          k, k_mask, BLOCK_N, GATED, W_SCALE)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
     xf = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-    if ADD:  # out is the residual stream; loaded with x, so its latency is not paid at the end
-        res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
         norm_w = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
         xf = (norm_w * (xf * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    y = tl.sum(w.to(tl.float32) * xf[None, :], 1)
-    if W_SCALE:
-        y = y * scale
-    if GATED:
-        g = y.to(dtype).to(tl.float32)
-        up = tl.sum(w_up.to(tl.float32) * xf[None, :], 1)
+    for tile in range(tl.program_id(0), num_tiles, grid):
+        next_w, next_w_up, next_scale, next_scale_up = _load_tile(
+            w_ptr, w_scale_ptr, tile + grid, N, stride_wn, k, k_mask, BLOCK_N, GATED, W_SCALE)
+        offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs < N
+        if ADD:  # out is the residual stream; loaded before the sums so its latency hides
+            res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * xf[None, :], 1)
         if W_SCALE:
-            up = up * scale_up
-        up = up.to(dtype).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
-    if ADD:  # residual + (x W^T rounded), as Hugging Face's separate add
-        y = y.to(dtype).to(tl.float32) + res
-    tl.store(out_ptr + offs, y.to(dtype), mask=n_mask)
+            y = y * scale
+        if GATED:
+            g = y.to(dtype).to(tl.float32)
+            up = tl.sum(w_up.to(tl.float32) * xf[None, :], 1)
+            if W_SCALE:
+                up = up * scale_up
+            up = up.to(dtype).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
+        if ADD:  # residual + (x W^T rounded), as Hugging Face's separate add
+            y = y.to(dtype).to(tl.float32) + res
+        tl.store(out_ptr + offs, y.to(dtype), mask=n_mask)
+        w, w_up, scale, scale_up = next_w, next_w_up, next_scale, next_scale_up
+
+
+def gemv_programs(num_tiles: int, device: torch.device) -> int:
+    """The persistent grid: at most PROGRAMS_PER_SM an SM, as few as give every program the
+    same number of tiles (give or take the last)."""
+    tiles_each = triton.cdiv(num_tiles, min(num_tiles, num_sms(device) * PROGRAMS_PER_SM))
+    return triton.cdiv(num_tiles, tiles_each)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
@@ -115,7 +151,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     tile_bytes = itemsize * (1 + gated) * block_n * block_k
     num_warps = min(16, max(4, tile_bytes // (32 * BYTES_PER_THREAD)))
     pdl = supports_pdl(x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(gemv_programs(triton.cdiv(n, block_n), x.device),)](
         x, weight, weight_scale if weight_scale is not None else x, out,
         norm_weight if norm_weight is not None else weight, eps, n, in_features,
         weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,

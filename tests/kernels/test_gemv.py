@@ -7,9 +7,10 @@ from liteinfer.kernels.gemv import gemv
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (in features, out features): the 1B model's projections on the GPU, small ones interpreted;
-# non-power-of-two widths exercise the masks.
+# non-power-of-two widths exercise the masks, and (1000, 600) has several tiles for each program
+# of the persistent grid (num_sms is 8 under the interpreter).
 GPU_SHAPES = [(2048, 3072), (2048, 2048), (8192, 2048), (3072, 1000), (2048, 128256)]
-CPU_SHAPES = [(64, 40), (96, 37)]
+CPU_SHAPES = [(64, 40), (96, 37), (1000, 600)]
 
 
 def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

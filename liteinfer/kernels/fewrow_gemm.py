@@ -12,18 +12,10 @@ SwiGLU that produced it) multiply on the tensor cores with fp32 accumulation, so
 widens an e4m3 element; their per-token and per-channel scales multiply the fp32 tile. The
 residual add of an output projection is the epilogue.
 
-With `split_k` > 1 each output tile's K is cut among that many programs, so that a projection of
-few output tiles (at 128 rows a tile wide enough not to reread the input rows from L2 for every
-few weight rows) still fills the GPU: each program writes its fp32 partial product to a
-workspace and counts itself in on the tile's counter, and the last to arrive sums the partials
-in split order (so the result does not depend on arrival), runs the epilogue and resets the
-counter for the next launch.
-
 On Hopper and later the kernel is a programmatic dependent launch, as the GEMV kernel is.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +35,6 @@ FEWROW_MAX_ROWS = 128
 # of 16 on mma even at 4 rows: 8B, 16 rows, 66.6 us a layer against 73.3).
 MIN_PROGRAMS = 96
 MANY_PROGRAMS = 192
-# Output tiles a split-K launch may have (the arrival counters it shares).
-MAX_SPLIT_TILES = 4096
 
 
 @dataclass(frozen=True)
@@ -54,7 +44,6 @@ class FewRowTiles:
     block_k_bytes: int  # per weight row and tile: 256 bytes = 256 e4m3 or 128 bf16 elements
     num_stages: int
     num_warps: int = 4
-    split_k: int = 1
 
 
 def fewrow_tiles(rows: int, n: int, itemsize: int) -> FewRowTiles | None:
@@ -72,28 +61,23 @@ def fewrow_tiles(rows: int, n: int, itemsize: int) -> FewRowTiles | None:
 
 
 @triton.jit
-def _fewrow_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, partial_ptr,
-                        arrivals_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _fewrow_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K,
+                        stride_xm, stride_wn, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, SCALED: tl.constexpr, ADD: tl.constexpr,
-                        SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        USE_PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                        DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_start = tl.program_id(1) * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     if USE_PDL:  # every operand may be the previous kernel's output or still read by it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w_mask = n_mask[:, None]
             x_mask = m_mask[:, None]
@@ -110,38 +94,12 @@ def _fewrow_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, partial
         x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
         w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
         acc = acc * x_scale[:, None] * w_scale[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+    dtype = out_ptr.dtype.element_ty
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K > 1:
-        # partial_ptr: [SPLIT_K, BLOCK_M, N] fp32; arrivals_ptr: one int32 a tile, zero between
-        # launches.
-        tile_partials = partial_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(tile_partials + tl.program_id(1) * BLOCK_M * N, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the tile hears of it
-        if tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):  # L1 may hold a previous launch's partials
-                acc += tl.load(tile_partials + split * BLOCK_M * N, mask=mask, other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(arrivals_ptr + pid_n, 0)
-            _store_out(acc, out_ptrs, mask, ADD)
-    else:
-        _store_out(acc, out_ptrs, mask, ADD)
-
-
-@triton.jit
-def _store_out(acc, out_ptrs, mask, ADD: tl.constexpr):
-    dtype = out_ptrs.dtype.element_ty
+    mask = m_mask[:, None] & n_mask[None, :]
     if ADD:  # residual + (x W^T rounded), as a separate add sees it
         acc = acc.to(dtype).to(tl.float32) + tl.load(out_ptrs, mask=mask).to(tl.float32)
     tl.store(out_ptrs, acc.to(dtype), mask=mask)
-
-
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """Split-K's per-tile arrival counters, shared by every launch on the device (one runs at a
-    time in a stream, and each leaves them at zero)."""
-    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor | None = None,
@@ -171,20 +129,12 @@ def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor 
     tiles = tiles or fewrow_tiles(rows, n, weight.element_size())
     assert tiles is not None and rows <= tiles.block_m
     block_k = tiles.block_k_bytes // weight.element_size()
-    n_tiles = triton.cdiv(n, tiles.block_n)
-    if tiles.split_k > 1:
-        assert n_tiles <= MAX_SPLIT_TILES
-        partials = torch.empty(tiles.split_k, tiles.block_m, n, dtype=torch.float32,
-                               device=x.device)
-        arrivals = _arrivals(x.device)
-    else:
-        partials = arrivals = out
     pdl = supports_pdl(x.device)
-    _fewrow_gemm_kernel[(n_tiles, tiles.split_k)](
-        x, weight, x_scale if scaled else x, weight_scale if scaled else x, out, partials,
-        arrivals, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    _fewrow_gemm_kernel[(triton.cdiv(n, tiles.block_n),)](
+        x, weight, x_scale if scaled else x, weight_scale if scaled else x, out, rows, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, SCALED=scaled, ADD=residual is not None,
-        SPLIT_K=tiles.split_k, DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out

@@ -3,13 +3,7 @@ model-dtype operands, the residual epilogue, and every row tile the engine's rul
 import pytest
 import torch
 
-from liteinfer.kernels.fewrow_gemm import (
-    FEWROW_MAX_ROWS,
-    FewRowTiles,
-    _arrivals,
-    fewrow_gemm,
-    fewrow_tiles,
-)
+from liteinfer.kernels.fewrow_gemm import FEWROW_MAX_ROWS, FewRowTiles, fewrow_gemm, fewrow_tiles
 from liteinfer.layers.quantization.fp8 import quantize_per_token, quantize_weight
 
 # (in features, out features): the 8B model's projections on the GPU (a K that is not a multiple
@@ -69,24 +63,6 @@ def test_model_dtype(assert_close, device, full, needs_dot, dtype):
         weight = torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
         tile = next(t for t in tiles if t.block_m >= rows)
         assert_close(fewrow_gemm(x, weight, tiles=tile), x.double() @ weight.double().T)
-
-
-@pytest.mark.parametrize("split_k", [2, 3])
-def test_split_k(assert_close, device, full, split_k):
-    """K cut among programs: the same product (and residual sum) as one program's, and every
-    tile's arrival counter back at zero for the next launch, launch after launch."""
-    arrivals = _arrivals(torch.device(device))
-    for rows, k, n in _cases(full):
-        x, weight, scale, ref = _e4m3_inputs(rows, k, n, device)
-        tiles = FewRowTiles(block_m=16 if rows <= 16 else 128, block_n=32, block_k_bytes=128,
-                            num_stages=3, split_k=split_k)
-        for _ in range(2):
-            residual = torch.randn(rows, n, dtype=torch.bfloat16, device=device)
-            before = residual.clone()
-            fewrow_gemm(x.data, weight, x_scale=x.scale, weight_scale=scale, residual=residual,
-                        tiles=tiles)
-            assert_close(residual, before.double() + ref.to(torch.bfloat16).double())
-            assert not arrivals.any()
 
 
 def test_tile_rule():

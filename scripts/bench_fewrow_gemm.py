@@ -32,19 +32,12 @@ PROJECTIONS = (("8b", "qkv", 4096, 6144), ("8b", "o", 4096, 4096), ("8b", "gate_
                ("1b", "gate_up", 2048, 16384), ("1b", "down", 8192, 2048))
 
 
-def tiles_for(rows: int, k: int) -> list[FewRowTiles]:
-    """The grid at `rows`: the smallest row tile of 16, 64 and 128 (wgmma) that holds them,
-    and K split among up to four programs where each keeps at least four tiles of K."""
-    block_ms = [m for m in (16, 64, 128) if m >= rows][:1]
-    grid = []
-    for m, bn, (bk, st), split in itertools.product(block_ms, (32, 64, 128),
-                                                    ((128, 4), (256, 3), (256, 5)),
-                                                    (1, 2, 3, 4)):
-        if k // bk >= 4 * split and (split == 1 or m >= 64):
-            warps = 8 if m * bn >= 128 * 128 else 4
-            grid.append(FewRowTiles(block_m=m, block_n=bn, block_k_bytes=bk, num_stages=st,
-                                    num_warps=warps, split_k=split))
-    return grid
+def tiles_for(rows: int) -> list[FewRowTiles]:
+    """The grid at `rows`: row tiles of 16 (up to 16 rows), 64 and 128 (wgmma)."""
+    block_ms = [m for m in (16, 64, 128) if m >= rows]
+    return [FewRowTiles(block_m=m, block_n=bn, block_k_bytes=bk, num_stages=st)
+            for m, bn, (bk, st) in itertools.product(block_ms, (16, 32, 64),
+                                                    ((256, 3), (256, 5), (512, 3)))]
 
 
 def gemm_rows(rows: int, dtypes: list[str], quick: bool) -> list[dict[str, Any]]:
@@ -65,8 +58,7 @@ def gemm_rows(rows: int, dtypes: list[str], quick: bool) -> list[dict[str, Any]]
                        "us": us, "of_floor": floor / us}
                 if t is not None:
                     row.update(block_m=t.block_m, block_n=t.block_n,
-                               block_k_bytes=t.block_k_bytes, num_stages=t.num_stages,
-                               num_warps=t.num_warps, split_k=t.split_k)
+                               block_k_bytes=t.block_k_bytes, num_stages=t.num_stages)
                 out.append(row)
 
             if dtype == "fp8":
@@ -76,7 +68,7 @@ def gemm_rows(rows: int, dtypes: list[str], quick: bool) -> list[dict[str, Any]]
                 cublas = [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]
             record("cublas", graph_us(cublas))
             rule = fewrow_tiles(rows, n, wbytes)
-            for t in [rule] if quick else [rule, *tiles_for(rows, k)]:
+            for t in [rule] if quick else [rule, *tiles_for(rows)]:
                 if t is None:
                     continue
                 if dtype == "fp8":
@@ -97,8 +89,7 @@ def gemm_rows(rows: int, dtypes: list[str], quick: bool) -> list[dict[str, Any]]
             print(f"{model} {name:7s} rows {rows:3d} {dtype}: cublas {base['us']:7.1f} us "
                   f"({base['of_floor']:.2f})  best {best['impl']} {best['us']:7.1f} us "
                   f"({best['of_floor']:.2f}) {best.get('block_m')} {best.get('block_n')} "
-                  f"{best.get('block_k_bytes')} {best.get('num_stages')} "
-                  f"{best.get('split_k')}", flush=True)
+                  f"{best.get('block_k_bytes')} {best.get('num_stages')}", flush=True)
         del bf16, fp8
     return out
 

@@ -6,8 +6,8 @@ benchmarks/results/'s format to $OUT/bench-fp8-rows.jsonl; about 4 minutes on on
     python scripts/bench_fp8.py [--models llama-3.2-1b-instruct llama-3.1-8b-instruct]
                                 [--skip-engine] [--skip-kernels] [--sweep]
 
---sweep also times the one-token projections (GEMV) of both models at other weight-tile sizes
-and persistent grids than kernels/gemv.py's.
+--sweep also times the one-token projections (GEMV) of the 8B model at other weight-tile sizes
+and bytes per thread than kernels/gemv.py's.
 """
 from __future__ import annotations
 
@@ -45,8 +45,6 @@ COPY_BW = COPY_BANDWIDTH["NVIDIA H200"]
 # 8B decode-step operands: (name, in features, out features).
 PROJECTIONS_8B = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
                   ("down", 14336, 4096))
-PROJECTIONS_1B = (("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384),
-                  ("down", 8192, 2048))
 L2_BYTES = 256 << 20  # distinct operands per timed graph so that none stays in the 50 MB L2
 
 
@@ -101,10 +99,10 @@ def _copies(nbytes: int) -> int:
     return max(2, math.ceil(L2_BYTES / nbytes))
 
 
-def projection_rows(rows: int, projections=PROJECTIONS_8B) -> list[dict[str, Any]]:
+def projection_rows(rows: int) -> list[dict[str, Any]]:
     out = []
     dev = torch.device("cuda")
-    for name, k, n in projections:
+    for name, k, n in PROJECTIONS_8B:
         copies = _copies(n * k)
         x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
         xq = Fp8Activation(*per_token_quant_fp8(x))
@@ -134,21 +132,17 @@ def projection_rows(rows: int, projections=PROJECTIONS_8B) -> list[dict[str, Any
 
 
 def gemv_sweep() -> list[dict[str, Any]]:
-    """The one-token projections of both models at other weight tiles and persistent grids
-    (programs an SM; 10,000 is one program a tile)."""
-    saved = gemv_kernels.TILE_BYTES, gemv_kernels.PROGRAMS_PER_SM
+    saved = gemv_kernels.TILE_BYTES, gemv_kernels.BYTES_PER_THREAD
     out = []
     try:
-        for tile in (8192, 16384, 32768):
-            for programs in (1, 2, 4, 8, 10_000):
-                gemv_kernels.TILE_BYTES, gemv_kernels.PROGRAMS_PER_SM = tile, programs
-                for model, projections in (("8b", PROJECTIONS_8B), ("1b", PROJECTIONS_1B)):
-                    out += [{**row, "model": model, "tile_bytes": tile,
-                             "programs_per_sm": programs}
-                            for row in projection_rows(1, projections)]
-                print(out[-16:], flush=True)
+        for tile in (8192, 16384, 32768, 65536):
+            for per_thread in (64, 128, 256):
+                gemv_kernels.TILE_BYTES, gemv_kernels.BYTES_PER_THREAD = tile, per_thread
+                out += [{**row, "tile_bytes": tile, "bytes_per_thread": per_thread}
+                        for row in projection_rows(1)]
+                print(out[-8:], flush=True)
     finally:
-        gemv_kernels.TILE_BYTES, gemv_kernels.PROGRAMS_PER_SM = saved
+        gemv_kernels.TILE_BYTES, gemv_kernels.BYTES_PER_THREAD = saved
     return out
 
 

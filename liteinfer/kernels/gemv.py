@@ -22,16 +22,15 @@ output is multiplied by its row's scale after the reduction.
 Rounding follows the unfused layers of Hugging Face's Llama (norm.py, activation.py): each
 intermediate that is a tensor there is rounded to the activation dtype here.
 
-The grid is persistent: a few programs an SM (PROGRAMS_PER_SM), each walking the tiles
-p, p + grid, ... so that it reads and normalizes the input row once, not once a tile, and loads
-its next tile's weights before it reduces the current one, so that its bytes stay in flight
-while it adds. One program a tile reloads the row from L2 with every tile: on the 8B model's
-down (K 14,336, one weight row a tile in bf16) that is as many bytes as the weight.
+e4m3 rows longer than CHUNKED_MIN_K (an 8B model's down: 14,336) go through a second kernel
+instead: a whole row is then a program's tile on its own, and one row a program streamed those
+weights at 0.62 of the floor; CHUNKED_TILE's programs own several rows and walk K in chunks that
+Triton's pipeline keeps in flight, with the products summed elementwise and reduced once.
 
-On Hopper and later the kernel is a programmatic dependent launch: it is launched while the
-previous kernel in the stream finishes, loads its first weight tile (never written by a step),
-then waits for that kernel before reading any activation, and lets the next kernel launch early
-in turn.
+On Hopper and later both kernels are programmatic dependent launches: launched while the
+previous kernel in the stream finishes, they wait for it before reading any activation and let
+the next kernel launch early in turn; the whole-row kernel loads its weight tile (never written
+by a step) before it waits.
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import num_sms, supports_pdl
+from liteinfer.kernels import supports_pdl
 
 # Weight bytes a program loads: 8k bf16 or 16k e4m3 elements. The H200 sweeps (bench_gemv.py,
 # the 1B model in bf16; bench_fp8.py --sweep, the 8B in both) found 8-32 KiB within a few
@@ -49,86 +48,120 @@ TILE_BYTES = 16384
 # model's down) get more. Per byte, not per element: e4m3 at the 64 elements per thread that
 # suit bf16 took 39.5 us on the 8B's gate/up against 33.2 at 128 (the same bytes as bf16's).
 BYTES_PER_THREAD = 128
-PROGRAMS_PER_SM = 4
-PREFETCH = True
+# e4m3 rows longer than this go through the chunked kernel, in tiles of
+# (rows, chunk elements, warps, pipeline stages).
+CHUNKED_MIN_K = 8192
+CHUNKED_TILE = (8, 1024, 4, 3)
 
 
 @triton.jit
-def _load_tile(w_ptr, w_scale_ptr, tile, N, stride_wn, k, k_mask, BLOCK_N: tl.constexpr,
-               GATED: tl.constexpr, W_SCALE: tl.constexpr):
-    """The weight rows of one tile ([gate; up] rows when gated) and their scales; nothing is
-    read for a tile past the end."""
-    offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs < N
-    rows = w_ptr + offs.to(tl.int64)[:, None] * stride_wn + k[None, :]
-    mask = n_mask[:, None] & k_mask[None, :]
-    w = tl.load(rows, mask=mask, other=0.0)
-    w_up = w
-    if GATED:
-        w_up = tl.load(rows + N * stride_wn, mask=mask, other=0.0)
-    scale = tl.zeros([BLOCK_N], dtype=tl.float32)
-    scale_up = scale
+def _normalize(xf, norm_ptr, k, k_mask, inv_rms, dtype: tl.constexpr):
+    """norm_w * (x * inv_rms), rounded to the activation dtype where Hugging Face's RMSNorm
+    holds a tensor."""
+    norm_w = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    return (norm_w * (xf * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED: tl.constexpr,
+                   ADD: tl.constexpr, W_SCALE: tl.constexpr):
+    """The epilogue of both kernels: row scales, SwiGLU of gate y and up, the residual add."""
+    dtype = out_ptr.dtype.element_ty
     if W_SCALE:
-        scale = tl.load(w_scale_ptr + offs, mask=n_mask, other=0.0)
-        if GATED:
-            scale_up = tl.load(w_scale_ptr + N + offs, mask=n_mask, other=0.0)
-    return w, w_up, scale, scale_up
+        y = y * scale
+    if GATED:
+        g = y.to(dtype).to(tl.float32)
+        if W_SCALE:
+            up = up * scale_up
+        up = up.to(dtype).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
+    if ADD:  # residual + (x W^T rounded), as Hugging Face's separate add
+        y = y.to(dtype).to(tl.float32) + res
+    tl.store(out_ptr + offs, y.to(dtype), mask=n_mask)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
-                 PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
-    num_tiles = tl.cdiv(N, BLOCK_N)
-    grid = tl.num_programs(0)
+                 USE_PDL: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs < N
     k = tl.arange(0, BLOCK_K)
     k_mask = k < K
-    w, w_up, scale, scale_up = _load_tile(w_ptr, w_scale_ptr, tl.program_id(0), N, stride_wn,
-                                          k, k_mask, BLOCK_N, GATED, W_SCALE)
+    w_mask = n_mask[:, None] & k_mask[None, :]
+    w_rows = w_ptr + offs.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    w = tl.load(w_rows, mask=w_mask, other=0.0)
+    w_up = w
+    if GATED:
+        w_up = tl.load(w_rows + N * stride_wn, mask=w_mask, other=0.0)
+    scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+    scale_up = scale
+    if W_SCALE:
+        scale = tl.load(w_scale_ptr + offs, mask=n_mask, other=0.0)
+        if GATED:
+            scale_up = tl.load(w_scale_ptr + N + offs, mask=n_mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    dtype = out_ptr.dtype.element_ty
     xf = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    res = scale
+    if ADD:  # out is the residual stream; loaded with x, so its latency is not paid at the end
+        res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
-        norm_w = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        xf = (norm_w * (xf * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    for tile in range(tl.program_id(0), num_tiles, grid):
-        if PREFETCH:
-            next_w, next_w_up, next_scale, next_scale_up = _load_tile(
-                w_ptr, w_scale_ptr, tile + grid, N, stride_wn, k, k_mask, BLOCK_N, GATED,
-                W_SCALE)
-        offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs < N
-        if ADD:  # out is the residual stream; loaded before the sums so its latency hides
-            res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
-        y = tl.sum(w.to(tl.float32) * xf[None, :], 1)
-        if W_SCALE:
-            y = y * scale
+        xf = _normalize(xf, norm_ptr, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
+    y = tl.sum(w.to(tl.float32) * xf[None, :], 1)
+    up = y
+    if GATED:
+        up = tl.sum(w_up.to(tl.float32) * xf[None, :], 1)
+    _store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED, ADD, W_SCALE)
+
+
+@triton.jit
+def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                         ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs < N
+    k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    inv_rms = 1.0
+    if NORM:  # a first pass over the row (from L2) for its RMS
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xf = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+            squares += xf * xf
+        inv_rms = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = acc
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + k < K
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + k0, mask=w_mask, other=0.0)
         if GATED:
-            g = y.to(dtype).to(tl.float32)
-            up = tl.sum(w_up.to(tl.float32) * xf[None, :], 1)
-            if W_SCALE:
-                up = up * scale_up
-            up = up.to(dtype).to(tl.float32)
-            y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
-        if ADD:  # residual + (x W^T rounded), as Hugging Face's separate add
-            y = y.to(dtype).to(tl.float32) + res
-        tl.store(out_ptr + offs, y.to(dtype), mask=n_mask)
-        if PREFETCH:
-            w, w_up, scale, scale_up = next_w, next_w_up, next_scale, next_scale_up
-        else:
-            w, w_up, scale, scale_up = _load_tile(w_ptr, w_scale_ptr, tile + grid, N,
-                                                  stride_wn, k, k_mask, BLOCK_N, GATED, W_SCALE)
-
-
-def gemv_programs(num_tiles: int, device: torch.device) -> int:
-    """The persistent grid: at most PROGRAMS_PER_SM an SM, as few as give every program the
-    same number of tiles (give or take the last)."""
-    tiles_each = triton.cdiv(num_tiles, min(num_tiles, num_sms(device) * PROGRAMS_PER_SM))
-    return triton.cdiv(num_tiles, tiles_each)
+            w_up = tl.load(w_rows + k0 + N * stride_wn, mask=w_mask, other=0.0)
+        xf = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM:
+            xf = _normalize(xf, norm_ptr + k0, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
+        acc += w.to(tl.float32) * xf[None, :]
+        if GATED:
+            acc_up += w_up.to(tl.float32) * xf[None, :]
+    scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+    scale_up = scale
+    res = scale
+    if W_SCALE:
+        scale = tl.load(w_scale_ptr + offs, mask=n_mask, other=0.0)
+        if GATED:
+            scale_up = tl.load(w_scale_ptr + N + offs, mask=n_mask, other=0.0)
+    if ADD:
+        res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
+    _store_outputs(tl.sum(acc, 1), tl.sum(acc_up, 1), scale, scale_up, res, out_ptr, offs,
+                   n_mask, GATED, ADD, W_SCALE)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
@@ -152,18 +185,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
         out = residual
     out = x.new_empty(1, n) if out is None else out
     assert out.shape == (1, n) and out.stride(-1) == 1
-    block_k = triton.next_power_of_2(in_features)
+    pdl = supports_pdl(x.device)
+    args = (x, weight, weight_scale if weight_scale is not None else x, out,
+            norm_weight if norm_weight is not None else weight, eps, n, in_features,
+            weight.stride(0))
+    flags = dict(NORM=norm_weight is not None, ADD=residual is not None, GATED=gated,
+                 W_SCALE=weight_scale is not None, USE_PDL=pdl)
     itemsize = weight.element_size()
+    if itemsize == 1 and in_features > CHUNKED_MIN_K:
+        block_n, block_k, num_warps, num_stages = CHUNKED_TILE
+        _gemv_chunked_kernel[(triton.cdiv(n, block_n),)](
+            *args, BLOCK_N=block_n, BLOCK_K=block_k, **flags, num_warps=num_warps,
+            num_stages=num_stages, launch_pdl=pdl)
+        return out
+    block_k = triton.next_power_of_2(in_features)
     block_n = max(1, TILE_BYTES // (itemsize * (1 + gated) * block_k))
     tile_bytes = itemsize * (1 + gated) * block_n * block_k
     num_warps = min(16, max(4, tile_bytes // (32 * BYTES_PER_THREAD)))
-    pdl = supports_pdl(x.device)
-    _gemv_kernel[(gemv_programs(triton.cdiv(n, block_n), x.device),)](
-        x, weight, weight_scale if weight_scale is not None else x, out,
-        norm_weight if norm_weight is not None else weight, eps, n, in_features,
-        weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None,
-        ADD=residual is not None, GATED=gated, W_SCALE=weight_scale is not None,
-        PREFETCH=PREFETCH, USE_PDL=pdl,
-        num_warps=num_warps,
-        launch_pdl=pdl)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](*args, BLOCK_N=block_n, BLOCK_K=block_k, **flags,
+                                             num_warps=num_warps, launch_pdl=pdl)
     return out

@@ -3,14 +3,16 @@ epilogue, RMSNorm prologue and the SwiGLU-gated [gate; up] projection."""
 import pytest
 import torch
 
+from liteinfer.kernels import gemv as gemv_kernels
 from liteinfer.kernels.gemv import gemv
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (in features, out features): the 1B model's projections on the GPU, small ones interpreted;
-# non-power-of-two widths exercise the masks, and (1000, 600) has several tiles for each program
-# of the persistent grid (num_sms is 8 under the interpreter).
-GPU_SHAPES = [(2048, 3072), (2048, 2048), (8192, 2048), (3072, 1000), (2048, 128256)]
-CPU_SHAPES = [(64, 40), (96, 37), (1000, 600)]
+# non-power-of-two widths exercise the masks; the 8B model's down (K 14,336) takes the chunked
+# kernel in e4m3.
+GPU_SHAPES = [(2048, 3072), (2048, 2048), (8192, 2048), (3072, 1000), (2048, 128256),
+              (14336, 4096)]
+CPU_SHAPES = [(64, 40), (96, 37)]
 
 
 def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -85,9 +87,16 @@ def _fp8_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gated", [False, True])
-def test_gemv_fp8_weight(assert_close, device, full, dtype, gated):
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-rows", "chunked"])
+def test_gemv_fp8_weight(assert_close, device, full, dtype, gated, chunked, monkeypatch):
     """e4m3 weights with a scale per row, the input in the model dtype: plain, with the
-    residual add, and normed (SwiGLU-gated or not), against float64 over the e4m3 values."""
+    residual add, and normed (SwiGLU-gated or not), against float64 over the e4m3 values.
+    `chunked`: every shape through the chunked kernel (on the CPU in chunks of 32, so that each
+    row takes several)."""
+    if chunked:
+        monkeypatch.setattr(gemv_kernels, "CHUNKED_MIN_K", 0)
+        if not full:
+            monkeypatch.setattr(gemv_kernels, "CHUNKED_TILE", (8, 32, 4, 3))
     for k, n in _shapes(full):
         x = torch.randn(1, k, dtype=dtype, device=device)
         weight, scale = _fp8_weight(2 * n if gated else n, k, device)

@@ -22,10 +22,11 @@ output is multiplied by its row's scale after the reduction.
 Rounding follows the unfused layers of Hugging Face's Llama (norm.py, activation.py): each
 intermediate that is a tensor there is rounded to the activation dtype here.
 
-e4m3 rows longer than CHUNKED_MIN_K (an 8B model's down: 14,336) go through a second kernel
-instead: a whole row is then a program's tile on its own, and one row a program streamed those
-weights at 0.62 of the floor; CHUNKED_TILE's programs own several rows and walk K in chunks that
-Triton's pipeline keeps in flight, with the products summed elementwise and reduced once.
+Rows longer than CHUNKED_MIN_K (an 8B model's down: 14,336) go through a second kernel
+instead: a whole row is then a program's tile on its own, and one e4m3 row a program streamed
+those weights at 0.62 of the floor; CHUNKED_TILE's programs own several rows and walk K in
+chunks that Triton's pipeline keeps in flight, with the products summed elementwise and reduced
+once. On the 8B's shorter rows (4,096) the whole-row kernel stays faster.
 
 On Hopper and later both kernels are programmatic dependent launches: launched while the
 previous kernel in the stream finishes, they wait for it before reading any activation and let
@@ -48,8 +49,9 @@ TILE_BYTES = 16384
 # model's down) get more. Per byte, not per element: e4m3 at the 64 elements per thread that
 # suit bf16 took 39.5 us on the 8B's gate/up against 33.2 at 128 (the same bytes as bf16's).
 BYTES_PER_THREAD = 128
-# e4m3 rows longer than this go through the chunked kernel, in tiles of
-# (rows, chunk elements, warps, pipeline stages).
+# Rows longer than this go through the chunked kernel, in tiles of (rows, chunk elements,
+# warps, pipeline stages): 8B ITL fp8 2.834 -> 2.572 ms, bf16 4.076 -> 4.042; every e4m3
+# projection chunked, 2.897 (NOTES.md, measured choices).
 CHUNKED_MIN_K = 8192
 CHUNKED_TILE = (8, 1024, 4, 3)
 
@@ -192,7 +194,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     flags = dict(NORM=norm_weight is not None, ADD=residual is not None, GATED=gated,
                  W_SCALE=weight_scale is not None, USE_PDL=pdl)
     itemsize = weight.element_size()
-    if itemsize == 1 and in_features > CHUNKED_MIN_K:
+    if in_features > CHUNKED_MIN_K:
         block_n, block_k, num_warps, num_stages = CHUNKED_TILE
         _gemv_chunked_kernel[(triton.cdiv(n, block_n),)](
             *args, BLOCK_N=block_n, BLOCK_K=block_k, **flags, num_warps=num_warps,

@@ -65,6 +65,27 @@ def _normalize(xf, norm_ptr, k, k_mask, inv_rms, dtype: tl.constexpr):
 
 
 @triton.jit
+def _program_rows(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The program's output features, their mask, the first BLOCK_K columns, and the pointers
+    to those columns of the features' weight rows."""
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    return offs, offs < N, k, w_ptr + offs.to(tl.int64)[:, None] * stride_wn + k[None, :]
+
+
+@triton.jit
+def _row_scales(w_scale_ptr, offs, n_mask, N, GATED: tl.constexpr, W_SCALE: tl.constexpr):
+    """The e4m3 rows' scales of the features at offs (and of their up rows when gated)."""
+    scale = tl.zeros(offs.shape, dtype=tl.float32)
+    scale_up = scale
+    if W_SCALE:
+        scale = tl.load(w_scale_ptr + offs, mask=n_mask, other=0.0)
+        if GATED:
+            scale_up = tl.load(w_scale_ptr + N + offs, mask=n_mask, other=0.0)
+    return scale, scale_up
+
+
+@triton.jit
 def _store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED: tl.constexpr,
                    ADD: tl.constexpr, W_SCALE: tl.constexpr):
     """The epilogue of both kernels: row scales, SwiGLU of gate y and up, the residual add."""
@@ -87,22 +108,14 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                  ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
                  USE_PDL: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs < N
-    k = tl.arange(0, BLOCK_K)
+    offs, n_mask, k, w_rows = _program_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
     k_mask = k < K
     w_mask = n_mask[:, None] & k_mask[None, :]
-    w_rows = w_ptr + offs.to(tl.int64)[:, None] * stride_wn + k[None, :]
     w = tl.load(w_rows, mask=w_mask, other=0.0)
     w_up = w
     if GATED:
         w_up = tl.load(w_rows + N * stride_wn, mask=w_mask, other=0.0)
-    scale = tl.zeros([BLOCK_N], dtype=tl.float32)
-    scale_up = scale
-    if W_SCALE:
-        scale = tl.load(w_scale_ptr + offs, mask=n_mask, other=0.0)
-        if GATED:
-            scale_up = tl.load(w_scale_ptr + N + offs, mask=n_mask, other=0.0)
+    scale, scale_up = _row_scales(w_scale_ptr, offs, n_mask, N, GATED, W_SCALE)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -125,10 +138,7 @@ def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                          ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs < N
-    k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + offs.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    offs, n_mask, k, w_rows = _program_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -153,13 +163,8 @@ def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K
         acc += w.to(tl.float32) * xf[None, :]
         if GATED:
             acc_up += w_up.to(tl.float32) * xf[None, :]
-    scale = tl.zeros([BLOCK_N], dtype=tl.float32)
-    scale_up = scale
+    scale, scale_up = _row_scales(w_scale_ptr, offs, n_mask, N, GATED, W_SCALE)
     res = scale
-    if W_SCALE:
-        scale = tl.load(w_scale_ptr + offs, mask=n_mask, other=0.0)
-        if GATED:
-            scale_up = tl.load(w_scale_ptr + N + offs, mask=n_mask, other=0.0)
     if ADD:
         res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
     _store_outputs(tl.sum(acc, 1), tl.sum(acc_up, 1), scale, scale_up, res, out_ptr, offs,

@@ -9,7 +9,7 @@ from liteinfer.kernels.gemv import gemv
 DTYPES = [torch.float32, torch.bfloat16]
 # (in features, out features): the 1B model's projections on the GPU, small ones interpreted;
 # non-power-of-two widths exercise the masks; the 8B model's down (K 14,336) takes the chunked
-# kernel in e4m3.
+# kernel in every dtype.
 GPU_SHAPES = [(2048, 3072), (2048, 2048), (8192, 2048), (3072, 1000), (2048, 128256),
               (14336, 4096)]
 CPU_SHAPES = [(64, 40), (96, 37)]

@@ -1,5 +1,6 @@
 """GPU microbenchmark of the liteinfer Triton kernels at the 1B Llama model's shapes
-(Hq=32, Hkv=8, D=64, hidden 2048, intermediate 8192, bf16, KV block size 16).
+(Hq=32, Hkv=8, D=64, hidden 2048, intermediate 8192, bf16, KV block size 16); `--head-dim 128`
+gives the attention kernels the 8B's heads (Hq=32, Hkv=8, D=128).
 
 Each kernel is first checked against a torch reference at the benchmarked shape, then timed
 with triton.testing.do_bench (median; L2 flushed between runs). Decode is also timed as a
@@ -9,10 +10,12 @@ is also timed as a graph replay, and compared with torch's SDPA (the engine's pa
 prompt with nothing cached) and with PyTorch's varlen FlashAttention-2 on the packed projections.
 Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>.json. `--sweep`
 additionally times alternative tile configurations, prefill also at the sizes of mixed steps'
-prompt pieces.
+prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
+decode sweep then times the engine's path alone (split policy, this step's K/V fused in).
 
-    python scripts/bench_kernels.py [--sweep] [--pool token-major]
+    python scripts/bench_kernels.py [--sweep] [--pool token-major] [--head-dim 128]
                                     [--only decode prefill elementwise]
+                                    [--decode-shapes 1x256 128x256 ...]
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench, do_bench_cudagraph
 
 from liteinfer.attention import allocate_kv_pool
@@ -113,7 +117,7 @@ def decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: str = "",
-                 waves: int = 2) -> None:
+                 waves: int = 2, engine_only: bool = False) -> None:
     ws = splits.DecodeWorkspace.allocate(128, HQ, D, splits.MAX_SPLITS_CAP, DEV)
     for batch, ctx in shapes:
         lens_list = decode_lens(batch, ctx)
@@ -131,8 +135,9 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
         slots = blocks * BLOCK_SIZE + last % BLOCK_SIZE
         new_kv = dec.NewKV(k_cache[blocks, last % BLOCK_SIZE], v_cache[blocks, last % BLOCK_SIZE],
                            torch.zeros_like(last), slots, cos_sin_zero_rotation())
-        variants = [(m, None) for m in sorted({1, policy, splits.max_splits_for(
-            batch, HKV, num_sms, waves=4 * waves)})] + [(policy, new_kv)]
+        widths = {1, policy, splits.max_splits_for(batch, HKV, num_sms, waves=4 * waves)}
+        variants = [] if engine_only else [(m, None) for m in sorted(widths)]
+        variants.append((policy, new_kv))
         for max_splits, fused in variants:
             def run() -> torch.Tensor:
                 return dec.paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE,
@@ -236,15 +241,24 @@ def _bandwidth(fn: Callable[[], object], nbytes: int) -> dict:
     return dict(us=ms * 1e3, gbps=nbytes / 1e9 / (ms / 1e3))
 
 
-def sweep(rows: list[dict], num_sms: int) -> None:
+def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) -> None:
     """Alternative tile configurations (the kernels read their config functions at call time)."""
     decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
     try:
-        for n, w, s in itertools.product((64, 128, 256), (4, 8), (2, 3, 4)):
-            dec.decode_tiles = lambda *_, n=n, w=w, s=s: dec.DecodeTiles(n, w, s)
-            bench_decode(rows, num_sms, [(1, 15488), (32, 3712)], f" n{n} w{w} s{s}")
-        dec.decode_tiles = decode_tiles
-        bench_decode(rows, num_sms, [(1, 384), (1, 15488)], " 4 waves", waves=4)
+        if "decode" in parts:
+            shapes = decode_shapes or [(1, 15488), (32, 3712)]
+            for n, w, s in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4)):
+                dec.decode_tiles = lambda *_, n=n, w=w, s=s: dec.DecodeTiles(n, w, s)
+                try:
+                    bench_decode(rows, num_sms, shapes, f" n{n} w{w} s{s}",
+                                 engine_only=decode_shapes is not None)
+                except OutOfResources:  # wide tiles of wide heads: more shared memory than an SM
+                    rows.append(dict(kernel=f"decode+newkv n{n} w{w} s{s}: out of resources"))
+            dec.decode_tiles = decode_tiles
+            bench_decode(rows, num_sms, decode_shapes or [(1, 384), (1, 15488)], " 4 waves",
+                         waves=4, engine_only=decode_shapes is not None)
+        if "prefill" not in parts:
+            return
         for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
             pre.prefill_tiles = lambda *_, m=m, n=n, w=w, s=s: PrefillTiles(m, n, w, s)
             bench_prefill(rows, [(1, 15360), (8, 2048), (1, 2048), (2, 1024)],
@@ -272,25 +286,33 @@ def main() -> None:
                         help="memory order of the KV pool the attention kernels read")
     parser.add_argument("--only", nargs="+", choices=("decode", "prefill", "elementwise"),
                         help="time only these kernels (default: all)")
+    parser.add_argument("--head-dim", type=int, default=64, help="attention head size")
+    parser.add_argument("--decode-shapes", nargs="+", metavar="BATCHxCTX",
+                        help="decode shapes to time (and sweep) instead of the defaults")
     args = parser.parse_args()
-    global pool_layout
+    global pool_layout, D, SCALE
     pool_layout = args.pool
+    D, SCALE = args.head_dim, 1 / math.sqrt(args.head_dim)
+    decode_shapes = args.decode_shapes and [tuple(int(v) for v in shape.split("x"))
+                                            for shape in args.decode_shapes]
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     start = time.time()
     rows: list[dict] = []
-    parts = {"decode": lambda: bench_decode(rows, props.multi_processor_count),
+    parts = {"decode": lambda: bench_decode(rows, props.multi_processor_count,
+                                            decode_shapes or DECODE_SHAPES),
              "prefill": lambda: bench_prefill(rows), "elementwise": lambda: bench_elementwise(rows)}
     for name in args.only or parts:
         parts[name]()
     if args.sweep:
-        sweep(rows, props.multi_processor_count)
+        sweep(rows, props.multi_processor_count, args.only or list(parts), decode_shapes)
     print_table(rows)
-    print(f"# {props.name}, {props.multi_processor_count} SMs, {pool_layout} pool, "
+    print(f"# {props.name}, {props.multi_processor_count} SMs, {pool_layout} pool, D={D}, "
           f"{time.time() - start:.0f} s")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"kernels-{pool_layout}.json"), "w") as f:
-            json.dump(dict(device=props.name, pool=pool_layout, rows=rows), f, indent=1)
+        with open(os.path.join(os.environ["OUT"], f"kernels-{pool_layout}-d{D}.json"), "w") as f:
+            json.dump(dict(device=props.name, pool=pool_layout, head_dim=D, rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ exit at once, early in the launch, since the split index varies fastest.
 Given this step's un-rotated key/value (`NewKV`), the kernel also does the work of a separate
 RoPE + KV-write launch: every program rotates its query rows in registers, and the program whose
 range holds the row's last KV position rotates the new key and writes it and the value into the
-pool before it reads its tiles. That saves one launch per layer in every decode step.
+pool before it reads its tiles. That saves one launch per layer in every decode step. It also
+lets the kernel read what depends only on step inputs and earlier steps' KV (lengths, positions,
+the RoPE row and, in launches small enough, each program's first K/V tile) before it waits for
+the previous kernel (PDL), while that kernel finishes; the new row is put into the tile in
+registers.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import triton.language as tl
 from liteinfer.kernels import FP8_DTYPE, dot_precision, num_sms, supports_pdl
 from liteinfer.kernels.decode_splits import (
     MAX_SPLITS_CAP,
+    SPLIT_WAVES,
     DecodeWorkspace,
     min_split_tokens,
     program_slots,
@@ -35,6 +40,7 @@ from liteinfer.kernels.kv_cache import (
     first_tile_blocks,
     kv_tile_blocks,
     load_kv_rows,
+    load_kv_tile,
     pool_strides,
     slot_offset,
     to_cache,
@@ -97,6 +103,17 @@ def attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d, qk_
     acc = tl.zeros(q.shape, dtype=tl.float32)
     l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
     m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
+    return attend_kv_tiles(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off, start, end,
+                           d, qk_scale, stride_block, stride_row, BLOCK_N, BLOCK_SIZE,
+                           DOT_PRECISION, LOOKAHEAD)
+
+
+@triton.jit
+def attend_kv_tiles(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
+                    qk_scale, stride_block, stride_row, BLOCK_N: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    LOOKAHEAD: tl.constexpr):
+    """attend_kv_range continuing the online-softmax state (acc, l, m) of earlier tiles."""
     blocks = first_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, LOOKAHEAD)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -148,7 +165,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
                    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
                    SPLITS_GIVEN: tl.constexpr, BLOCK_B: tl.constexpr,
                    MIN_SPLIT_TOKENS: tl.constexpr, NEW_KV: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                   PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -165,43 +183,64 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
         n_splits = 1
     if split >= n_splits:
         return
-    if USE_PDL:  # launched while the previous kernel finishes: wait for it before other reads
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     start, end = split_range(ctx, split, n_splits, BLOCK_N)
-
-    offs_h = tl.arange(0, BLOCK_H)
-    h_mask = offs_h < G
-    heads = kvh * G + offs_h
     d = tl.arange(0, HEAD_DIM)
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    if NEW_KV:
+    bt_row = block_tables + b.to(tl.int64) * stride_bt
+    kv_head_off = kvh * stride_pool_head
+    offs_n = start + tl.arange(0, BLOCK_N)  # the range's first tile
+    if NEW_KV:  # positions and slots are step inputs too, cos_sin a constant
         HALF: tl.constexpr = HEAD_DIM // 2
         pos = tl.load(pos_ptr + b).to(tl.int64)
         cos = tl.load(cos_sin + pos * stride_cs + d % HALF)
         sin = tl.load(cos_sin + pos * stride_cs + HALF + d % HALF)
+        slot = tl.load(slot_ptr + b)
+    if PREFETCH:  # earlier steps wrote these KV rows; the new one is patched in below
+        k_first, v_first = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off,
+                                        stride_pool_block, stride_pool_row, BLOCK_SIZE, True,
+                                        end)
+    if USE_PDL:  # launched while the previous kernel finishes: wait for it before other reads
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < G
+    heads = kvh * G + offs_h
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    if not PREFETCH:
+        k_first, v_first = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off,
+                                        stride_pool_block, stride_pool_row, BLOCK_SIZE, True,
+                                        end)
+    if NEW_KV:
         # Rounded to the activation dtype, as a separate RoPE kernel would store it.
         q = _rope_rows(q_ptrs, d, h_mask[:, None], cos, sin, HALF, HEAD_DIM)
         q = q.to(q_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + b)
         # The new token is the row's last KV position: the split whose range holds it writes it
-        # (padding rows have slot -1). The barrier makes the write visible to all the
-        # program's threads before they load their tiles.
+        # (padding rows have slot -1) and puts it in its first tile if that holds it. The
+        # barrier makes the write visible to all the program's threads before they load the
+        # range's later tiles.
         if (slot >= 0) & (start < ctx) & (end == ctx):
-            k = _rope_rows(k_new + b * stride_kb + kvh * stride_kh, d, d[None, :] < HEAD_DIM,
-                           cos, sin, HALF, HEAD_DIM)
-            v = tl.load(v_new + b * stride_vb + kvh * stride_vh + d)
+            k = to_cache(_rope_rows(k_new + b * stride_kb + kvh * stride_kh, d,
+                                    d[None, :] < HEAD_DIM, cos, sin, HALF, HEAD_DIM), k_cache)
+            v = to_cache(tl.load(v_new + b * stride_vb + kvh * stride_vh + d), v_cache)
             dst = (slot_offset(slot, BLOCK_SIZE, stride_pool_block, stride_pool_row)
                    + kvh * stride_pool_head + d)
-            tl.store(k_cache + dst[None, :], to_cache(k, k_cache))
-            tl.store(v_cache + dst, to_cache(v, v_cache))
+            tl.store(k_cache + dst[None, :], k)
+            tl.store(v_cache + dst, v)
+            new_row = (offs_n == ctx - 1)[:, None]
+            k_first = tl.where(new_row, k, k_first)
+            v_first = tl.where(new_row, v[None, :], v_first)
             tl.debug_barrier()
     else:
         q = tl.load(q_ptrs + d[None, :], mask=h_mask[:, None], other=0.0)
-    bt_row = block_tables + b.to(tl.int64) * stride_bt
-    acc, l_i, m_i = attend_kv_range(q, k_cache, v_cache, bt_row, kvh * stride_pool_head, start,
-                                    end, d, qk_scale, stride_pool_block, stride_pool_row, BLOCK_N,
-                                    BLOCK_SIZE, DOT_PRECISION, False)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    if start < end:  # softmax_tile needs a visible key in its first tile
+        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k_first, v_first,
+                                     (offs_n < end)[None, :], qk_scale, True, DOT_PRECISION)
+    acc, l_i, m_i = attend_kv_tiles(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off,
+                                    start + BLOCK_N, end, d, qk_scale, stride_pool_block,
+                                    stride_pool_row, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, False)
     finish_split(acc, l_i, m_i, out_ptr + b * stride_ob, stride_oh, heads, h_mask, d, b, kvh,
                  split, n_splits, part_out, part_lse, counters, stride_pb, stride_ph, stride_ps,
                  stride_lb, stride_lh, stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
@@ -318,6 +357,14 @@ def workspace_args(workspace: DecodeWorkspace | None, max_splits: int, rows: int
                       CHUNK_S=min(block_s, max(1, MERGE_TILE // (block_g * head_dim))))
 
 
+def prefetches_first_tile(batch: int, num_kv_heads: int, max_splits: int, num_sms: int) -> bool:
+    """Whether a launch reads each program's first K/V tile before it waits for the previous
+    kernel (only with the step's K/V fused in: a separate launch may still be writing the pool).
+    Those loads overlap the previous kernel's last programs, but they hold the tile in registers,
+    so only launches whose programs all fit on the SMs at once (two an SM) take them."""
+    return batch * num_kv_heads * max_splits <= SPLIT_WAVES * num_sms
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor, max_splits: int = 1,
@@ -361,10 +408,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         key = value = q
         pos = slots = cos_sin = context_lens
     pdl = supports_pdl(q.device)
+    sms = num_sms(q.device)
     _decode_kernel[(max_splits, batch, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, num_splits, out, *split_args,
         scale * LOG2E, max_splits, batch,
-        program_slots(batch, num_kv_heads, num_sms(q.device), max_splits),
+        program_slots(batch, num_kv_heads, sms, max_splits),
         key, value, pos, slots, cos_sin,
         q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), *pool,
@@ -373,6 +421,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1, **merge_tiles,
         SPLITS_GIVEN=splits_given, BLOCK_B=triton.next_power_of_2(batch),
         MIN_SPLIT_TOKENS=min_tokens or min_split_tokens(head_dim), NEW_KV=new_kv is not None,
+        PREFETCH=new_kv is not None and prefetches_first_tile(batch, num_kv_heads, max_splits,
+                                                              sms),
         DOT_PRECISION=dot_precision(q.dtype), USE_PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from liteinfer.kernels import num_sms
+from liteinfer.kernels import decode_attention, num_sms
 from liteinfer.kernels.decode_attention import NewKV, paged_decode_attention
 from liteinfer.kernels.decode_splits import (
     MIN_SPLIT_TOKENS,
@@ -188,14 +188,18 @@ def test_kernel_split_counts(PagedKV, device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("max_splits", [1, 4, 8])
 @pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["tile-after-wait", "tile-before-wait"])
 def test_decode_writes_new_token(PagedKV, at, attention_ref, rope_ref, qkv_views, assert_close,
-                                 needs_dot, request, device, full, group, max_splits, dtype,
-                                 kv_dtype):
+                                 needs_dot, request, monkeypatch, device, full, prefetch, group,
+                                 max_splits, dtype, kv_dtype):
     """With NewKV the kernel rotates q and the new key, writes key and value at the row's last
     KV position (poisoned with NaN until then, so reading it unwritten fails), and attends over
-    it. Per-row split counts put that position in first, middle and last splits. An e4m3 pool
-    stores the key and value rounded to e4m3, and the output is attention over what it holds."""
+    it. Per-row split counts put that position in first, middle and last splits, and in the
+    first or a later tile of its split. An e4m3 pool stores the key and value rounded to e4m3,
+    and the output is attention over what it holds. Both places of the first tile's load: a
+    tile read before the new row is written holds the poison until the kernel patches it."""
     needs_dot(dtype)
+    monkeypatch.setattr(decode_attention, "prefetches_first_tile", lambda *_: prefetch)
     if kv_dtype is not None:
         request.getfixturevalue("needs_fp8_store")
     contexts = _contexts(full, 16, batch=24) if full else [1, 16, 129, 300, 0, 257]

@@ -187,7 +187,6 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     d = tl.arange(0, HEAD_DIM)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     kv_head_off = kvh * stride_pool_head
-    offs_n = start + tl.arange(0, BLOCK_N)  # the range's first tile
     if NEW_KV:  # positions and slots are step inputs too, cos_sin a constant
         HALF: tl.constexpr = HEAD_DIM // 2
         pos = tl.load(pos_ptr + b).to(tl.int64)
@@ -195,6 +194,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
         sin = tl.load(cos_sin + pos * stride_cs + HALF + d % HALF)
         slot = tl.load(slot_ptr + b)
     if PREFETCH:  # earlier steps wrote these KV rows; the new one is patched in below
+        offs_n = start + tl.arange(0, BLOCK_N)  # the range's first tile
         k_first, v_first = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off,
                                         stride_pool_block, stride_pool_row, BLOCK_SIZE, True,
                                         end)
@@ -206,18 +206,14 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     h_mask = offs_h < G
     heads = kvh * G + offs_h
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    if not PREFETCH:
-        k_first, v_first = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off,
-                                        stride_pool_block, stride_pool_row, BLOCK_SIZE, True,
-                                        end)
     if NEW_KV:
         # Rounded to the activation dtype, as a separate RoPE kernel would store it.
         q = _rope_rows(q_ptrs, d, h_mask[:, None], cos, sin, HALF, HEAD_DIM)
         q = q.to(q_ptr.dtype.element_ty)
         # The new token is the row's last KV position: the split whose range holds it writes it
-        # (padding rows have slot -1) and puts it in its first tile if that holds it. The
-        # barrier makes the write visible to all the program's threads before they load the
-        # range's later tiles.
+        # (padding rows have slot -1), and puts it into a prefetched first tile that holds it.
+        # The barrier makes the write visible to all the program's threads before they load
+        # the tiles read after it.
         if (slot >= 0) & (start < ctx) & (end == ctx):
             k = to_cache(_rope_rows(k_new + b * stride_kb + kvh * stride_kh, d,
                                     d[None, :] < HEAD_DIM, cos, sin, HALF, HEAD_DIM), k_cache)
@@ -226,21 +222,28 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
                    + kvh * stride_pool_head + d)
             tl.store(k_cache + dst[None, :], k)
             tl.store(v_cache + dst, v)
-            new_row = (offs_n == ctx - 1)[:, None]
-            k_first = tl.where(new_row, k, k_first)
-            v_first = tl.where(new_row, v[None, :], v_first)
+            if PREFETCH:
+                new_row = (offs_n == ctx - 1)[:, None]
+                k_first = tl.where(new_row, k, k_first)
+                v_first = tl.where(new_row, v[None, :], v_first)
             tl.debug_barrier()
     else:
         q = tl.load(q_ptrs + d[None, :], mask=h_mask[:, None], other=0.0)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    if start < end:  # softmax_tile needs a visible key in its first tile
-        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k_first, v_first,
-                                     (offs_n < end)[None, :], qk_scale, True, DOT_PRECISION)
-    acc, l_i, m_i = attend_kv_tiles(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off,
-                                    start + BLOCK_N, end, d, qk_scale, stride_pool_block,
-                                    stride_pool_row, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, False)
+    if PREFETCH:
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        if start < end:  # softmax_tile needs a visible key in its first tile
+            acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k_first, v_first,
+                                         (offs_n < end)[None, :], qk_scale, True, DOT_PRECISION)
+        acc, l_i, m_i = attend_kv_tiles(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off,
+                                        start + BLOCK_N, end, d, qk_scale, stride_pool_block,
+                                        stride_pool_row, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
+                                        False)
+    else:  # every tile through the loop's pipeline (a peeled first tile costs wide launches)
+        acc, l_i, m_i = attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
+                                        qk_scale, stride_pool_block, stride_pool_row, BLOCK_N,
+                                        BLOCK_SIZE, DOT_PRECISION, False)
     finish_split(acc, l_i, m_i, out_ptr + b * stride_ob, stride_oh, heads, h_mask, d, b, kvh,
                  split, n_splits, part_out, part_lse, counters, stride_pb, stride_ph, stride_ps,
                  stride_lb, stride_lh, stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)

@@ -139,6 +139,15 @@ def _rope_rows(ptrs, d, mask, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constex
 
 
 @triton.jit
+def _new_row_inputs(pos_ptr, slot_ptr, cos_sin, b, stride_cs, d, HALF: tl.constexpr):
+    """Row b's RoPE cos and sin (over both halves of a head) and its new token's pool slot."""
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    cos = tl.load(cos_sin + pos * stride_cs + d % HALF)
+    sin = tl.load(cos_sin + pos * stride_cs + HALF + d % HALF)
+    return cos, sin, tl.load(slot_ptr + b)
+
+
+@triton.jit
 def _split_count(context_lens, ctx, batch, num_kv_heads, program_slots, max_splits,
                  BLOCK_B: tl.constexpr, MIN_TOKENS: tl.constexpr):
     """decode_splits' rule for a row of `ctx` tokens: programs of at most the batch's even share
@@ -187,13 +196,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     d = tl.arange(0, HEAD_DIM)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     kv_head_off = kvh * stride_pool_head
-    if NEW_KV:  # positions and slots are step inputs too, cos_sin a constant
-        HALF: tl.constexpr = HEAD_DIM // 2
-        pos = tl.load(pos_ptr + b).to(tl.int64)
-        cos = tl.load(cos_sin + pos * stride_cs + d % HALF)
-        sin = tl.load(cos_sin + pos * stride_cs + HALF + d % HALF)
-        slot = tl.load(slot_ptr + b)
-    if PREFETCH:  # earlier steps wrote these KV rows; the new one is patched in below
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if PREFETCH:  # positions and slots are step inputs too, cos_sin a constant; earlier steps
+        # wrote the first tile's KV rows, and the new one is patched in below
+        cos, sin, slot = _new_row_inputs(pos_ptr, slot_ptr, cos_sin, b, stride_cs, d, HALF)
         offs_n = start + tl.arange(0, BLOCK_N)  # the range's first tile
         k_first, v_first = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off,
                                         stride_pool_block, stride_pool_row, BLOCK_SIZE, True,
@@ -207,6 +213,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
     heads = kvh * G + offs_h
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     if NEW_KV:
+        if not PREFETCH:
+            cos, sin, slot = _new_row_inputs(pos_ptr, slot_ptr, cos_sin, b, stride_cs, d, HALF)
         # Rounded to the activation dtype, as a separate RoPE kernel would store it.
         q = _rope_rows(q_ptrs, d, h_mask[:, None], cos, sin, HALF, HEAD_DIM)
         q = q.to(q_ptr.dtype.element_ty)

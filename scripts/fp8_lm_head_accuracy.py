@@ -8,14 +8,12 @@ step's largest top-5 logprob change. About 10 minutes on 2 cores.
     python scripts/fp8_lm_head_accuracy.py
 """
 import json
-import sys
 
 import torch
 
-sys.path.insert(0, "tests")
-from fixtures import smollm2_gguf_path
 from liteinfer import LLM, SamplingParams
 from liteinfer.layers.quantization import fp8 as fp8mod
+from liteinfer.loader import smollm2_gguf_path
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
              "List the planets of the solar system in order from the sun, separated by commas.",

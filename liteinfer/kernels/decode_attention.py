@@ -14,10 +14,10 @@ Given this step's un-rotated key/value (`NewKV`), the kernel also does the work 
 RoPE + KV-write launch: every program rotates its query rows in registers, and the program whose
 range holds the row's last KV position rotates the new key and writes it and the value into the
 pool before it reads its tiles. That saves one launch per layer in every decode step. It also
-lets the kernel read what depends only on step inputs and earlier steps' KV (lengths, positions,
-the RoPE row and, in launches small enough, each program's first K/V tile) before it waits for
-the previous kernel (PDL), while that kernel finishes; the new row is put into the tile in
-registers.
+lets the kernel read what depends only on step inputs and earlier steps' KV before it waits for
+the previous kernel (PDL), while that kernel finishes: the lengths in every launch, and in
+launches small enough (`prefetches_first_tile`) the positions, the RoPE row and each program's
+first K/V tile, into which the new row is put in registers.
 """
 from __future__ import annotations
 

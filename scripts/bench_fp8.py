@@ -4,6 +4,7 @@ floors. Writes $OUT/bench-fp8.json (and prints each row), and the engine's bench
 benchmarks/results/'s format to $OUT/bench-fp8-rows.jsonl; about 4 minutes on one H200.
 
     python scripts/bench_fp8.py [--models llama-3.2-1b-instruct llama-3.1-8b-instruct]
+                                [--modes bf16 fp8 fp8-kv8]
                                 [--skip-engine] [--skip-kernels] [--sweep]
 
 --sweep also times the one-token projections (GEMV) of the 8B model at other weight-tile sizes
@@ -48,12 +49,12 @@ PROJECTIONS_8B = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 2867
 L2_BYTES = 256 << 20  # distinct operands per timed graph so that none stays in the 50 MB L2
 
 
-def engine_rows(model: str, results: Path | None) -> list[dict[str, Any]]:
+def engine_rows(model: str, results: Path | None, modes: list[str]) -> list[dict[str, Any]]:
     """One summary row per mode; with `results`, the bench rows themselves are appended there
     too, in benchmarks/results/'s format, for the report."""
     rows = []
-    for mode, args in MODES.items():
-        engine_args = engine_args_for("prompt-graphs", {"max_model_len": 1024, **args})
+    for mode in modes:
+        engine_args = engine_args_for("prompt-graphs", {"max_model_len": 1024, **MODES[mode]})
         llm = make_llm(model, engine_args)
         row = {"model": model, "mode": mode}
         lat = run_latency(llm, "prompt-graphs", SHAPE, 3, model, engine_args)
@@ -203,6 +204,7 @@ def attention_rows(rows: int, ctx: int = 384) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--sweep", action="store_true")
@@ -217,7 +219,8 @@ def main() -> None:
 
     if not args.skip_engine:
         results = Path(out, "bench-fp8-rows.jsonl") if out else None
-        report["engine"] = [row for model in args.models for row in engine_rows(model, results)]
+        report["engine"] = [row for model in args.models
+                            for row in engine_rows(model, results, args.modes)]
         save()
     if not args.skip_kernels:
         kernels = []

@@ -1,6 +1,7 @@
 """GPU microbenchmark of the liteinfer Triton kernels at the 1B Llama model's shapes
 (Hq=32, Hkv=8, D=64, hidden 2048, intermediate 8192, bf16, KV block size 16); `--head-dim 128`
-gives the attention kernels the 8B's heads (Hq=32, Hkv=8, D=128).
+gives the attention kernels the 8B's heads (Hq=32, Hkv=8, D=128), `--kv-dtype fp8` an e4m3 KV
+pool (kv_cache_dtype="fp8").
 
 Each kernel is first checked against a torch reference at the benchmarked shape, then timed
 with triton.testing.do_bench (median; L2 flushed between runs). Decode is also timed as a
@@ -15,7 +16,7 @@ decode sweep then times the engine's path alone (split policy, this step's K/V f
 
     python scripts/bench_kernels.py [--sweep] [--pool token-major] [--head-dim 128]
                                     [--only decode prefill elementwise]
-                                    [--decode-shapes 1x256 128x256 ...]
+                                    [--decode-shapes 1x256 128x256 ...] [--kv-dtype fp8]
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from liteinfer.attention import allocate_kv_pool
 from liteinfer.attention.torch_backend import gather_kv
+from liteinfer.kernels import FP8_DTYPE
 from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import decode_splits as splits
 from liteinfer.kernels import prefill_attention as pre
@@ -45,6 +47,8 @@ from liteinfer.kernels.prefill_tiles import PrefillTiles, prefill_tile_map, pref
 
 HQ, HKV, D, BLOCK_SIZE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192
 DTYPE = torch.bfloat16
+KV_DTYPES = {"bf16": DTYPE, "fp8": FP8_DTYPE}
+kv_dtype = DTYPE  # --kv-dtype: the KV pool's element type
 VOCAB = 128256
 PEAK_GBS = 4300.0  # measured H200 copy bandwidth
 SCALE = 1 / math.sqrt(D)
@@ -67,10 +71,12 @@ def check(out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
 
 
 def random_pool(num_blocks: int) -> torch.Tensor:
+    """Normal K or V values in a pool of kv_dtype (e4m3 has no random fill: cast from bf16)."""
+    values = torch.randn(num_blocks, BLOCK_SIZE, HKV, D, dtype=DTYPE, device=DEV)
     if pool_layout == "token-major":
-        return torch.randn(num_blocks, BLOCK_SIZE, HKV, D, dtype=DTYPE, device=DEV)
+        return values.to(kv_dtype)
     return allocate_kv_pool(num_blocks=num_blocks, block_size=BLOCK_SIZE, num_kv_heads=HKV,
-                            head_dim=D, dtype=DTYPE, device=DEV).normal_()
+                            head_dim=D, dtype=kv_dtype, device=DEV).copy_(values)
 
 
 def paged_pool(lens: list[int]):
@@ -108,7 +114,7 @@ def decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """fp32 attention of q [B, Hq, D] over each row's first lens[b] pool tokens."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b, ctx in enumerate(lens):
-        k, v = (gather_kv(c, tables[b:b + 1], ctx).transpose(1, 2).float()
+        k, v = (gather_kv(c, tables[b:b + 1], ctx, torch.float32).transpose(1, 2)
                 for c in (k_cache, v_cache))
         qg = q[b:b + 1].float().view(1, HKV, HQ // HKV, D)
         p = torch.einsum("bhgd,bhnd->bhgn", qg, k).mul_(SCALE).softmax(-1)
@@ -133,7 +139,7 @@ def bench_decode(rows: list[dict], num_sms: int, shapes=DECODE_SHAPES, label: st
         last = lens.long() - 1
         blocks = tables[torch.arange(batch, device=DEV), last // BLOCK_SIZE].long()
         slots = blocks * BLOCK_SIZE + last % BLOCK_SIZE
-        new_kv = dec.NewKV(k_cache[blocks, last % BLOCK_SIZE], v_cache[blocks, last % BLOCK_SIZE],
+        new_kv = dec.NewKV(*(c[blocks, last % BLOCK_SIZE].to(DTYPE) for c in (k_cache, v_cache)),
                            torch.zeros_like(last), slots, cos_sin_zero_rotation())
         widths = {1, policy, splits.max_splits_for(batch, HKV, num_sms, waves=4 * waves)}
         variants = [] if engine_only else [(m, None) for m in sorted(widths)]
@@ -172,9 +178,9 @@ def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "",
         # SDPA as the engine calls it (KV heads repeated up front), and varlen FlashAttention-2
         # on the packed projections with grouped heads as they are.
         q4 = q.view(nseq, length, HQ, D).transpose(1, 2)
-        k4, v4 = (gather_kv(c, tables, length).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
-                  for c in (k_cache, v_cache))
-        k, v = (gather_kv(c, tables, length).reshape(-1, HKV, D)
+        k4, v4 = (gather_kv(c, tables, length, DTYPE).transpose(1, 2)
+                  .repeat_interleave(HQ // HKV, 1) for c in (k_cache, v_cache))
+        k, v = (gather_kv(c, tables, length, DTYPE).reshape(-1, HKV, D)
                 for c in (k_cache, v_cache))
 
         def sdpa() -> torch.Tensor:
@@ -289,9 +295,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64, help="attention head size")
     parser.add_argument("--decode-shapes", nargs="+", metavar="BATCHxCTX",
                         help="decode shapes to time (and sweep) instead of the defaults")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                        help="element type of the KV pool")
     args = parser.parse_args()
-    global pool_layout, D, SCALE
-    pool_layout = args.pool
+    global pool_layout, kv_dtype, D, SCALE
+    pool_layout, kv_dtype = args.pool, KV_DTYPES[args.kv_dtype]
     D, SCALE = args.head_dim, 1 / math.sqrt(args.head_dim)
     decode_shapes = args.decode_shapes and [tuple(int(v) for v in shape.split("x"))
                                             for shape in args.decode_shapes]
@@ -307,12 +315,13 @@ def main() -> None:
     if args.sweep:
         sweep(rows, props.multi_processor_count, args.only or list(parts), decode_shapes)
     print_table(rows)
-    print(f"# {props.name}, {props.multi_processor_count} SMs, {pool_layout} pool, D={D}, "
-          f"{time.time() - start:.0f} s")
+    print(f"# {props.name}, {props.multi_processor_count} SMs, {pool_layout} {args.kv_dtype} "
+          f"pool, D={D}, {time.time() - start:.0f} s")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"kernels-{pool_layout}-d{D}.json"), "w") as f:
-            json.dump(dict(device=props.name, pool=pool_layout, head_dim=D, rows=rows), f,
-                      indent=1)
+        name = f"kernels-{pool_layout}-{args.kv_dtype}-d{D}.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
+            json.dump(dict(device=props.name, pool=pool_layout, kv_dtype=args.kv_dtype,
+                           head_dim=D, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

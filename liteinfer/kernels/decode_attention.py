@@ -48,6 +48,7 @@ from liteinfer.kernels.kv_cache import (
 
 LOG2E = math.log2(math.e)  # softmax runs in base 2 (exp2) with the scale folded in
 MERGE_TILE = 4096  # fp32 partial elements the merging program loads at once (32 per thread)
+FP16_MAX = tl.constexpr(torch.finfo(torch.float16).max)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,12 @@ def softmax_tile(acc, l_i, m_i, q, k, v, mask, qk_scale,
     visible key in its first tile so that m_i is finite from then on. The scale multiplies the
     row maxima and enters the exponent through one FMA a score, instead of a pass of its own
     over the raw scores; the rescaled accumulator is the second product's addend. Tiles of an
-    e4m3 pool are widened to q's dtype here, in registers."""
+    e4m3 pool are widened to q's dtype here, in registers; with bf16 q, to fp16 instead (and q
+    with them, clamped to fp16's range, exact within it): Hopper widens e4m3 pairs to fp16 in
+    one instruction and to bf16 in three, which made the conversion, not the halved bytes, set
+    the kernel's pace."""
+    if (k.dtype == tl.float8e4nv) & (q.dtype == tl.bfloat16):
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)

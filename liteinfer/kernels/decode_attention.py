@@ -58,13 +58,10 @@ class DecodeTiles:
     num_stages: int
 
 
-TILE_KEY_BYTES = 16384  # K bytes per tile (Hopper): several loads in flight per SM
-
-
-def decode_tiles(head_dim: int, block_size: int, kv_bytes: int) -> DecodeTiles:
-    """Tile choice for Hopper: TILE_KEY_BYTES of K per tile, so an e4m3 pool (kv_bytes 1) takes
-    twice a 16-bit pool's keys a tile and half its iterations for the same bytes."""
-    block_n = max(TILE_KEY_BYTES // (head_dim * kv_bytes), block_size)
+def decode_tiles(head_dim: int, block_size: int) -> DecodeTiles:
+    """Tile choice for Hopper: ~16 KiB of 16-bit K per tile keeps several loads in flight per
+    SM. An e4m3 pool keeps these key counts: twice the keys (the same bytes) measured slower."""
+    block_n = max(128 if head_dim <= 64 else 64, block_size)
     return DecodeTiles(block_n=block_n, num_warps=4, num_stages=3)
 
 
@@ -410,7 +407,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert block_tables.stride(-1) == 1 and 1 <= max_splits <= MAX_SPLITS_CAP
     assert k_cache.dtype in (q.dtype, FP8_DTYPE)
     group = num_q_heads // num_kv_heads
-    tiles = decode_tiles(head_dim, block_size, k_cache.element_size())
+    tiles = decode_tiles(head_dim, block_size)
     splits_given = num_splits is not None
     if max_splits > 1 and workspace is None:
         workspace = DecodeWorkspace.allocate(batch, num_q_heads, head_dim, max_splits, q.device)

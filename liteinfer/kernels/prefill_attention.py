@@ -177,14 +177,13 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     # Only the decoding rows (the first sequences) index the workspace, so no row count to check.
     split_args, merge_tiles = workspace_args(workspace, max_splits, 0, num_kv_heads, group, out,
                                              context_lens)
-    decode_block_n = decode_tiles(head_dim, block_size, k_cache.element_size()).block_n
     _prefill_kernel[(num_kv_heads, tile_map.shape[0])](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, tile_map, out,
         *split_args, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *pool,
         G=group, HEAD_DIM=head_dim, TILE_TOKENS=tile_tokens, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, DECODE_ROWS=query_rows(group),
-        DECODE_BLOCK_N=decode_block_n, SPLIT_BITS=DECODE_SPLIT_BITS,
+        DECODE_BLOCK_N=decode_tiles(head_dim, block_size).block_n, SPLIT_BITS=DECODE_SPLIT_BITS,
         **merge_tiles, DOT_PRECISION=dot_precision(q.dtype),
         LOOKAHEAD=with_decodes,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -9,9 +9,9 @@ CUDA-graph replay, which is how the engine runs it, at 1, the engine's and 4x th
 width, and with this step's RoPE + KV write fused in (`decode+newkv`, the engine's path). Prefill
 is also timed as a graph replay, and compared with torch's SDPA (the engine's path for a lone
 prompt with nothing cached) and with PyTorch's varlen FlashAttention-2 on the packed projections.
-Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>.json. `--sweep`
-additionally times alternative tile configurations, prefill also at the sizes of mixed steps'
-prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
+Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>-<kv dtype>-d<D>.json.
+`--sweep` additionally times alternative tile configurations, prefill also at the sizes of mixed
+steps' prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
 decode sweep then times the engine's path alone (split policy, this step's K/V fused in).
 
     python scripts/bench_kernels.py [--sweep] [--pool token-major] [--head-dim 128]

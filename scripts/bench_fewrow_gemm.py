@@ -20,6 +20,7 @@ import torch
 from bench_fp8 import COPY_BW, _copies, graph_us
 
 from liteinfer.attention import allocate_kv_pool
+from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_attention import paged_decode_attention
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
 from liteinfer.kernels.fewrow_gemm import FewRowTiles, fewrow_gemm, fewrow_tiles
@@ -33,11 +34,19 @@ PROJECTIONS = (("8b", "qkv", 4096, 6144), ("8b", "o", 4096, 4096), ("8b", "gate_
 
 
 def tiles_for(rows: int) -> list[FewRowTiles]:
-    """The grid at `rows`: row tiles of 16 (up to 16 rows), 64 and 128 (wgmma)."""
+    """The grid at `rows`: row tiles of 16 (up to 16 rows), 64 and 128 (wgmma); over 64 rows
+    the swapped kernel too, with 64 or 128 weight rows a tile, K cut among 1-4 programs."""
     block_ms = [m for m in (16, 64, 128) if m >= rows]
-    return [FewRowTiles(block_m=m, block_n=bn, block_k_bytes=bk, num_stages=st)
+    grid = [FewRowTiles(block_m=m, block_n=bn, block_k_bytes=bk, num_stages=st)
             for m, bn, (bk, st) in itertools.product(block_ms, (16, 32, 64),
                                                     ((256, 3), (256, 5), (512, 3)))]
+    if rows > 64:
+        grid += [FewRowTiles(block_m=128, block_n=bn, block_k_bytes=bk, num_stages=st,
+                             num_warps=bn // 16, swapped=True, splits=sp)
+                 for bn, (bk, st), sp in itertools.product(
+                     (64, 128), ((128, 4), (128, 5), (256, 3), (256, 4)), (1, 2, 4))
+                 if (bn + 128) * bk * st <= 200 << 10]
+    return grid
 
 
 def gemm_rows(rows: int, dtypes: list[str], quick: bool) -> list[dict[str, Any]]:
@@ -58,7 +67,8 @@ def gemm_rows(rows: int, dtypes: list[str], quick: bool) -> list[dict[str, Any]]
                        "us": us, "of_floor": floor / us}
                 if t is not None:
                     row.update(block_m=t.block_m, block_n=t.block_n,
-                               block_k_bytes=t.block_k_bytes, num_stages=t.num_stages)
+                               block_k_bytes=t.block_k_bytes, num_stages=t.num_stages,
+                               swapped=t.swapped, splits=t.splits)
                 out.append(row)
 
             if dtype == "fp8":
@@ -67,7 +77,7 @@ def gemm_rows(rows: int, dtypes: list[str], quick: bool) -> list[dict[str, Any]]
             else:
                 cublas = [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]
             record("cublas", graph_us(cublas))
-            rule = fewrow_tiles(rows, n, wbytes)
+            rule = fewrow_tiles(rows, n, k, wbytes, num_sms(dev))
             for t in [rule] if quick else [rule, *tiles_for(rows)]:
                 if t is None:
                     continue
@@ -89,7 +99,9 @@ def gemm_rows(rows: int, dtypes: list[str], quick: bool) -> list[dict[str, Any]]
             print(f"{model} {name:7s} rows {rows:3d} {dtype}: cublas {base['us']:7.1f} us "
                   f"({base['of_floor']:.2f})  best {best['impl']} {best['us']:7.1f} us "
                   f"({best['of_floor']:.2f}) {best.get('block_m')} {best.get('block_n')} "
-                  f"{best.get('block_k_bytes')} {best.get('num_stages')}", flush=True)
+                  f"{best.get('block_k_bytes')} {best.get('num_stages')} "
+                  f"{'swapped' if best.get('swapped') else ''} {best.get('splits', '')}",
+                  flush=True)
         del bf16, fp8
     return out
 

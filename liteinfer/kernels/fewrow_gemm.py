@@ -4,15 +4,22 @@ A decode step of a few sequences still reads every weight once and does little a
 cuBLAS(Lt)'s kernels for such shapes stream the weight well below the copy bandwidth: on the
 8B model's projections at 32 rows (H200), the e4m3 `torch._scaled_mm` reads 30-63% of the byte
 floor's rate (down 37.5 us against 13.9) and bf16 cuBLAS 62-91%
-(`benchmarks/experiments/fp8-kernels-8b-h200-2026-12-01-139f8e9.json`). Here each program owns
-BLOCK_N output features and streams their weight rows through Triton's software pipeline in
-BLOCK_K-wide tiles; the few input rows (padded to BLOCK_M >= 16 for tl.dot) come from L2 with
-each tile. e4m3 operands (the weight and the activation quantized per token by the norm or
-SwiGLU that produced it) multiply on the tensor cores with fp32 accumulation, so no thread
-widens an e4m3 element; their per-token and per-channel scales multiply the fp32 tile. The
-residual add of an output projection is the epilogue.
+(`benchmarks/experiments/fp8-kernels-8b-h200-2026-12-01-139f8e9.json`). e4m3 operands (the
+weight and the activation quantized per token by the norm or SwiGLU that produced it) multiply
+on the tensor cores with fp32 accumulation, so no thread widens an e4m3 element; their
+per-token and per-channel scales multiply the fp32 tile. The residual add of an output
+projection is the epilogue. Two kernels, by the number of rows:
 
-On Hopper and later the kernel is a programmatic dependent launch, as the GEMV kernel is.
+- up to 64 rows, `_fewrow_gemm_kernel`: each program owns BLOCK_N output features and streams
+  their weight rows through Triton's software pipeline in BLOCK_K-wide tiles; the few input rows
+  (padded to BLOCK_M >= 16 for tl.dot) come from L2 with each tile and are the MMA's M side.
+- 65-128 rows, `_fewrow_gemm_swapped_kernel`: y^T = W x^T, so 64 weight rows are wgmma's M side
+  and the 128 input rows its N (m64n128 instead of m64n32-64: a third fewer bytes of the input
+  reread from L2 per weight byte at the same grid), both operands by TMA. Where a projection has
+  too few tiles to fill the GPU and long rows (a down projection), K is cut among 2-4 programs a
+  tile whose fp32 partials the last to arrive sums in a fixed order.
+
+On Hopper and later both are programmatic dependent launches, as the GEMV kernel is.
 """
 from __future__ import annotations
 
@@ -21,20 +28,29 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from liteinfer.kernels import dot_precision, supports_pdl
+from liteinfer.kernels import dot_precision, num_sms, supports_pdl
 
-# Rows the kernel takes: its input rows are one tile (BLOCK_M) held in registers.
+# Rows the kernels take: their input rows are one tile (BLOCK_M) of wgmma operands.
 FEWROW_MAX_ROWS = 128
+# From this many rows the weight is the MMA's row operand (the swapped kernel below).
+SWAPPED_MIN_ROWS = 65
 # Programs (BLOCK_N features each) a projection is cut into at least, and the count past which a
-# shallower pipeline pays (two programs an SM); past it, 65-128 rows go to cuBLAS. H200 sweeps
-# of e4m3 tiles (row tiles of 16, 64 and 128, three widths, two depths, two K widths) at 4-128
-# rows over the 1B and 8B projections (scripts/bench_fewrow_gemm.py,
-# benchmarks/experiments/fewrow-gemm-h200-2026-12-02-*.json): the rule below picks the second
-# sweep's best tile for every projection at every row count (a row tile of 64 on wgmma beats one
-# of 16 on mma even at 4 rows: 8B, 16 rows, 66.6 us a layer against 73.3).
+# shallower pipeline pays (two programs an SM). H200 sweeps of e4m3 tiles (row tiles of 16, 64
+# and 128, three widths, two depths, two K widths) at 4-64 rows over the 1B and 8B projections
+# (scripts/bench_fewrow_gemm.py, benchmarks/experiments/fewrow-gemm-h200-2026-12-02-*.json): the
+# rule below picks the second sweep's best tile for every projection at every row count (a row
+# tile of 64 on wgmma beats one of 16 on mma even at 4 rows: 8B, 16 rows, 66.6 us a layer
+# against 73.3).
 MIN_PROGRAMS = 96
 MANY_PROGRAMS = 192
+# The swapped kernel's K range a program keeps at least when K is cut among programs, and its
+# tile: 64 weight rows (one warpgroup's m64) by 256 bytes of K, four stages
+# (scripts/bench_fewrow_swap.py, benchmarks/experiments/fewrow-swap-*.json).
+SPLIT_MIN_K = 4096
+SWAPPED_BLOCK_N = 64
+SWAPPED_BLOCK_K_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -44,20 +60,40 @@ class FewRowTiles:
     block_k_bytes: int  # per weight row and tile: 256 bytes = 256 e4m3 or 128 bf16 elements
     num_stages: int
     num_warps: int = 4
+    swapped: bool = False  # y^T = W x^T: the weight tile is the MMA's M side, loaded by TMA
+    splits: int = 1  # programs a tile's K range is cut among (swapped only)
 
 
-def fewrow_tiles(rows: int, n: int, itemsize: int) -> FewRowTiles | None:
-    """The tile for `rows` rows of a projection with n output features and weights of
-    `itemsize` bytes, or None where cuBLAS is as fast: in bf16 (within a few percent either
-    way at 4-64 rows, in the same sweep), and for a wide projection (gate/up) at over 64 rows."""
+def fewrow_tiles(rows: int, n: int, k: int, itemsize: int, sms: int) -> FewRowTiles | None:
+    """The tile for `rows` rows of a projection [n, k] with weights of `itemsize` bytes on a GPU
+    of `sms` SMs, or None where cuBLAS is as fast: in bf16 (within a few percent either way at
+    4-64 rows, in the same sweep)."""
     if itemsize != 1 or rows > FEWROW_MAX_ROWS:
         return None
+    if rows >= SWAPPED_MIN_ROWS and k * itemsize % 16 == 0:  # TMA's row alignment
+        tiles = triton.cdiv(n, SWAPPED_BLOCK_N)
+        splits = max(s for s in (1, 2, 4) if s == 1 or (tiles * s <= sms and k // s >= SPLIT_MIN_K))
+        return FewRowTiles(block_m=128, block_n=SWAPPED_BLOCK_N,
+                           block_k_bytes=SWAPPED_BLOCK_K_BYTES, num_stages=4, swapped=True,
+                           splits=splits)
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= MIN_PROGRAMS), 16)
     many = triton.cdiv(n, block_n) >= MANY_PROGRAMS
-    if rows > 64 and many:
-        return None
     return FewRowTiles(block_m=64 if rows <= 64 else 128, block_n=block_n, block_k_bytes=256,
                        num_stages=3 if many or (rows > 64 and block_n == 64) else 5)
+
+
+@triton.jit
+def _scale_add_store(acc, out_ptrs, mask, x_scale, w_scale, SCALED: tl.constexpr,
+                     ADD: tl.constexpr):
+    """The epilogue of both kernels: acc times the per-token and per-channel scales (each
+    already broadcast to acc's shape), then residual + (that rounded), as a separate add sees
+    it, or just that, stored in the output's dtype."""
+    if SCALED:
+        acc = acc * x_scale * w_scale
+    dtype = out_ptrs.dtype.element_ty
+    if ADD:
+        acc = acc.to(dtype).to(tl.float32) + tl.load(out_ptrs, mask=mask).to(tl.float32)
+    tl.store(out_ptrs, acc.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -90,16 +126,83 @@ def _fewrow_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    x_scale = None
+    w_scale = None
     if SCALED:
-        x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
-        w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
-        acc = acc * x_scale[:, None] * w_scale[None, :]
-    dtype = out_ptr.dtype.element_ty
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if ADD:  # residual + (x W^T rounded), as a separate add sees it
-        acc = acc.to(dtype).to(tl.float32) + tl.load(out_ptrs, mask=mask).to(tl.float32)
-    tl.store(out_ptrs, acc.to(dtype), mask=mask)
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+        w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    _scale_add_store(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                     m_mask[:, None] & n_mask[None, :], x_scale, w_scale, SCALED, ADD)
+
+
+@triton.jit
+def _fewrow_gemm_swapped_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, out_ptr, part_ptr,
+                                count_ptr, M, N, K, stride_om,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+                                NUM_STAGES: tl.constexpr, SCALED: tl.constexpr,
+                                ADD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                USE_PDL: tl.constexpr):
+    # The splits of a tile are launch neighbours, so their partials meet in L2.
+    tile = tl.program_id(0) // SPLITS
+    split = tl.program_id(0) % SPLITS
+    chunks = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS)
+    n0 = tile * BLOCK_N
+    k0 = split * chunks * BLOCK_K
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for c in tl.range(0, chunks, num_stages=NUM_STAGES):
+        # TMA reads past K or N (a last split's tail, a last tile's rows) as zeros.
+        w = w_desc.load([n0, k0 + c * BLOCK_K])
+        x = x_desc.load([0, k0 + c * BLOCK_K])
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLITS > 1:
+        # Each split stores its fp32 partial in a slot of its own; the last to arrive sums the
+        # slots in split order (the same result whatever the arrival order) and writes y. The
+        # CTA barrier orders every thread's stores before the counter's release.
+        parts = part_ptr + offs_n[:, None] * BLOCK_M + offs_m[None, :]
+        tl.store(parts + split * N * BLOCK_M, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived < SPLITS - 1:
+            return
+        tl.store(count_ptr + tile, 0)  # for the next launch, which waits for this one to end
+        acc = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(parts + s * N * BLOCK_M, mask=mask, other=0.0, cache_modifier=".cg")
+    x_scale = None
+    w_scale = None
+    if SCALED:
+        w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+    _scale_add_store(acc, out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], mask,
+                     x_scale, w_scale, SCALED, ADD)
+
+
+# (device, N, splits) -> fp32 partials [splits, N, 128] and int32 arrival counters, one a tile,
+# zero between launches. Made by a projection's first split launch, which precedes graph
+# capture (the runners run every captured step once eagerly first); launches that share them are
+# stream-ordered, and under PDL each waits for the one before to end before it touches them.
+_SPLIT_WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_workspace(device: torch.device, n: int, splits: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device, n, splits)
+    if key not in _SPLIT_WORKSPACES:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "a split projection's first launch must come before graph capture"
+        _SPLIT_WORKSPACES[key] = (
+            torch.empty(splits, n, FEWROW_MAX_ROWS, dtype=torch.float32, device=device),
+            torch.zeros(triton.cdiv(n, SWAPPED_BLOCK_N), dtype=torch.int32, device=device))
+    return _SPLIT_WORKSPACES[key]
 
 
 def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor | None = None,
@@ -126,15 +229,32 @@ def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor 
         out = residual
     else:
         out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
-    tiles = tiles or fewrow_tiles(rows, n, weight.element_size())
+    tiles = tiles or fewrow_tiles(rows, n, k, weight.element_size(), num_sms(x.device))
     assert tiles is not None and rows <= tiles.block_m
     block_k = tiles.block_k_bytes // weight.element_size()
     pdl = supports_pdl(x.device)
-    _fewrow_gemm_kernel[(triton.cdiv(n, tiles.block_n),)](
-        x, weight, x_scale if scaled else x, weight_scale if scaled else x, out, rows, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, SCALED=scaled, ADD=residual is not None,
+    if not tiles.swapped:
+        _fewrow_gemm_kernel[(triton.cdiv(n, tiles.block_n),)](
+            x, weight, x_scale if scaled else x, weight_scale if scaled else x, out, rows, n, k,
+            x.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0, SCALED=scaled, ADD=residual is not None,
+            DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
+        return out
+    # TMA needs 16-byte aligned rows; descriptors are host objects, captured as kernel arguments.
+    assert all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+               for t in (x, weight))
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [tiles.block_m, block_k])
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
+                              [tiles.block_n, block_k])
+    parts, counts = (_split_workspace(x.device, n, tiles.splits) if tiles.splits > 1
+                     else (out, out))
+    _fewrow_gemm_swapped_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
+        x_desc, w_desc, x_scale if scaled else x, weight_scale if scaled else x, out, parts,
+        counts, rows, n, k, out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLITS=tiles.splits,
+        NUM_STAGES=tiles.num_stages, SCALED=scaled, ADD=residual is not None,
         DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
+        num_warps=tiles.num_warps, launch_pdl=pdl)
     return out

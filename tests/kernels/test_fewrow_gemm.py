@@ -1,5 +1,6 @@
-"""The few-row GEMM vs float64 references: e4m3 operands with per-token and per-channel scales,
-model-dtype operands, the residual epilogue, and every row tile the engine's rule picks."""
+"""The few-row GEMMs vs float64 references: e4m3 operands with per-token and per-channel scales,
+model-dtype operands, the residual epilogue, and every tile the engine's rule picks (both
+kernels, K cut among programs or not)."""
 import pytest
 import torch
 
@@ -9,7 +10,8 @@ from liteinfer.layers.quantization.fp8 import quantize_per_token, quantize_weigh
 # (in features, out features): the 8B model's projections on the GPU (a K that is not a multiple
 # of the tile, an N that is not of BLOCK_N, too), small ones interpreted.
 GPU_SHAPES = [(4096, 6144), (4096, 4096), (14336, 4096), (4096, 28672), (2000, 1000)]
-CPU_SHAPES = [(300, 37), (512, 96)]
+CPU_SHAPES = [(300, 37), (512, 96), (1040, 72)]
+SMS = {"cpu": 8, "cuda": 132}  # the H200's, whatever the GPU: its split rule is the one checked
 GPU_ROWS = [2, 5, 16, 17, 32, 64, 65, 100, 128]
 CPU_ROWS = [3, 16, 20, 70]
 
@@ -26,31 +28,38 @@ def _cases(full: bool):
     return [(m, k, n) for k, n in shapes for m in rows]
 
 
-def _tiles(rows: int, n: int) -> FewRowTiles:
-    """The engine's tile where it has one, else one of the 65-128-row tiles it never picks for
-    such a wide projection, so that every row tile is checked on every shape."""
-    return fewrow_tiles(rows, n, 1) or FewRowTiles(block_m=128, block_n=64, block_k_bytes=256,
-                                                   num_stages=3)
+def _tiles(rows: int, k: int, n: int, device: str) -> list[FewRowTiles]:
+    """The engine's tile, and at 65-128 rows the swapped kernel with K cut in two too, wherever
+    the shape allows it (the rule splits only long rows of a narrow projection)."""
+    rule = fewrow_tiles(rows, n, k, 1, SMS[device])
+    tiles = [rule]
+    if rule.swapped and rule.splits == 1 and k >= 512:
+        tiles.append(FewRowTiles(block_m=128, block_n=64, block_k_bytes=256 if device == "cuda"
+                                 else 128, num_stages=4, swapped=True, splits=2))
+    return tiles
 
 
 def test_e4m3(assert_close, device, full):
     for rows, k, n in _cases(full):
         x, weight, scale, ref = _e4m3_inputs(rows, k, n, device)
-        out = fewrow_gemm(x.data, weight, x_scale=x.scale, weight_scale=scale,
-                          out_dtype=torch.bfloat16, tiles=_tiles(rows, n))
-        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-        assert_close(out, ref)
+        for tiles in _tiles(rows, k, n, device):
+            for _ in range(2):  # a split launch leaves its arrival counters at zero
+                out = fewrow_gemm(x.data, weight, x_scale=x.scale, weight_scale=scale,
+                                  out_dtype=torch.bfloat16, tiles=tiles)
+                assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+                assert_close(out, ref)
 
 
 def test_e4m3_adds_to_the_residual(assert_close, device, full):
     """An output projection: residual + (x W^T rounded to bf16), in place."""
     for rows, k, n in _cases(full):
         x, weight, scale, ref = _e4m3_inputs(rows, k, n, device)
-        residual = torch.randn(rows, n, dtype=torch.bfloat16, device=device)
-        before = residual.clone()
-        assert fewrow_gemm(x.data, weight, x_scale=x.scale, weight_scale=scale,
-                           residual=residual, tiles=_tiles(rows, n)) is residual
-        assert_close(residual, before.double() + ref.to(torch.bfloat16).double())
+        for tiles in _tiles(rows, k, n, device):
+            residual = torch.randn(rows, n, dtype=torch.bfloat16, device=device)
+            before = residual.clone()
+            assert fewrow_gemm(x.data, weight, x_scale=x.scale, weight_scale=scale,
+                               residual=residual, tiles=tiles) is residual
+            assert_close(residual, before.double() + ref.to(torch.bfloat16).double())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -58,19 +67,30 @@ def test_model_dtype(assert_close, device, full, needs_dot, dtype):
     needs_dot(dtype)
     tiles = [FewRowTiles(block_m=m, block_n=32, block_k_bytes=256, num_stages=3)
              for m in (16, 64, 128)]
+    swapped = [FewRowTiles(block_m=128, block_n=64, block_k_bytes=256, num_stages=3,
+                           swapped=True, splits=s) for s in (1, 2)]
     for rows, k, n in _cases(full):
         x = torch.randn(rows, k, dtype=dtype, device=device)
         weight = torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
-        tile = next(t for t in tiles if t.block_m >= rows)
-        assert_close(fewrow_gemm(x, weight, tiles=tile), x.double() @ weight.double().T)
+        ref = x.double() @ weight.double().T
+        assert_close(fewrow_gemm(x, weight, tiles=next(t for t in tiles if t.block_m >= rows)),
+                     ref)
+        if rows > 64 and k * x.element_size() % 16 == 0:
+            for tile in swapped:
+                assert_close(fewrow_gemm(x, weight, tiles=tile), ref)
 
 
 def test_tile_rule():
-    """e4m3 only, up to FEWROW_MAX_ROWS; wide projections leave 65-128 rows to cuBLAS; each
-    tile holds its rows and cuts the projection into at least 64 programs."""
-    assert fewrow_tiles(32, 4096, 2) is None and fewrow_tiles(FEWROW_MAX_ROWS + 1, 4096, 1) is None
-    assert fewrow_tiles(128, 28672, 1) is None and fewrow_tiles(64, 28672, 1) is not None
+    """e4m3 only, up to FEWROW_MAX_ROWS; each tile holds its rows and cuts the projection into
+    at least 32 programs; 65-128 rows take the swapped kernel, which cuts K only for long rows
+    of a narrow projection (the 8B's down in two, the 1B's in two), and never past the SMs."""
+    assert fewrow_tiles(32, 4096, 4096, 2, 132) is None
+    assert fewrow_tiles(FEWROW_MAX_ROWS + 1, 4096, 4096, 1, 132) is None
     for rows in (2, 16, 17, 64, 65, 128):
-        for n in (2048, 3072, 4096, 6144):
-            tiles = fewrow_tiles(rows, n, 1)
-            assert tiles.block_m >= rows and -(-n // tiles.block_n) >= 64
+        for n, k in ((2048, 8192), (3072, 2048), (4096, 14336), (6144, 4096), (28672, 4096)):
+            tiles = fewrow_tiles(rows, n, k, 1, 132)
+            assert tiles.block_m >= rows and tiles.swapped == (rows > 64)
+            programs = -(-n // tiles.block_n) * tiles.splits
+            assert programs >= 32 and (tiles.splits == 1 or programs <= 132)
+    assert [fewrow_tiles(128, n, k, 1, 132).splits
+            for n, k in ((4096, 14336), (2048, 8192), (4096, 4096), (28672, 4096))] == [2, 2, 1, 1]

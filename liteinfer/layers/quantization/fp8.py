@@ -152,8 +152,10 @@ class Fp8LinearMethod(LinearMethod):
             y = nn.functional.linear(dequantize(x, self.out_dtype), layer.weight)
         else:
             if self.use_triton:
+                from liteinfer.kernels import num_sms
                 from liteinfer.kernels.fewrow_gemm import fewrow_gemm, fewrow_tiles
-                tiles = fewrow_tiles(x.data.shape[0], layer.weight.shape[0], 1)
+                n, k = layer.weight.shape
+                tiles = fewrow_tiles(x.data.shape[0], n, k, 1, num_sms(x.data.device))
                 if tiles is not None:
                     return fewrow_gemm(x.data, layer.weight, x_scale=x.scale,
                                        weight_scale=layer.weight_scale, residual=residual,

@@ -1,6 +1,8 @@
 """The few-row GEMMs vs float64 references: e4m3 operands with per-token and per-channel scales,
 model-dtype operands, the residual epilogue, and every tile the engine's rule picks (both
 kernels, K cut among programs or not)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -29,13 +31,17 @@ def _cases(full: bool):
 
 
 def _tiles(rows: int, k: int, n: int, device: str) -> list[FewRowTiles]:
-    """The engine's tile, and at 65-128 rows the swapped kernel with K cut in two too, wherever
-    the shape allows it (the rule splits only long rows of a narrow projection)."""
-    rule = fewrow_tiles(rows, n, k, 1, SMS[device])
-    tiles = [rule]
-    if rule.swapped and rule.splits == 1 and k >= 512:
-        tiles.append(FewRowTiles(block_m=128, block_n=64, block_k_bytes=256 if device == "cuda"
-                                 else 128, num_stages=4, swapped=True, splits=2))
+    """The engine's tile where it has one, else (over 64 rows: a wide projection, which cuBLAS
+    takes, or rows too short for TMA) the swapped kernel's or the other's; at 65-128 rows the
+    swapped kernel with K cut in two too, wherever the shape allows it (the rule splits only
+    long rows of a narrow projection)."""
+    swapped = FewRowTiles(block_m=128, block_n=64, block_k_bytes=256 if device == "cuda"
+                          else 128, num_stages=4, swapped=True)
+    fallback = swapped if k % 16 == 0 else FewRowTiles(block_m=128, block_n=64,
+                                                        block_k_bytes=256, num_stages=3)
+    tiles = [fewrow_tiles(rows, n, k, 1, SMS[device]) or fallback]
+    if tiles[0].swapped and tiles[0].splits == 1 and k >= 512:
+        tiles.append(replace(swapped, splits=2))
     return tiles
 
 
@@ -81,16 +87,19 @@ def test_model_dtype(assert_close, device, full, needs_dot, dtype):
 
 
 def test_tile_rule():
-    """e4m3 only, up to FEWROW_MAX_ROWS; each tile holds its rows and cuts the projection into
-    at least 32 programs; 65-128 rows take the swapped kernel, which cuts K only for long rows
-    of a narrow projection (the 8B's down in two, the 1B's in two), and never past the SMs."""
+    """e4m3 only, up to FEWROW_MAX_ROWS; wide projections (gate/up) leave 65-128 rows to
+    cuBLAS; each tile holds its rows and cuts the projection into at least 32 programs; 65-128
+    rows take the swapped kernel, which cuts K only for long rows of a narrow projection (the
+    8B's down in two, the 1B's in two), and never past the SMs."""
     assert fewrow_tiles(32, 4096, 4096, 2, 132) is None
     assert fewrow_tiles(FEWROW_MAX_ROWS + 1, 4096, 4096, 1, 132) is None
+    assert fewrow_tiles(128, 28672, 4096, 1, 132) is None
+    assert fewrow_tiles(64, 28672, 4096, 1, 132) is not None
     for rows in (2, 16, 17, 64, 65, 128):
-        for n, k in ((2048, 8192), (3072, 2048), (4096, 14336), (6144, 4096), (28672, 4096)):
+        for n, k in ((2048, 8192), (3072, 2048), (4096, 14336), (6144, 4096)):
             tiles = fewrow_tiles(rows, n, k, 1, 132)
             assert tiles.block_m >= rows and tiles.swapped == (rows > 64)
             programs = -(-n // tiles.block_n) * tiles.splits
             assert programs >= 32 and (tiles.splits == 1 or programs <= 132)
     assert [fewrow_tiles(128, n, k, 1, 132).splits
-            for n, k in ((4096, 14336), (2048, 8192), (4096, 4096), (28672, 4096))] == [2, 2, 1, 1]
+            for n, k in ((4096, 14336), (2048, 8192), (4096, 4096), (6144, 4096))] == [2, 2, 1, 1]

@@ -1,6 +1,7 @@
 """Small helpers shared by the engine's modules."""
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import select
@@ -78,8 +79,25 @@ def ragged_index(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return group, np.arange(len(group)) - (np.cumsum(counts) - counts)[group]
 
 
+def freeze_heap() -> None:
+    """Puts every object alive now (the model, the engine, the imported libraries) beyond the
+    cyclic garbage collector's full collections, which a long run of steps triggers and which
+    would otherwise walk all of them with the step loop stopped (61 ms over the ~230k objects of
+    an engine serving SmolLM2 on a 2-core CPU), the GPU idle behind it. Garbage that an earlier
+    call froze (a dropped engine's reference cycles) is collected first."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+# The interpreter's last collection, at exit, sees frozen objects only once they are unfrozen.
+atexit.register(gc.unfreeze)
+
+
 def free_device_memory() -> None:
-    """Returns memory of objects just dropped (a model, a KV pool) to the device."""
+    """Returns memory of objects just dropped (a model, a KV pool) to the device, frozen ones
+    (`freeze_heap`) included."""
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -35,6 +35,7 @@ from liteinfer.structured_output.manager import (
     GrammarWorkerDied,
     StructuredOutputManager,
 )
+from liteinfer.utils import freeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ class EngineCore:
             config.max_num_seqs)
         # Constrained requests whose grammar is still compiling; queued once it is ready.
         self.compiling: list[Sequence] = []
+        freeze_heap()
 
     @property
     def info(self) -> EngineCoreInfo:

@@ -14,10 +14,10 @@ projection is the epilogue. Two kernels, by the number of rows:
   their weight rows through Triton's software pipeline in BLOCK_K-wide tiles; the few input rows
   (padded to BLOCK_M >= 16 for tl.dot) come from L2 with each tile and are the MMA's M side.
 - 65-128 rows, `_fewrow_gemm_swapped_kernel`: y^T = W x^T, so 64 weight rows are wgmma's M side
-  and the 128 input rows its N (m64n128 instead of m64n32-64: a third fewer bytes of the input
-  reread from L2 per weight byte at the same grid), both operands by TMA. Where a projection has
-  too few tiles to fill the GPU and long rows (a down projection), K is cut among 2-4 programs a
-  tile whose fp32 partials the last to arrive sums in a fixed order.
+  and the 128 input rows its N (m64n128 instead of m64n32-64), both operands by TMA (8B, 128
+  rows, H200: qkv 12.3 -> 10.3 us, o 9.9 -> 8.6). Where a projection has too few tiles to fill
+  the GPU and long rows (a down projection), K is cut among 2-4 programs a tile whose fp32
+  partials the last to arrive sums in a fixed order (8B down 25.5 -> 21.7 us in two).
 
 On Hopper and later both are programmatic dependent launches, as the GEMV kernel is.
 """
@@ -46,8 +46,10 @@ SWAPPED_MIN_ROWS = 65
 MIN_PROGRAMS = 96
 MANY_PROGRAMS = 192
 # The swapped kernel's K range a program keeps at least when K is cut among programs, and its
-# tile: 64 weight rows (one warpgroup's m64) by 256 bytes of K, four stages
-# (scripts/bench_fewrow_swap.py, benchmarks/experiments/fewrow-swap-*.json).
+# tile: 64 weight rows (one warpgroup's m64) by 256 bytes of K, four stages. The best of 9 tiles
+# x 1-4 splits x TMA or pointer loads over the 1B and 8B projections at 128 rows
+# (benchmarks/experiments/fewrow-swap-h100-2026-12-05-9af365e.json, an H100; the H200's figures:
+# fewrow-swapped-h200-2026-12-05.json; scripts/bench_fewrow_gemm.py sweeps these tiles).
 SPLIT_MIN_K = 4096
 SWAPPED_BLOCK_N = 64
 SWAPPED_BLOCK_K_BYTES = 256

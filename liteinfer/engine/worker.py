@@ -32,7 +32,7 @@ from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed
 from liteinfer.loader import load_model_source
 from liteinfer.sampling_params import SamplingParams
-from liteinfer.utils import free_port
+from liteinfer.utils import free_port, freeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +173,7 @@ def run_worker(rank: int, init_method: str, model: str, config: EngineConfig, lo
     torch.manual_seed(config.seed)
     runner = ModelRunner(ModelConfig.from_hf(source.hf_config), config, source,
                          source.load_format, max_model_len, eos_token_ids, rank)
+    freeze_heap()
     Worker(runner).serve(conn)
 
 

@@ -58,7 +58,7 @@ from liteinfer.entrypoints.openai.protocol import (
 from liteinfer.entrypoints.openai.structured import ToolCalls
 from liteinfer.loader.overrides import ModelOverrides
 from liteinfer.outputs import Logprob, RequestOutput
-from liteinfer.utils import model_label
+from liteinfer.utils import freeze_heap, model_label
 
 Chunk = dict[str, Any]
 Body = TypeVar("Body", bound=BaseModel)
@@ -434,6 +434,7 @@ def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None)
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         await engine.start()
+        freeze_heap()  # the tokenizer and the app, as the engine core freezes its own heap
         try:
             yield
         finally:

@@ -73,14 +73,14 @@ def fewrow_tiles(rows: int, n: int, k: int, itemsize: int, sms: int) -> FewRowTi
     128 rows: the 8B's gate/up 39.5 us in cuBLASLt, 41.3 swapped)."""
     if itemsize != 1 or rows > FEWROW_MAX_ROWS:
         return None
-    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= MIN_PROGRAMS), 16)
-    many = triton.cdiv(n, block_n) >= MANY_PROGRAMS
     if rows < SWAPPED_MIN_ROWS:
+        block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= MIN_PROGRAMS), 16)
+        many = triton.cdiv(n, block_n) >= MANY_PROGRAMS
         return FewRowTiles(block_m=64, block_n=block_n, block_k_bytes=256,
                            num_stages=3 if many else 5)
-    if many or k * itemsize % 16:  # (TMA needs 16-byte aligned rows)
-        return None
     tiles = triton.cdiv(n, SWAPPED_BLOCK_N)
+    if tiles >= MANY_PROGRAMS or k * itemsize % 16:  # (TMA needs 16-byte aligned rows)
+        return None
     splits = max(s for s in (1, 2, 4) if s == 1 or (tiles * s <= sms and k // s >= SPLIT_MIN_K))
     return FewRowTiles(block_m=128, block_n=SWAPPED_BLOCK_N, block_k_bytes=SWAPPED_BLOCK_K_BYTES,
                        num_stages=4, swapped=True, splits=splits)

@@ -31,7 +31,8 @@ once. On the 8B's shorter rows (4,096) the whole-row kernel stays faster.
 On Hopper and later both kernels are programmatic dependent launches: launched while the
 previous kernel in the stream finishes, they wait for it before reading any activation and let
 the next kernel launch early in turn; the whole-row kernel loads its weight tile (never written
-by a step) before it waits.
+by a step) before it waits, and the chunked kernel puts the start of its rows in flight into L2
+(prefetch.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import triton
 import triton.language as tl
 
 from liteinfer.kernels import supports_pdl
+from liteinfer.kernels.prefetch import prefetch_lines, prefetch_weight
 
 # Weight bytes a program loads: 8k bf16 or 16k e4m3 elements. The H200 sweeps (bench_gemv.py,
 # the 1B model in bf16; bench_fp8.py --sweep, the 8B in both) found 8-32 KiB within a few
@@ -137,9 +139,14 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride
 def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                          ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     offs, n_mask, k, w_rows = _program_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
     if USE_PDL:
+        if PREFETCH_LINES > 0:  # the start of the program's rows, gate and up
+            prefetch_weight(w_ptr, offs, N, 0, K, stride_wn, PREFETCH_LINES)
+            if GATED:
+                prefetch_weight(w_ptr + N * stride_wn, offs, N, 0, K, stride_wn,
+                                PREFETCH_LINES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     inv_rms = 1.0
@@ -201,9 +208,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     itemsize = weight.element_size()
     if in_features > CHUNKED_MIN_K:
         block_n, block_k, num_warps, num_stages = CHUNKED_TILE
+        lines = prefetch_lines(weight.shape[0], in_features * itemsize, x.device) if pdl else 0
         _gemv_chunked_kernel[(triton.cdiv(n, block_n),)](
-            *args, BLOCK_N=block_n, BLOCK_K=block_k, **flags, num_warps=num_warps,
-            num_stages=num_stages, launch_pdl=pdl)
+            *args, BLOCK_N=block_n, BLOCK_K=block_k, **flags, PREFETCH_LINES=lines,
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
         return out
     block_k = triton.next_power_of_2(in_features)
     block_n = max(1, TILE_BYTES // (itemsize * (1 + gated) * block_k))

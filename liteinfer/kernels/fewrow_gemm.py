@@ -19,8 +19,7 @@ projection is the epilogue. Two kernels, by the number of rows:
   the GPU and long rows (a down projection), K is cut among 2-4 programs a tile whose fp32
   partials the last to arrive sums in a fixed order (8B down 25.5 -> 21.7 us in two).
 
-On Hopper and later both are programmatic dependent launches, as the GEMV kernel is, and each
-program puts the start of its weight range in flight into L2 before it waits (prefetch.py).
+On Hopper and later both are programmatic dependent launches, as the GEMV kernel is.
 """
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from liteinfer.kernels import dot_precision, num_sms, supports_pdl
-from liteinfer.kernels.prefetch import prefetch_lines, prefetch_weight
 
 # Rows the kernels take: their input rows are one tile (BLOCK_M) of wgmma operands.
 FEWROW_MAX_ROWS = 128
@@ -107,8 +105,7 @@ def _fewrow_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K
                         stride_xm, stride_wn, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, SCALED: tl.constexpr, ADD: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-                        PREFETCH_LINES: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -116,9 +113,7 @@ def _fewrow_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K
     m_mask = offs_m < M
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if USE_PDL:  # the input may be the previous kernel's output, the weight is not
-        if PREFETCH_LINES > 0:
-            prefetch_weight(w_ptr, offs_n, N, 0, K, stride_wn, PREFETCH_LINES)
+    if USE_PDL:  # every operand may be the previous kernel's output or still read by it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -145,23 +140,20 @@ def _fewrow_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K
 
 
 @triton.jit
-def _fewrow_gemm_swapped_kernel(x_desc, w_desc, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr,
-                                part_ptr, count_ptr, M, N, K, stride_wn, stride_om,
+def _fewrow_gemm_swapped_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, out_ptr, part_ptr,
+                                count_ptr, M, N, K, stride_om,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
                                 NUM_STAGES: tl.constexpr, SCALED: tl.constexpr,
                                 ADD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                                USE_PDL: tl.constexpr):
     # The splits of a tile are launch neighbours, so their partials meet in L2.
     tile = tl.program_id(0) // SPLITS
     split = tl.program_id(0) % SPLITS
     chunks = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS)
     n0 = tile * BLOCK_N
     k0 = split * chunks * BLOCK_K
-    if USE_PDL:  # the weight (w_desc's tensor at w_ptr) is no kernel's output
-        if PREFETCH_LINES > 0:
-            prefetch_weight(w_ptr, n0 + tl.arange(0, BLOCK_N), N, k0, K, stride_wn,
-                            PREFETCH_LINES)
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -246,13 +238,12 @@ def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor 
     block_k = tiles.block_k_bytes // weight.element_size()
     pdl = supports_pdl(x.device)
     if not tiles.swapped:
-        lines = prefetch_lines(n, k * weight.element_size(), x.device) if pdl else 0
         _fewrow_gemm_kernel[(triton.cdiv(n, tiles.block_n),)](
             x, weight, x_scale if scaled else x, weight_scale if scaled else x, out, rows, n, k,
             x.stride(0), weight.stride(0), out.stride(0),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, SCALED=scaled, ADD=residual is not None,
-            DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, PREFETCH_LINES=lines,
+            DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
         return out
     # TMA needs 16-byte aligned rows; descriptors are host objects, captured as kernel arguments.
@@ -263,13 +254,11 @@ def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor 
                               [tiles.block_n, block_k])
     parts, counts = (_split_workspace(x.device, n, tiles.splits) if tiles.splits > 1
                      else (out, out))
-    split_bytes = triton.cdiv(triton.cdiv(k, block_k), tiles.splits) * tiles.block_k_bytes
-    lines = prefetch_lines(n * tiles.splits, split_bytes, x.device) if pdl else 0
     _fewrow_gemm_swapped_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
-        x_desc, w_desc, weight, x_scale if scaled else x, weight_scale if scaled else x, out,
-        parts, counts, rows, n, k, weight.stride(0), out.stride(0),
+        x_desc, w_desc, x_scale if scaled else x, weight_scale if scaled else x, out, parts,
+        counts, rows, n, k, out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLITS=tiles.splits,
         NUM_STAGES=tiles.num_stages, SCALED=scaled, ADD=residual is not None,
-        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, PREFETCH_LINES=lines,
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
         num_warps=tiles.num_warps, launch_pdl=pdl)
     return out

@@ -4,7 +4,10 @@ No kernel of a step writes a weight, so a kernel launched while the one before i
 running (PDL) may start streaming its weight at once; only its activations must wait. A
 `prefetch.global.L2` asks for a 128-byte line and holds no register or shared memory while the
 line is in flight, so a program can have a long stretch of its weight on its way, not only the
-tiles its pipeline has room for, and its loop then reads those lines from L2.
+tiles its pipeline has room for, and its loop then reads those lines from L2. The chunked GEMV
+(kernels/gemv.py) does this: the 8B's down at one request starts streaming while the GEMV before
+it ends (8B fp8 ITL 2.994 -> 2.955 ms on an H100). The few-row GEMMs gained nothing from it
+(W=32 +0.3%, W=128 0; docs/notes/journal.md, item 102), so they wait before their first load.
 
 The lines one launch prefetches are capped at a third of the L2 (16.7 MB on the H100 and
 H200), leaving room for the activations and the previous kernel's own traffic, so the lines

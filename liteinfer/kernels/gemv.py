@@ -143,10 +143,9 @@ def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K
     offs, n_mask, k, w_rows = _program_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
     if USE_PDL:
         if PREFETCH_LINES > 0:  # the start of the program's rows, gate and up
-            prefetch_weight(w_ptr, offs, N, 0, K, stride_wn, PREFETCH_LINES)
+            prefetch_weight(w_ptr, offs, N, K, stride_wn, PREFETCH_LINES)
             if GATED:
-                prefetch_weight(w_ptr + N * stride_wn, offs, N, 0, K, stride_wn,
-                                PREFETCH_LINES)
+                prefetch_weight(w_ptr + N * stride_wn, offs, N, K, stride_wn, PREFETCH_LINES)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     inv_rms = 1.0

@@ -32,24 +32,22 @@ def prefetch_budget(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size // 3
 
 
-def prefetch_lines(streams: int, stream_bytes: int, device: torch.device) -> int:
-    """Lines each of `streams` weight rows (a program's row times its K range) prefetches from
-    the start of a range of `stream_bytes`: a power of two (a tl.arange length) whose lines over
-    all the streams fit the device's budget, at most the range's; 0 for none."""
-    lines = min(triton.cdiv(stream_bytes, LINE_BYTES),
-                prefetch_budget(device) // (streams * LINE_BYTES))
+def prefetch_lines(rows: int, row_bytes: int, device: torch.device) -> int:
+    """Lines each of a weight's `rows` rows of `row_bytes` prefetches from its start: a power of
+    two (a tl.arange length), at most the row's, whose lines over all the rows fit the device's
+    budget; 0 for none."""
+    lines = min(triton.cdiv(row_bytes, LINE_BYTES), prefetch_budget(device) // (rows * LINE_BYTES))
     return triton.next_power_of_2(lines + 1) // 2 if lines > 0 else 0
 
 
 @triton.jit
-def prefetch_weight(w_ptr, rows, row_limit, col0, col_limit, stride_row,
-                    LINES: tl.constexpr):
-    """Prefetches LINES lines of each weight row in `rows` from column col0 on. Rows and
+def prefetch_weight(w_ptr, rows, row_limit, col_limit, stride_row, LINES: tl.constexpr):
+    """Prefetches the first LINES lines (of LINE_BYTES) of each weight row in `rows`. Rows and
     columns past their limits are clamped to the last valid one (a prefetch takes no mask), so
     no address leaves the tensor."""
     line_elems: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
     rows = tl.minimum(rows, row_limit - 1).to(tl.int64)
-    cols = tl.minimum(col0 + tl.arange(0, LINES) * line_elems, col_limit - 1)
+    cols = tl.minimum(tl.arange(0, LINES) * line_elems, col_limit - 1)
     ptrs = w_ptr + rows[:, None] * stride_row + cols[None, :]
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)

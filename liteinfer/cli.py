@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import json
 import logging
 import sys
 import tokenize
@@ -51,6 +52,13 @@ def field_help(cls: type) -> dict[str, str]:
             for f in dataclasses.fields(cls)}
 
 
+def _json_object(text: str) -> dict[str, Any] | None:
+    value = json.loads(text)
+    if value is not None and not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _value_parser(annotation: Any) -> tuple[Callable[[str], Any], bool]:
     """argparse's `type` for a field annotation, and whether the field is a bool."""
     kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -59,6 +67,8 @@ def _value_parser(annotation: Any) -> tuple[Callable[[str], Any], bool]:
     base = kinds[0] if optional and len(kinds) == 1 else annotation
     if base is bool:
         return bool, True
+    if typing.get_origin(base) is dict:  # a JSON object, as vLLM's --speculative-config
+        return _json_object, False
     if not optional:
         return base, False
 

@@ -161,6 +161,72 @@ class ModelConfig:
                 f"max_model_len <= {self.sliding_window} (full attention is the same there)")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "reference")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`speculative_config`, vLLM's keys). Each step a running sequence
+    may verify up to `num_speculative_tokens` draft tokens beside its next token; the engine
+    shortens the drafts, or drafts nothing, where the measured acceptance and the batch width
+    say verifying costs more than it saves (spec_decode/draft_length.py).
+
+    - ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the
+      sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min).
+    - suffix: the continuation most often seen after the sequence's longest matching suffix,
+      in its own tokens and in earlier requests', as long as its estimated probability stays
+      above `suffix_min_probability` (an adaptive draft length).
+    - reference: benchmarks only. Proposes each request's known continuation
+      (`reference_outputs`, keyed by prompt) with each token corrupted with probability
+      `corrupt_probability`, for controlled acceptance on dummy weights.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    suffix_max_depth: int = 8
+    suffix_min_probability: float = 0.1
+    suffix_cached_requests: int = 64
+    corrupt_probability: float = 0.0
+    reference_outputs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any] | None) -> SpeculativeConfig | None:
+        """None for no speculation; a ValueError naming what is wrong otherwise."""
+        if config is None:
+            return None
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        method = config.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{SPECULATIVE_METHODS}, got {method!r}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        values = dict(config)
+        values["reference_outputs"] = tuple(
+            (tuple(prompt), tuple(output)) for prompt, output in config.get(
+                "reference_outputs", ()))
+        spec = cls(**values)
+        if not 1 <= spec.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config: num_speculative_tokens must be in 1..16")
+        if not 1 <= spec.prompt_lookup_min <= spec.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
+                             "prompt_lookup_max")
+        if not 0.0 <= spec.corrupt_probability <= 1.0:
+            raise ValueError("speculative_config: corrupt_probability must be in [0, 1]")
+        if not 0.0 < spec.suffix_min_probability <= 1.0 or spec.suffix_max_depth < 1:
+            raise ValueError("speculative_config: suffix_min_probability must be in (0, 1] "
+                             "and suffix_max_depth positive")
+        return spec
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` accepts besides the model. Defaults are the fastest configuration."""
@@ -190,6 +256,9 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"          # auto: the model dtype; fp8: e4m3 K/V, twice the tokens
     seed: int = 0                         # dummy weights' seed (and sampling's in the CLI)
+    # Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5} (SpeculativeConfig).
+    speculative_config: dict[str, Any] | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -218,6 +287,17 @@ class EngineConfig:
         if m < MIN_PROMPT_PIECE or m & (m - 1):
             raise ValueError(f"mixed_prompt_tokens must be a power of two >= "
                              f"{MIN_PROMPT_PIECE}, got {m}")
+        SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Most draft tokens a sequence verifies in one step (0: no speculation)."""
+        spec = self.speculative
+        return 0 if spec is None else spec.num_speculative_tokens
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed, torchrun_rank
 from liteinfer.engine.worker import EXIT_WAIT, WorkerGroup
 from liteinfer.loader import ModelSource, load_model_source
+from liteinfer.spec_decode import Speculator
 from liteinfer.structured_output.manager import (
     FORBIDDEN,
     TERMINATED,
@@ -143,9 +144,11 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len  # within what its KV pool holds
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
+        spec = config.speculative
+        speculator = None if spec is None else Speculator(spec, self.model_config.vocab_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
-                                   config.mixed_prompt_tokens, self.eos_token_ids)
+                                   config.mixed_prompt_tokens, self.eos_token_ids, speculator)
         self.inflight: InFlight | None = None
         self.structured_output = StructuredOutputManager(
             source.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
@@ -268,9 +271,13 @@ class EngineCore:
                                                error=error))
         return failed
 
-    @staticmethod
-    def _can_overlap(inflight: InFlight) -> bool:
-        return not any(s.needs_penalties for s in inflight.scheduled.seqs)
+    def _can_overlap(self, inflight: InFlight) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are read: not if
+        its sampling reads every earlier token (penalties), nor if the next step verifies
+        drafts, which follow this step's tokens and what it accepted."""
+        scheduled = inflight.scheduled
+        return not (scheduled.draft_token_ids or self.scheduler.wants_drafts()
+                    or any(s.needs_penalties for s in scheduled.seqs))
 
     def _schedule(self) -> tuple[SchedulerOutput | None, list[EngineCoreOutput]]:
         """The next step (None if there is nothing to run), and the outputs of the requests

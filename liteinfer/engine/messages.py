@@ -52,6 +52,25 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Speculative decoding's counts since the engine started, with vLLM's meanings: a draft is
+    one sequence's drafts verified in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified sequence gains per step: its accepted drafts and one more."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The scheduler's state after a step (for /metrics and the periodic stats log)."""
 
@@ -61,6 +80,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0     # since the engine started
     prefix_cache_queries: int = 0  # prompt tokens looked up, since the engine started
     prefix_cache_hits: int = 0     # of those, found in the cache
+    spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

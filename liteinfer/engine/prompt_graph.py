@@ -47,7 +47,7 @@ class PromptStepLayout:
         max_tiles = max(self._tiles(d, p) for d, p in self.buckets)
         self.sizes = {"ids": max_tokens, "pending": max_tokens, "positions": max_tokens,
                       "slots": max_tokens, "context_lens": max_rows, "cu_seqlens": max_rows + 1,
-                      "sample_rows": max_rows, "tiles": 2 * max_tiles,
+                      "sample_rows": max_tokens, "tiles": 2 * max_tiles,
                       "block_tables": max_rows * self.width}  # last: only used rows are copied
         self.offsets: dict[str, int] = {}
         self.total = 0

@@ -9,7 +9,9 @@ from liteinfer.config import MIN_PROMPT_PIECE
 from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.messages import EngineCoreOutput, SchedulerStats
 from liteinfer.engine.runner_output import ModelRunnerOutput
+from liteinfer.engine.sampler import SamplerOutput
 from liteinfer.engine.sequence import Sequence, SequenceStatus
+from liteinfer.spec_decode import Speculator
 from liteinfer.utils import next_power_of_2
 
 
@@ -32,17 +34,26 @@ def prompt_piece_sizes(padded_decodes: int, mixed_prompt_tokens: int) -> list[in
 
 @dataclass
 class SchedulerOutput:
-    """One model step. Prefill steps compute prompt chunks (and, in a mixed step, one token of
-    each decoding sequence beside them); decode steps one token per sequence."""
+    """One model step. Prefill steps compute prompt chunks and verify draft tokens (and, in a
+    mixed step, one token of each decoding sequence beside them); decode steps one token per
+    sequence.
+
+    A sequence verifying drafts (speculative decoding) computes its next token and its drafts
+    as a chunk of `1 + len(drafts)` tokens after the decoding ones, and samples a token at
+    every one of them: the drafts the samples agree with are kept, and the first sample that
+    disagrees (or the one after the last draft) follows them (`update_from_output`)."""
 
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens each sequence computes in this step
     is_prefill: bool
     num_decodes: int = 0  # the leading sequences that decode one token (all, in a decode step)
+    # Per sequence, the draft tokens it verifies (after its last token); empty: no drafts.
+    draft_token_ids: list[list[int]] = field(default_factory=list)
     # Derived at creation, from the sequences' state before the step (which the scheduler
     # advances as soon as the step is launched).
     sample_mask: list[bool] = field(init=False)
-    # The sequences a token is sampled for, in the order of the sampled rows.
+    # The sequence of every sampled row, in row order (a verifying sequence has a row for its
+    # next token and one per draft).
     sampling_seqs: list[Sequence] = field(init=False)
     # (sequence index, first token in its chunk, count) of the tokens whose logits give a prompt
     # token's logprob that sequence asked for and does not have yet (a prompt recomputed after
@@ -51,9 +62,13 @@ class SchedulerOutput:
 
     def __post_init__(self) -> None:
         # A sequence samples when this step reaches its last token.
-        self.sample_mask = [seq.num_computed_tokens + n == len(seq)
-                            for seq, n in zip(self.seqs, self.num_tokens)]
-        self.sampling_seqs = [seq for seq, m in zip(self.seqs, self.sample_mask) if m]
+        drafts = self.draft_token_ids or [()] * len(self.seqs)
+        self.sample_mask = [seq.num_computed_tokens + n == len(seq) + len(d)
+                            for seq, n, d in zip(self.seqs, self.num_tokens, drafts)]
+        self.sampling_seqs = []
+        for seq, m, d in zip(self.seqs, self.sample_mask, drafts):
+            if m:
+                self.sampling_seqs += [seq] * (1 + len(d))
         self.prompt_logprob_spans = []
         for i in range(self.num_decodes, len(self.seqs)):
             seq = self.seqs[i]
@@ -68,6 +83,9 @@ class SchedulerOutput:
     def samples(self, i: int) -> bool:
         """Whether a token is sampled for sequence i in this step."""
         return self.sample_mask[i]
+
+    def num_drafts(self, i: int) -> int:
+        return len(self.draft_token_ids[i]) if self.draft_token_ids else 0
 
 
 class Scheduler:
@@ -90,7 +108,8 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, mixed_prompt_tokens: int, eos_token_ids: Iterable[int]):
+                 max_model_len: int, mixed_prompt_tokens: int, eos_token_ids: Iterable[int],
+                 speculator: Speculator | None = None):
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -101,6 +120,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.speculator = speculator
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -122,6 +142,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         self.requests.pop(seq.request_id, None)
+        if self.speculator is not None:
+            self.speculator.finish(seq.request_id)
 
     def finish_requests(self, request_ids: Iterable[str], reason: str) -> list[Sequence]:
         """Finishes the named requests that are still unfinished; returns them."""
@@ -136,14 +158,24 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
             num_preemptions=self.num_preemptions, prefix_cache_queries=bm.prefix_queries,
-            prefix_cache_hits=bm.prefix_hits)
+            prefix_cache_hits=bm.prefix_hits,
+            spec_decoding=self.speculator.stats if self.speculator is not None else None)
+
+    def wants_drafts(self) -> bool:
+        """Whether the next step would verify drafts: then the step before it must be read
+        first (drafts follow the tokens it samples), instead of overlapping the two."""
+        return (self.speculator is not None
+                and self.speculator.draft_length(len(self.running)) > 0)
 
     # ---- a step's life ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         # Decodes reserve first. A sequence they preempt goes back to the head of the queue and
         # never fits in the blocks its preemption freed, so nobody is admitted past it.
-        decodes = self._reserve_decodes()
-        return self._schedule_prompts(decodes) or self._decode_batch(decodes)
+        decodes, verifies = self._reserve_decodes()
+        if self.speculator is not None:
+            self.speculator.step_scheduled(bool(verifies))
+        return (self._schedule_prompts(decodes, verifies)
+                or self._decode_batch(decodes))
 
     def mark_launched(self, out: SchedulerOutput) -> None:
         """The step is running on the device: its tokens count as computed, and each sampling
@@ -153,8 +185,11 @@ class Scheduler:
         if out.is_prefill:  # a decoded token's block is registered once its id is on the host
             for seq in out.seqs:
                 self.block_manager.cache_computed_blocks(seq)
+        last = None
         for row, seq in enumerate(out.sampling_seqs):
-            seq.num_pending += 1
+            if seq is not last:  # a verifying sequence's rows: one pending step
+                seq.num_pending += 1
+                last = seq
             seq.pending_row = row
 
     def update_from_output(self, out: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -165,6 +200,8 @@ class Scheduler:
         for (i, _, _), entries in zip(out.prompt_logprob_spans, runner_output.prompt_logprobs):
             out.seqs[i].prompt_logprobs.extend(entries)
         sampled = runner_output.wait()
+        if out.draft_token_ids:
+            return self._update_verified(out, sampled)
         outputs = []
         cache_blocks = self.block_manager.cache_computed_blocks
         for seq, token, logprobs in zip(out.sampling_seqs, sampled.token_ids, sampled.logprobs):
@@ -177,6 +214,46 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 seq.request_id, [token], None if logprobs is None else [logprobs],
                 seq.prompt_logprobs if seq.num_output_tokens == 1 else None,
+                seq.finish_reason, seq.stop_reason, seq.num_cached_tokens))
+            if seq.finish_reason is not None:
+                self.finish(seq)
+        return outputs
+
+    def _update_verified(self, out: SchedulerOutput, sampled: SamplerOutput
+                         ) -> list[EngineCoreOutput]:
+        """update_from_output for a step that verified drafts: each sequence keeps the drafts
+        its samples agree with and the sample after them. The KV of rejected drafts stays in
+        the sequence's blocks, uncounted, and the next step's tokens overwrite it."""
+        outputs = []
+        row = 0
+        for i, seq in enumerate(out.seqs):
+            if not out.samples(i):
+                continue
+            drafts = out.draft_token_ids[i]
+            rows = slice(row, row + 1 + len(drafts))
+            row = rows.stop
+            seq.num_pending -= 1
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            tokens = sampled.token_ids[rows]
+            accepted = 0
+            while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+                accepted += 1
+            if drafts:
+                seq.num_computed_tokens -= len(drafts) - accepted
+                self.speculator.record(len(drafts), accepted)
+            new_tokens, new_logprobs = [], []
+            for token, logprobs in zip(tokens[:accepted + 1], sampled.logprobs[rows]):
+                seq.append_token(token)
+                new_tokens.append(token)
+                new_logprobs.append(logprobs)
+                self._check_stop(seq, token)
+                if seq.finish_reason is not None:
+                    break
+            self.block_manager.cache_computed_blocks(seq)
+            outputs.append(EngineCoreOutput(
+                seq.request_id, new_tokens, None if new_logprobs[0] is None else new_logprobs,
+                seq.prompt_logprobs if seq.num_output_tokens == len(new_tokens) else None,
                 seq.finish_reason, seq.stop_reason, seq.num_cached_tokens))
             if seq.finish_reason is not None:
                 self.finish(seq)
@@ -208,14 +285,19 @@ class Scheduler:
             seq.finish_reason = "length"
 
     # ---- picking a step -----------------------------------------------------------------------
-    def _schedule_prompts(self, decodes: list[Sequence]) -> SchedulerOutput | None:
-        """Prompt chunks in the token budget left after `decodes` (one token each), or None if
-        there is no prompt work."""
-        budget = self.max_num_batched_tokens - len(decodes)
-        if decodes:
-            budget = min(budget, self.mixed_prompt_tokens)
+    def _schedule_prompts(self, decodes: list[Sequence],
+                          verifies: list[tuple[Sequence, list[int]]]) -> SchedulerOutput | None:
+        """Prompt chunks in the token budget left after `decodes` (one token each) and the
+        sequences verifying drafts, or None if there is no prompt or draft work."""
         seqs = list(decodes)
         num_tokens = [1] * len(decodes)
+        for seq, drafts in verifies:
+            seqs.append(seq)
+            num_tokens.append(1 + len(drafts))
+        num_fixed = len(seqs)  # the step's rows that are not prompt chunks
+        budget = self.max_num_batched_tokens - sum(num_tokens)
+        if decodes or verifies:
+            budget = min(budget, self.mixed_prompt_tokens)
         # Prompts already partly computed continue first (chunked prefill); their blocks were
         # all reserved when they were admitted.
         for seq in self.running:
@@ -240,24 +322,29 @@ class Scheduler:
             seqs.append(seq)
             num_tokens.append(n)
             budget -= n
-        if len(seqs) == len(decodes):
+        if len(seqs) == num_fixed and not verifies:
             if self.waiting and not self.running and not self.waiting[0].num_pending:
                 raise RuntimeError("KV pool too small for a single request")
             return None
-        if decodes:
-            self._trim_to_piece(seqs, num_tokens, len(decodes))
-        return SchedulerOutput(seqs, num_tokens, is_prefill=True, num_decodes=len(decodes))
+        if decodes or verifies:
+            self._trim_to_piece(seqs, num_tokens, len(decodes), num_fixed)
+        drafts = [[] for _ in seqs]
+        for i, (_, d) in enumerate(verifies, start=len(decodes)):
+            drafts[i] = d
+        return SchedulerOutput(seqs, num_tokens, is_prefill=True, num_decodes=len(decodes),
+                               draft_token_ids=drafts if verifies else [])
 
     def _trim_to_piece(self, seqs: list[Sequence], num_tokens: list[int],
-                       num_decodes: int) -> None:
+                       num_decodes: int, num_fixed: int) -> None:
         """Cuts the last prompt chunks down to the largest prompt piece size that fits (fewer
         tokens than the smallest size stay, padded up to it); a chunk cut to nothing leaves the
-        step (its sequence stays admitted and continues next step)."""
+        step (its sequence stays admitted and continues next step). The first `num_fixed`
+        sequences (decoding or verifying drafts) are never cut."""
         prompt_tokens = sum(num_tokens) - num_decodes
         sizes = prompt_piece_sizes(padded_decodes(num_decodes, self.max_num_seqs),
                                    self.mixed_prompt_tokens)
         piece = max((s for s in sizes if s <= prompt_tokens), default=prompt_tokens)
-        excess = prompt_tokens - piece
+        excess = min(prompt_tokens - piece, sum(num_tokens[num_fixed:]))
         while excess:
             cut = min(excess, num_tokens[-1])
             num_tokens[-1] -= cut
@@ -266,21 +353,46 @@ class Scheduler:
                 seqs.pop()
                 num_tokens.pop()
 
-    def _reserve_decodes(self) -> list[Sequence]:
-        """Running sequences that decode a token next, each given room for it. Partly
-        prefilled prompts sit decodes out, and so do sequences whose pending token ends them.
-        Written out for speed: it runs for every running sequence every step."""
+    def _reserve_decodes(self) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
+        """Running sequences that decode a token next, each given room for it: those that
+        decode it alone, and those that verify drafts after it (with room for them too).
+        Partly prefilled prompts sit decodes out, and so do sequences whose pending token ends
+        them. Written out for speed: it runs for every running sequence every step."""
         blocks_needed = self.block_manager.blocks_needed
-        decodes = []
+        num_drafts = 0
+        if self.speculator is not None:
+            num_drafts = self.speculator.draft_length(len(self.running))
+        decodes, verifies = [], []
         for seq in list(self.running):
             n = len(seq.token_ids) + seq.num_pending
             if (seq.status is not SequenceStatus.RUNNING or n - seq.num_computed_tokens != 1
                     or self._at_length_limit(seq, n)):
                 continue
+            drafts = self._propose(seq, num_drafts) if num_drafts else []
+            # Drafts never preempt anyone: without room for them, the sequence decodes alone.
+            if drafts and self.block_manager.can_allocate(seq, n + len(drafts)):
+                self.block_manager.allocate(seq, n + len(drafts))
+                verifies.append((seq, drafts))
             # Most steps: its blocks hold the token already.
-            if blocks_needed(seq, n) == 0 or self._reserve(seq, n):
+            elif blocks_needed(seq, n) == 0 or self._reserve(seq, n):
                 decodes.append(seq)
-        return decodes
+        return decodes, verifies
+
+    def _propose(self, seq: Sequence, num_drafts: int) -> list[int]:
+        """Draft tokens for a sequence whose tokens are all on the host, within its length
+        limits. Sequences whose sampling reads their earlier outputs (penalties), whose
+        grammar constrains them, or that may not stop yet (min_tokens) draft nothing."""
+        params = seq.sampling_params
+        if (seq.num_pending or seq.needs_penalties or params.structured_outputs is not None
+                or seq.num_output_tokens < params.min_tokens):
+            return []
+        n = len(seq.token_ids)
+        room = min(num_drafts, params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - n - 1)
+        if room <= 0:
+            return []
+        return self.speculator.propose(seq.request_id, seq.num_prompt_tokens, seq.token_ids,
+                                       room)
 
     @staticmethod
     def _decode_batch(seqs: list[Sequence]) -> SchedulerOutput | None:

@@ -59,7 +59,7 @@ def build_step_inputs(batch: SchedulerOutput, block_size: int, table_width: int)
     context_lens = starts + query_lens
     input_ids: list[int] = []
     pending_rows: list[int] = []
-    for seq, n in zip(seqs, batch.num_tokens):
+    for i, (seq, n) in enumerate(zip(seqs, batch.num_tokens)):
         if seq.num_pending:  # decoding a token the host has not seen yet
             assert n == 1 and seq.num_computed_tokens == len(seq.token_ids), \
                 "pending tokens are decoded alone"
@@ -68,6 +68,8 @@ def build_step_inputs(batch: SchedulerOutput, block_size: int, table_width: int)
         else:
             start = seq.num_computed_tokens
             input_ids += seq.token_ids[start:start + n]
+            if batch.num_drafts(i):  # its last token, then the drafts it verifies
+                input_ids += batch.draft_token_ids[i]
             pending_rows += [-1] * n
     tables = np.zeros((len(seqs), table_width), dtype=np.int64)
     for row, seq in zip(tables, seqs):
@@ -75,8 +77,9 @@ def build_step_inputs(batch: SchedulerOutput, block_size: int, table_width: int)
     seq_of, offset = ragged_index(query_lens)
     positions = starts[seq_of] + offset
     slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
-    sample_rows = np.array([cu_seqlens[i] + n - 1 for i, n in enumerate(batch.num_tokens)
-                            if batch.samples(i)], dtype=np.int64)
+    sample_rows = np.array([row for i, n in enumerate(batch.num_tokens) if batch.samples(i)
+                            for row in range(cu_seqlens[i] + n - 1 - batch.num_drafts(i),
+                                             cu_seqlens[i] + n)], dtype=np.int64)
     prompt_rows = np.array([r for i, first, n in batch.prompt_logprob_spans
                             for r in range(cu_seqlens[i] + first, cu_seqlens[i] + first + n)],
                            dtype=np.int64)

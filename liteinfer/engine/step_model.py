@@ -14,7 +14,7 @@ class StepModel:
     """The model, the sampled-token buffer that feeds the next step, and the split-K
     workspace (None: no split-K, as on the torch backends)."""
 
-    def __init__(self, model: LlamaForCausalLM, max_num_seqs: int, num_kv_heads: int,
+    def __init__(self, model: LlamaForCausalLM, max_sampled_rows: int, num_kv_heads: int,
                  head_dim: int, num_sms: int, decode_workspace: DecodeWorkspace | None,
                  device: torch.device):
         self.model = model
@@ -23,7 +23,7 @@ class StepModel:
         self.num_sms = num_sms
         self.decode_workspace = decode_workspace
         # The newest step's sampled tokens, which feed the next step on the device.
-        self.sampled_tokens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.sampled_tokens = torch.zeros(max_sampled_rows, dtype=torch.int32, device=device)
 
     def with_pending(self, ids: torch.Tensor, pending_rows: torch.Tensor) -> torch.Tensor:
         """Token ids with pending ones (row >= 0) read from the last sampled tokens."""

@@ -60,6 +60,7 @@ class ScheduledSeq(msgspec.Struct, array_like=True, omit_defaults=True):
     resumed: bool = False  # new_block_ids is its whole table (admitted again after preemption)
     num_pending: int = 0
     pending_row: int = -1
+    draft_token_ids: list[int] = []  # the drafts it verifies in this step
 
 
 class WorkerStep(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -97,7 +98,7 @@ class WorkerStepBuilder:
         for rid in finished:
             del self.sent[rid]
         new, seqs = [], []
-        for seq, n in zip(out.seqs, out.num_tokens):
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_tokens)):
             rid = seq.request_id
             sent = self.sent.get(rid)
             if sent is None:
@@ -107,7 +108,7 @@ class WorkerStepBuilder:
             seqs.append(ScheduledSeq(
                 rid, n, seq.num_computed_tokens, seq.token_ids[sent.num_token_ids:],
                 seq.block_table[0 if resumed else sent.num_blocks:], resumed, seq.num_pending,
-                seq.pending_row))
+                seq.pending_row, out.draft_token_ids[i] if out.draft_token_ids else []))
             sent.num_token_ids = len(seq.token_ids)
             sent.block_table, sent.num_blocks = seq.block_table, len(seq.block_table)
         return WorkerStep(seqs, out.is_prefill, out.num_decodes, new, finished)
@@ -151,8 +152,9 @@ class Worker:
             seq.num_computed_tokens = s.num_computed_tokens
             seq.num_pending, seq.pending_row = s.num_pending, s.pending_row
             seqs.append(seq)
+        drafts = [s.draft_token_ids for s in step.seqs]
         return SchedulerOutput(seqs, [s.num_tokens for s in step.seqs], step.is_prefill,
-                               step.num_decodes)
+                               step.num_decodes, drafts if any(drafts) else [])
 
     def serve(self, conn: Connection) -> None:
         """Runs rank 0's steps until it sends None, then leaves the group."""

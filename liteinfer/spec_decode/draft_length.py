@@ -1,0 +1,61 @@
+"""How many draft tokens a step verifies per sequence, from the measured acceptance and the
+batch width.
+
+A verification step of B sequences with k drafts each computes B(k + 1) tokens. While that is
+below the width where a step stops being bound by reading the weights (`knee_tokens`), the
+extra tokens cost little; past it, step time grows with the tokens. A step that verifies
+drafts also gives up the overlap of the next step's scheduling with this one's run
+(engine/core.py), since the next step's inputs depend on what is accepted (`sync_cost`, a
+fraction of a step). With a per-token acceptance rate a, k drafts yield 1 + a + ... + a^k
+tokens a step; the policy picks the k with the most tokens per unit of step time, and 0 (no
+speculation, steps overlapped) wherever none beats plain decoding.
+"""
+from __future__ import annotations
+
+# Acceptance assumed before any draft is verified, and the weight of each step's measurement.
+PRIOR_ACCEPTANCE = 0.6
+ACCEPTANCE_SMOOTHING = 0.05
+# With speculation off for low acceptance, every this many steps draft anyway to measure again.
+PROBE_INTERVAL = 64
+
+
+class DraftLengthPolicy:
+    def __init__(self, max_drafts: int, knee_tokens: int, sync_cost: float):
+        self.max_drafts = max_drafts
+        self.knee_tokens = knee_tokens
+        self.sync_cost = sync_cost
+        self.acceptance = PRIOR_ACCEPTANCE
+        self.steps_without_drafts = 0
+
+    def _cost(self, tokens: int) -> float:
+        """A step's time relative to one bound by reading the weights."""
+        return max(1.0, tokens / self.knee_tokens)
+
+    def _gain(self, batch: int, k: int) -> float:
+        """Tokens per unit of step time with k drafts per sequence."""
+        a = self.acceptance
+        expected = sum(a ** i for i in range(k + 1))
+        return batch * expected / (self._cost(batch * (k + 1)) + (self.sync_cost if k else 0.0))
+
+    def draft_length(self, batch: int) -> int:
+        """Drafts per sequence for a step of `batch` decoding sequences."""
+        if batch == 0:
+            return 0
+        best = max(range(self.max_drafts + 1), key=lambda k: (self._gain(batch, k), -k))
+        if best == 0 and self.steps_without_drafts >= PROBE_INTERVAL and \
+                batch * 2 <= self.knee_tokens:
+            return 1  # off for low acceptance alone: measure it again
+        return best
+
+    def step_scheduled(self, drafted: bool) -> None:
+        self.steps_without_drafts = 0 if drafted else self.steps_without_drafts + 1
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """One sequence's verification: `num_accepted` of its `num_drafted` drafts kept. The
+        accepted count is geometric in the per-token rate a: each draft is kept with
+        probability a until the first rejection, whose estimate is accepted / (accepted +
+        rejections)."""
+        trials = num_accepted + (num_accepted < num_drafted)
+        if trials:
+            rate = num_accepted / trials
+            self.acceptance += ACCEPTANCE_SMOOTHING * (rate - self.acceptance)

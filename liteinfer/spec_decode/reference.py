@@ -1,0 +1,35 @@
+"""A benchmark-only proposer with controlled acceptance: it proposes each request's known
+continuation (its output from a run without speculation, keyed by its prompt) and corrupts
+each draft token with a set probability. On dummy weights no real draft can exist; this
+measures what verification costs and saves at a chosen acceptance rate."""
+from __future__ import annotations
+
+import random
+
+
+class ReferenceProposer:
+    def __init__(self, reference_outputs: dict[tuple[int, ...], tuple[int, ...]],
+                 corrupt_probability: float, vocab_size: int, seed: int = 0):
+        self.outputs = reference_outputs
+        self.corrupt_probability = corrupt_probability
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+
+    def propose(self, request_id: str, prompt_len: int, token_ids: list[int],
+                max_tokens: int) -> list[int]:
+        reference = self.outputs.get(tuple(token_ids[:prompt_len]))
+        if reference is None:
+            return []
+        done = len(token_ids) - prompt_len
+        if tuple(token_ids[prompt_len:]) != reference[:done]:
+            return []  # the output left the reference (a corrupted draft never does)
+        drafts = list(reference[done:done + max_tokens])
+        for i in range(len(drafts)):
+            if self.rng.random() < self.corrupt_probability:
+                # Any other token: the target rejects it.
+                drafts[i] = (drafts[i] + 1 + self.rng.randrange(self.vocab_size - 1)) \
+                    % self.vocab_size
+        return drafts
+
+    def finish(self, request_id: str) -> None:
+        pass

@@ -18,6 +18,12 @@ the machine's torch) and a directory holding the model's config.json (dummy weig
 
 A throughput run is ISL:OSL:WIDTH[:PROMPTS] (200 prompts unless given), a latency run (one
 request at a time) ISL:OSL:PROMPTS; with neither, every run of the report's tables.
+
+Speculative decoding against `liteinfer-bench spec` on real weights: the prompts that command
+wrote (`--tokens-out`), each answer ending where the model ends it, at each width:
+
+    python scripts/bench_vllm.py HF_DIR --out rows.jsonl --real-weights --prompts-file T.json
+        --osl 256 --widths 1 8 32 [--speculative-config '{"method": "ngram", ...}']
 """
 from __future__ import annotations
 
@@ -52,7 +58,8 @@ class VLLMEngine:
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
         self.seen[rid] = 0
         self.engine.add_request(rid, self.prompt_cls(prompt_token_ids=prompt), self.params_cls(
-            temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, detokenize=False))
+            temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+            detokenize=False))
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -77,6 +84,14 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's")
     p.add_argument("--quantization", help="vLLM's quantization (e.g. fp8); default: none")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's (e.g. fp8); default: auto")
+    p.add_argument("--real-weights", action="store_true",
+                   help="load the directory's weights and tokenizer (default: dummy weights)")
+    p.add_argument("--prompts-file", help="token-id prompts per width (JSON, from "
+                                          "liteinfer-bench spec --tokens-out), run at --widths; "
+                                          "answers end at EOS (at most --osl tokens)")
+    p.add_argument("--widths", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--osl", type=int, default=256)
+    p.add_argument("--speculative-config", type=json.loads, help="vLLM's, as JSON")
     args = p.parse_args()
     with open(os.path.join(args.model_dir, "config.json"), encoding="utf-8") as f:
         vocab = json.load(f)["vocab_size"]
@@ -98,10 +113,12 @@ def main() -> None:
             plan.append(("throughput", Shape.parse(isl, osl), int(width), int(n[0]) if n else 200))
     else:
         plan = [(r.kind, r.shape, r.width, r.prompts) for r in full_matrix([DEFAULT])]
-    llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
-              dtype="bfloat16", max_model_len=16384, max_num_seqs=128, seed=0,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(model=args.model_dir, load_format="auto" if args.real_weights else "dummy",
+              skip_tokenizer_init=not args.real_weights,
+              dtype="bfloat16", max_model_len=4096 if args.real_weights else 16384,
+              max_num_seqs=128, seed=0, max_num_batched_tokens=args.max_num_batched_tokens,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              speculative_config=args.speculative_config)
     engine = VLLMEngine(llm.llm_engine, VLLMParams, TokensPrompt)
     engine_args = {k: v for k, v in (("quantization", args.quantization),
                                      ("kv_cache_dtype", args.kv_cache_dtype)) if v not in
@@ -109,6 +126,27 @@ def main() -> None:
     env = {"engine": "vllm", "version": vllm.__version__, "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name(0), "model": model_label(args.model_dir),
            "engine_args": engine_args, "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.speculative_config is not None:
+        env["speculative_config"] = args.speculative_config
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts_at = json.load(f)  # {width: prompts}, as liteinfer-bench spec wrote them
+        with open(args.out, "a", encoding="utf-8") as out:
+            for width in args.widths:
+                prompts = prompts_at[str(width)]
+                warm_up(engine, Shape.parse(128, args.osl), width, vocab)
+                assert llm.reset_prefix_cache()
+                traces = drive(engine, prompts, [args.osl] * len(prompts), width,
+                               ignore_eos=False)
+                row = {**env, "kind": "latency" if width == 1 else "throughput",
+                       "isl": len(prompts[0]), "osl": args.osl, "prompts": len(prompts),
+                       "width": width, "workload": os.path.basename(args.prompts_file),
+                       **summarize(traces, args.osl), "at": time.time()}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                print(f"W={width}: tok/s {row['tok_s']:.1f}, ITL p50 {row['itl_p50']:.3f} ms, "
+                      f"{row['out_tokens']} tokens", flush=True)
+        return
     with open(args.out, "a", encoding="utf-8") as out:
         for kind, shape, width, n in plan:
             warm_up(engine, shape, width, vocab)

@@ -83,6 +83,24 @@ def test_fp32_token_for_token(model_dir, prompts, fp32_reference, name):
     assert alone == fp32_reference[0]
 
 
+@pytest.mark.parametrize("name", ["eager", "default", "prompt-graphs-narrow", "chunked"])
+@pytest.mark.parametrize("corrupt", [0.0, 0.5])
+def test_speculative_decoding_token_for_token(model_dir, prompts, fp32_reference, name, corrupt):
+    """Verification steps through the Triton kernels, eager and captured (prompt graphs), with
+    drafts all right or half wrong: still transformers' tokens, in a batch and alone."""
+    spec = {"method": "reference", "num_speculative_tokens": 4, "corrupt_probability": corrupt,
+            "reference_outputs": [[p, o] for p, o in zip(prompts, fp32_reference)]}
+    llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024,
+                    speculative_config=spec, **{"max_num_seqs": 48, **CONFIGS[name]})
+    outputs = llm.generate(prompts[:8], greedy(20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == fp32_reference[:8]
+    alone = llm.generate(prompts[8:9], greedy(20), use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == fp32_reference[8]
+    stats = llm.engine.core.scheduler.stats().spec_decoding
+    assert stats.num_drafts > 0
+    assert (stats.num_accepted_tokens == stats.num_draft_tokens) == (corrupt == 0.0)
+
+
 def test_async_engine_matches_offline(model_dir, prompts, fp32_reference):
     """The server's engine core in a process of its own (default config: CUDA graphs, mixed
     steps, overlap scheduling), with requests arriving while others run."""

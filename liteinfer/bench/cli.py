@@ -18,6 +18,7 @@ from liteinfer.bench.registry import LITEINFER, TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
 from liteinfer.bench.report_html import render_html
 from liteinfer.bench.serve import add_serve_parser
+from liteinfer.bench.spec import add_spec_parser
 from liteinfer.bench.store import (
     REFERENCE_DIR,
     RESULTS_DIR,
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
     add_serve_parser(sub)
+    add_spec_parser(sub)
     add_report_parser(sub)
     return parser
 

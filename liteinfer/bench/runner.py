@@ -54,9 +54,10 @@ def staggered_lengths(osl: int, n: int) -> list[int]:
 
 
 def drive(engine: Any, prompts: list[list[int]], max_tokens: list[int], width: int,
-          bar: tqdm | None = None) -> list[Trace]:
+          bar: tqdm | None = None, ignore_eos: bool = True) -> list[Trace]:
     """Keeps at most `width` requests in flight, admitting the next as soon as one finishes.
-    A token counts as available when the step() that produced it returns."""
+    A token counts as available when the step() that produced it returns. Outputs have their
+    forced length unless `ignore_eos` is False (real weights, where the text's end matters)."""
     traces: list[Trace] = []
     owner: dict[str, int] = {}
 
@@ -65,7 +66,7 @@ def drive(engine: Any, prompts: list[list[int]], max_tokens: list[int], width: i
         rid = f"bench-{next(_request_ids)}"
         owner[rid] = i
         # Token ids only, as in WORKLOADS.md and the vLLM rows (detokenize=False there too).
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True,
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=ignore_eos,
                                 detokenize=False, output_kind=RequestOutputKind.DELTA)
         traces.append(Trace(submit=time.perf_counter()))
         engine.add_request(rid, prompts[i], params)

@@ -165,10 +165,15 @@ class AsyncLLM:
                 continue
             s, dt = self.scheduler_stats, now[2] - before[2]
             hits = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
+            spec = ""
+            if s.spec_decoding is not None:
+                spec = (f", draft acceptance rate {100 * s.spec_decoding.acceptance_rate:.1f}%"
+                        f", mean acceptance length "
+                        f"{s.spec_decoding.mean_acceptance_length:.2f}")
             logger.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, "
-                        "KV cache %.1f%%, prefix cache hit rate %.1f%%",
+                        "KV cache %.1f%%, prefix cache hit rate %.1f%%%s",
                         (now[0] - before[0]) / dt, (now[1] - before[1]) / dt, s.num_running,
-                        s.num_waiting, 100 * s.kv_cache_usage, 100 * hits)
+                        s.num_waiting, 100 * s.kv_cache_usage, 100 * hits, spec)
             before = now
 
     async def stop(self) -> None:

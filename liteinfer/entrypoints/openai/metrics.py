@@ -132,3 +132,24 @@ class SchedulerGauges(Collector):
             counter = CounterMetricFamily(f"liteinfer:{name}", doc, labels=("model_name",))
             counter.add_metric((self.model_name,), value)
             yield counter
+        spec = stats.spec_decoding
+        if spec is None:
+            return
+        # vLLM's speculative-decoding counters, with its meanings.
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Sequences' drafts verified (one per sequence and "
+                 "step).", spec.num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 spec.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 spec.num_accepted_tokens)):
+            counter = CounterMetricFamily(f"liteinfer:{name}", doc, labels=("model_name",))
+            counter.add_metric((self.model_name,), value)
+            yield counter
+        per_pos = CounterMetricFamily(
+            "liteinfer:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of the drafts.",
+            labels=("model_name", "position"))
+        for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric((self.model_name, str(pos)), value)
+        yield per_pos

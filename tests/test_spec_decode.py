@@ -1,0 +1,347 @@
+"""Speculative decoding: greedy output equal, token for token, to plain decoding and to
+transformers whatever share of the drafts is accepted; sampling that keeps the target's
+distribution; the proposers and the draft-length policy; counters, KV blocks, tensor
+parallelism and the server with the official client."""
+from __future__ import annotations
+
+import math
+from itertools import product
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fixtures import ENGINES, build_llm, serve
+from liteinfer import SamplingParams
+from liteinfer.config import EngineConfig, SpeculativeConfig
+from liteinfer.engine.async_llm import AsyncLLM
+from liteinfer.spec_decode.draft_length import PROBE_INTERVAL, DraftLengthPolicy
+from liteinfer.spec_decode.ngram import NgramProposer
+from liteinfer.spec_decode.suffix import SuffixProposer
+from reference import hf_greedy, random_prompts
+from test_model_families import make_tiny_family_dir
+from test_server import scrape
+
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=256)
+MAX_NEW = 24
+
+
+def greedy(n: int = MAX_NEW, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def reference_config(prompts: list[list[int]], outputs: list[list[int]], corrupt: float,
+                     k: int = 4) -> dict:
+    return {"method": "reference", "num_speculative_tokens": k,
+            "corrupt_probability": corrupt,
+            "reference_outputs": [[p, o] for p, o in zip(prompts, outputs)]}
+
+
+def spec_stats(llm):
+    return llm.engine.core.scheduler.stats().spec_decoding
+
+
+def release(*llms) -> None:
+    for llm in llms:
+        ENGINES.remove(llm)
+        llm.shutdown()
+
+
+# ---- exactness under greedy decoding --------------------------------------------------------
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_family(request, tmp_path_factory, tiny_llama_dir):
+    """(model directory, prompts, transformers' greedy continuations)."""
+    directory = (tiny_llama_dir if request.param == "llama" else
+                 make_tiny_family_dir(tmp_path_factory.mktemp("qwen3"), "qwen3"))
+    prompts = random_prompts(6, 384, 3, 70, seed=5)
+    model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+    return directory, prompts, hf_greedy(model, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.4, 1.0])
+def test_greedy_equals_transformers_whatever_is_accepted(tiny_family, corrupt):
+    """Drafts that are all right, some right and all wrong: the same tokens as transformers,
+    in a batch of several prompts chunked over small steps (prefix caching on)."""
+    directory, prompts, ref = tiny_family
+    llm = build_llm(str(directory), **ENGINE, max_num_batched_tokens=32, max_num_seqs=4,
+                    speculative_config=reference_config(prompts, ref, corrupt))
+    try:
+        assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == ref
+        stats = spec_stats(llm)
+        assert stats.num_drafts > 0
+        if corrupt == 0.0:  # all accepted, but at the very end (max_tokens cuts drafts short)
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+            assert stats.mean_acceptance_length > 3
+        elif corrupt == 1.0:
+            assert stats.num_accepted_tokens == 0
+        else:
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+    finally:
+        release(llm)
+
+
+GROUNDED_PROMPTS = [
+    [{"role": "user", "content": "Repeat this sentence exactly: The quick brown fox jumps "
+                                 "over the lazy dog near the bank of the river."}],
+    [{"role": "user", "content": "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    "
+                                 "return a - b\n\nRewrite both functions with type hints."}],
+    [{"role": "user", "content": "Summarize: The engine keeps a cache of keys and values for "
+                                 "every token, so that each new token reads the cache instead "
+                                 "of recomputing the prefix."}],
+]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_real_model_greedy_equals_plain_decoding(smollm2_llm, smollm2_path, method):
+    """SmolLM2 on input-grounded prompts: the same tokens with and without speculation, and
+    drafts accepted."""
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    plain = [o.outputs[0].token_ids for o in
+             smollm2_llm.chat(GROUNDED_PROMPTS, params, use_tqdm=False)]
+    llm = build_llm(str(smollm2_path), dtype="float32", device="cpu", max_model_len=1024,
+                    speculative_config={"method": method, "num_speculative_tokens": 4})
+    try:
+        assert [o.outputs[0].token_ids for o in
+                llm.chat(GROUNDED_PROMPTS, params, use_tqdm=False)] == plain
+        stats = spec_stats(llm)
+        assert stats.num_accepted_tokens > 10
+    finally:
+        release(llm)
+
+
+def test_logprobs_stops_n_and_penalties_match_plain_decoding(tiny_llm, tiny_llama_dir):
+    """Logprobs of accepted tokens, stop tokens inside accepted drafts, n choices and requests
+    that draft nothing (penalties, min_tokens) beside ones that do."""
+    prompts = random_prompts(4, 384, 5, 40, seed=9)
+    plain_ref = token_ids(tiny_llm.generate(prompts, greedy(), use_tqdm=False))
+    llm = build_llm(str(tiny_llama_dir), **ENGINE,
+                    speculative_config=reference_config(prompts, plain_ref, 0.2))
+    try:
+        for params in (greedy(logprobs=2), greedy(n=2), greedy(repetition_penalty=1.3),
+                       greedy(min_tokens=10),
+                       SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                      stop_token_ids=[plain_ref[0][7]])):
+            got = llm.generate(prompts, params, use_tqdm=False)
+            ref = tiny_llm.generate(prompts, params, use_tqdm=False)
+            for g, r in zip(got, ref):
+                for a, b in zip(g.outputs, r.outputs, strict=True):
+                    assert a.token_ids == b.token_ids
+                    assert a.finish_reason == b.finish_reason
+                    if params.logprobs:
+                        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                            assert list(x) == list(y)
+                            assert [e.rank for e in x.values()] == [e.rank for e in y.values()]
+                            assert [e.logprob for e in x.values()] == pytest.approx(
+                                [e.logprob for e in y.values()], abs=1e-4)
+        assert spec_stats(llm).num_accepted_tokens > 0
+    finally:
+        release(llm)
+
+
+def test_preempted_sequences_stay_exact(tiny_llm, tiny_llama_dir):
+    """A pool so small that sequences verifying drafts are preempted and recomputed."""
+    prompts = random_prompts(6, 384, 20, 40, seed=11)
+    ref = token_ids(tiny_llm.generate(prompts, greedy(48), use_tqdm=False))
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128,
+                    num_kv_blocks=14, speculative_config=reference_config(prompts, ref, 0.3))
+    try:
+        assert token_ids(llm.generate(prompts, greedy(48), use_tqdm=False)) == ref
+        assert llm.engine.core.scheduler.num_preemptions > 0
+        assert spec_stats(llm).num_accepted_tokens > 0
+    finally:
+        release(llm)
+
+
+# ---- sampling keeps the target distribution -------------------------------------------------
+def test_rejection_sampling_reproduces_the_target_distribution(tiny_llama_dir):
+    """The joint distribution of three sampled tokens (temperature 0.8, top-k 3) with drafts
+    verified, against the exact one from transformers' logits: a chi-square test over the 27
+    outcomes of 3,000 samples. The drafts are the greedy continuation, so some are accepted
+    and some rejected at every position."""
+    prompt = random_prompts(1, 384, 12, 12, seed=3)[0]
+    temperature, top_k, n = 0.8, 3, 3000
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float64)
+
+    @torch.no_grad()
+    def next_dist(ids: list[int]) -> dict[int, float]:
+        logits = model(torch.tensor([ids])).logits[0, -1] / temperature
+        top = logits.topk(top_k)
+        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+
+    exact: dict[tuple[int, ...], float] = {}
+    for a, pa in next_dist(prompt).items():
+        for b, pb in next_dist(prompt + [a]).items():
+            for c, pc in next_dist(prompt + [a, b]).items():
+                exact[(a, b, c)] = pa * pb * pc
+    greedy_path = [max(d := next_dist(prompt), key=d.get)]
+    for _ in range(2):
+        d = next_dist(prompt + greedy_path)
+        greedy_path.append(max(d, key=d.get))
+
+    llm = build_llm(str(tiny_llama_dir), **ENGINE, max_num_seqs=16,
+                    speculative_config=reference_config([prompt], [greedy_path], 0.0, k=2))
+    try:
+        torch.manual_seed(0)  # unseeded requests draw from the default generator
+        params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3,
+                                ignore_eos=True)
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        stats = spec_stats(llm)
+    finally:
+        release(llm)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(exact)
+    assert 300 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # Cells expected fewer than 5 times are pooled, as the test requires.
+    small = [k for k, p in exact.items() if p * n < 5]
+    cells = [([k], p) for k, p in exact.items() if p * n >= 5]
+    cells.append((small, sum(exact[k] for k in small)))
+    chi2 = sum((sum(counts.get(k, 0) for k in keys) - p * n) ** 2 / (p * n)
+               for keys, p in cells if p > 0)
+    dof = sum(1 for _, p in cells if p > 0) - 1
+    # The chi-square quantile at p = 0.001 (Wilson-Hilferty).
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < limit, (chi2, limit, dof)
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama_dir):
+    prompts = random_prompts(3, 384, 5, 30, seed=2)
+    llm = build_llm(str(tiny_llama_dir), **ENGINE,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 1})
+    try:
+        params = SamplingParams(temperature=0.7, seed=123, max_tokens=MAX_NEW, ignore_eos=True)
+        first = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == first
+    finally:
+        release(llm)
+
+
+# ---- proposers and the draft-length policy --------------------------------------------------
+def test_ngram_proposes_after_the_latest_longest_match():
+    ngram = NgramProposer(1, 3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3]
+    # "2 3" last seen before the end at index 5: 8 5 2 3 follow; "1 2 3" is not the suffix.
+    assert ngram.propose("a", 2, tokens, 3) == [8, 5, 2]
+    tokens += [4]  # "3 4" and "4" were never seen
+    assert ngram.propose("a", 2, tokens, 3) == []
+    tokens += [1, 2, 3]  # the longest match wins: "1 2 3" (at 4), not "3" alone
+    assert ngram.propose("a", 2, tokens, 2) == [8, 5]
+    ngram.finish("a")
+    assert not ngram.indexes
+
+
+def test_suffix_learns_across_requests_and_adapts_its_length():
+    suffix = SuffixProposer(max_depth=4, min_probability=0.6, cached_requests=3)
+    answer = [10, 11, 12, 13, 14, 15]
+    assert suffix.propose("a", 3, [1, 2, 3] + answer, 4) == []  # nothing seen before
+    suffix.finish("a")
+    # A new request with the same prompt: the earlier answer is drafted, as far as asked.
+    assert suffix.propose("b", 3, [1, 2, 3], 4) == answer[:4]
+    suffix.finish("b")
+    # Two earlier answers part after 12: the draft stops where its probability (1/2) falls
+    # below the bound.
+    suffix.propose("c", 3, [1, 2, 3, 10, 11, 12, 20, 21], 1)
+    suffix.finish("c")
+    assert suffix.propose("d", 3, [1, 2, 3], 6) == [10, 11, 12]
+    suffix.finish("d")
+    # Only the last 3 requests count: "a" is forgotten, and 13 no longer follows 12.
+    assert len(suffix.finished) == 3
+    assert suffix.propose("e", 3, [7, 10, 11], 6) == [12, 20, 21]
+    assert all(n > 0 for counts in suffix.shared.next_tokens.values() for n in counts.values())
+
+
+def test_draft_length_follows_batch_width_and_acceptance():
+    policy = DraftLengthPolicy(max_drafts=4, knee_tokens=128, sync_cost=0.1)
+    for _ in range(200):
+        policy.record(4, 4)
+    assert policy.draft_length(1) == 4
+    assert policy.draft_length(128) == 0  # a full-width step gains nothing from drafts
+    assert 0 < policy.draft_length(32) <= 4
+    for _ in range(400):
+        policy.record(4, 0)
+    assert policy.draft_length(1) == 0
+    for _ in range(PROBE_INTERVAL):
+        policy.step_scheduled(drafted=False)
+    assert policy.draft_length(1) == 1  # measured again now and then
+
+
+def test_bad_speculative_configs_are_clear_errors():
+    for config, match in (({"method": "eagle7", "num_speculative_tokens": 2}, "method"),
+                          ({"method": "ngram"}, "num_speculative_tokens"),
+                          ({"method": "ngram", "num_speculative_tokens": 0}, "1..16"),
+                          ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown"),
+                          ({"method": "ngram", "num_speculative_tokens": 2,
+                            "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(speculative_config=config).validate()
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 5)
+
+
+# ---- tensor parallelism and the server ------------------------------------------------------
+def test_tensor_parallel_equals_one_rank(tiny_llm, tiny_llama_dir):
+    prompts = random_prompts(3, 384, 5, 30, seed=4)
+    ref = token_ids(tiny_llm.generate(prompts, greedy(), use_tqdm=False))
+    two = build_llm(str(tiny_llama_dir), **ENGINE, tensor_parallel_size=2,
+                    speculative_config=reference_config(prompts, ref, 0.3))
+    try:
+        assert token_ids(two.generate(prompts, greedy(), use_tqdm=False)) == ref
+        seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=MAX_NEW, ignore_eos=True)
+        one = build_llm(str(tiny_llama_dir), **ENGINE,
+                        speculative_config=reference_config(prompts, ref, 0.3))
+        assert token_ids(two.generate(prompts, seeded, use_tqdm=False)) == \
+            token_ids(one.generate(prompts, seeded, use_tqdm=False))
+        assert spec_stats(two).num_accepted_tokens > 0
+    finally:
+        release(two, one)
+
+
+def test_server_speculates_streamed_and_whole_and_counts(tiny_llm, tiny_llama_dir):
+    from openai import OpenAI
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    engine = AsyncLLM.from_args(str(tiny_llama_dir), speculative_config=spec, **ENGINE)
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown"
+    ref = tiny_llm.generate([prompt], greedy(40), use_tqdm=False)[0].outputs[0].text
+    try:
+        with serve(engine, "tiny") as url:
+            client = OpenAI(base_url=url + "/v1", api_key="unused")
+            whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=40,
+                                              temperature=0, extra_body={"ignore_eos": True})
+            assert whole.choices[0].text == ref
+            chunks = list(client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}))
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+            with httpx.Client(base_url=url) as c:
+                metrics = scrape(c)
+                text = c.get("/metrics").text
+            assert metrics["liteinfer:spec_decode_num_drafts_total"] > 0
+            assert metrics["liteinfer:spec_decode_num_accepted_tokens_total"] > 0
+            assert 'liteinfer:spec_decode_num_accepted_tokens_per_pos_total{' in text
+    finally:
+        engine.shutdown()
+
+
+def test_draft_combinations_cover_every_position():
+    """The per-position counter counts position p only when drafts 0..p were accepted."""
+    from liteinfer.spec_decode import Speculator
+
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    speculator = Speculator(spec, vocab_size=10)
+    for drafted, accepted in product([1, 2, 3], repeat=2):
+        if accepted <= drafted:
+            speculator.record(drafted, accepted)
+    stats = speculator.stats
+    assert stats.num_accepted_tokens_per_pos == [5, 3, 1]
+    assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)

@@ -16,7 +16,11 @@ from fixtures import ENGINES, build_llm, serve
 from liteinfer import SamplingParams
 from liteinfer.config import EngineConfig, SpeculativeConfig
 from liteinfer.engine.async_llm import AsyncLLM
-from liteinfer.spec_decode.draft_length import PROBE_INTERVAL, DraftLengthPolicy
+from liteinfer.spec_decode.draft_length import (
+    PROBE_INTERVAL,
+    RETRY_INTERVAL,
+    DraftLengthPolicy,
+)
 from liteinfer.spec_decode.ngram import NgramProposer
 from liteinfer.spec_decode.suffix import SuffixProposer
 from reference import hf_greedy, random_prompts
@@ -273,6 +277,19 @@ def test_draft_length_follows_batch_width_and_acceptance():
     for _ in range(PROBE_INTERVAL):
         policy.step_scheduled(drafted=False)
     assert policy.draft_length(1) == 1  # measured again now and then
+
+
+def test_steps_without_drafts_overlap_between_retries():
+    policy = DraftLengthPolicy(max_drafts=4, knee_tokens=128, sync_cost=0.1)
+    assert policy.wants_host_tokens(1)
+    policy.step_scheduled(drafted=False)  # nothing proposed: overlap again for a while
+    wanted = []
+    for _ in range(2 * RETRY_INTERVAL):
+        wanted.append(policy.wants_host_tokens(1))
+        policy.step_scheduled(drafted=False)
+    assert wanted.count(True) == 2 and wanted[RETRY_INTERVAL - 1]
+    policy.step_scheduled(drafted=True)
+    assert policy.wants_host_tokens(1) and not policy.wants_host_tokens(128)
 
 
 def test_bad_speculative_configs_are_clear_errors():

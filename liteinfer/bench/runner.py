@@ -54,10 +54,12 @@ def staggered_lengths(osl: int, n: int) -> list[int]:
 
 
 def drive(engine: Any, prompts: list[list[int]], max_tokens: list[int], width: int,
-          bar: tqdm | None = None, ignore_eos: bool = True) -> list[Trace]:
+          bar: tqdm | None = None, ignore_eos: bool = True,
+          token_ids: list[list[int]] | None = None) -> list[Trace]:
     """Keeps at most `width` requests in flight, admitting the next as soon as one finishes.
     A token counts as available when the step() that produced it returns. Outputs have their
-    forced length unless `ignore_eos` is False (real weights, where the text's end matters)."""
+    forced length unless `ignore_eos` is False (real weights, where the text's end matters).
+    `token_ids`, if given, receives each request's output tokens."""
     traces: list[Trace] = []
     owner: dict[str, int] = {}
 
@@ -69,6 +71,8 @@ def drive(engine: Any, prompts: list[list[int]], max_tokens: list[int], width: i
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=ignore_eos,
                                 detokenize=False, output_kind=RequestOutputKind.DELTA)
         traces.append(Trace(submit=time.perf_counter()))
+        if token_ids is not None:
+            token_ids.append([])
         engine.add_request(rid, prompts[i], params)
 
     in_flight = 0
@@ -83,6 +87,8 @@ def drive(engine: Any, prompts: list[list[int]], max_tokens: list[int], width: i
         for out in outputs:
             trace = traces[owner[out.request_id]]
             trace.tokens.extend([now] * len(out.new_token_ids))
+            if token_ids is not None:
+                token_ids[owner[out.request_id]] += out.new_token_ids
             if out.finished:
                 in_flight -= 1
                 if bar is not None:

@@ -5,9 +5,10 @@ Two kinds of run:
   benchmarks/workloads/grounded.jsonl (rewrite, summarize, edit code: outputs that reuse the
   prompt), greedy, each answer ending where the model ends it (at most --osl tokens);
 - controlled acceptance on dummy weights (`--method reference`): the proposer drafts each
-  request's greedy continuation (measured first, without speculation) with every draft token
-  corrupted with the probability that gives the mean accepted length asked for (draft length
-  --num-speculative-tokens). The rows name the proposer, which exists for benchmarks only.
+  request's greedy continuation (the engine's own, found first: `calibrate`) with every draft
+  token corrupted with the probability that gives the mean accepted length asked for (draft
+  length --num-speculative-tokens). The rows name the proposer, which exists for benchmarks
+  only.
 
 Each width runs without speculation (config `spec-off`) and with it (`spec-<method>`), on the
 same prompts (--latency-prompts one at a time, 2W at width W); rows record the drafts'
@@ -120,34 +121,49 @@ def cmd_spec(args: argparse.Namespace) -> None:
 
     for width in args.widths:
         measure(plain, "spec-off", width, base_args, {})
-    reference_outputs = []
-    if args.method == "reference":
-        from liteinfer.sampling_params import SamplingParams
-
-        outs = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.osl,
-                                                      ignore_eos=True), use_tqdm=False)
-        reference_outputs = [[p, o.outputs[0].token_ids] for p, o in zip(prompts, outs)]
     plain.shutdown()
-    spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
-    if args.method == "reference":
-        spec["reference_outputs"] = reference_outputs
-    spec_args = {**base_args, "speculative_config": spec}
-    llm = LLM(args.model, load_format=load_format, **spec_args)
-    recorded_args = {**base_args, "speculative_config": {
-        k: v for k, v in spec.items() if k != "reference_outputs"}}
-    levels = args.acceptance_lengths if args.method == "reference" else [None]
+    spec: dict[str, Any] = {"method": args.method,
+                            "num_speculative_tokens": args.num_speculative_tokens}
+    llm = LLM(args.model, load_format=load_format, **base_args, speculative_config=spec)
+    recorded_args = {**base_args, "speculative_config": spec}
     try:
-        for length in levels:
-            extra: dict[str, Any] = {}
-            if length is not None:
-                c = corrupt_probability(length, args.num_speculative_tokens)
-                llm.engine.core.scheduler.speculator.proposer.corrupt_probability = c
-                extra = {"spec_target_acceptance_length": length, "spec_corrupt_probability": c}
+        if args.method != "reference":
             for width in args.widths:
-                measure(llm, f"spec-{args.method}", width, recorded_args, extra)
+                measure(llm, f"spec-{args.method}", width, recorded_args, {})
+            return
+        proposer = llm.engine.core.scheduler.speculator.proposer
+        for width in args.widths:
+            reference = calibrate(llm, prompts_at(prompts, width, args.latency_prompts),
+                                  args.osl, width)
+            for length in args.acceptance_lengths:
+                c = corrupt_probability(length, args.num_speculative_tokens)
+                proposer.set_reference(reference, c)
+                measure(llm, "spec-reference", width, recorded_args,
+                        {"spec_target_acceptance_length": length,
+                         "spec_corrupt_probability": c})
     finally:
         llm.shutdown()
-    print(f"{len(rows)} row(s) appended to {out}")
+        print(f"{len(rows)} row(s) appended to {out}")
+
+
+def calibrate(llm: LLM, prompts: list[list[int]], osl: int, width: int
+              ) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """The greedy continuations the engine verifies as its own at this width. In bf16 a
+    prompt's greedy answer depends on the kernels that compute it (a verification step's
+    few-row GEMMs round otherwise than a decode step's GEMV), so the reference proposer's
+    continuations come from the speculating engine itself: its answers without drafts, then
+    its answers with those as drafts, until they stop changing (at most 3 rounds)."""
+    proposer = llm.engine.core.scheduler.speculator.proposer
+    reference: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for _ in range(3):
+        proposer.set_reference(reference, 0.0)
+        outputs: list[list[int]] = []
+        drive(llm.engine, prompts, [osl] * len(prompts), width, token_ids=outputs)
+        answers = {tuple(p): tuple(o) for p, o in zip(prompts, outputs)}
+        if answers == reference:
+            break
+        reference = answers
+    return reference
 
 
 def add_spec_parser(subparsers: Any) -> None:

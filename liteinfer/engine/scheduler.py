@@ -165,7 +165,7 @@ class Scheduler:
         """Whether the next step would verify drafts: then the step before it must be read
         first (drafts follow the tokens it samples), instead of overlapping the two."""
         return (self.speculator is not None
-                and self.speculator.draft_length(len(self.running)) > 0)
+                and self.speculator.wants_host_tokens(len(self.running)))
 
     # ---- a step's life ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:

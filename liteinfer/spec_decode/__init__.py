@@ -47,6 +47,9 @@ class Speculator:
     def draft_length(self, num_decoding: int) -> int:
         return self.policy.draft_length(num_decoding)
 
+    def wants_host_tokens(self, num_decoding: int) -> bool:
+        return self.policy.wants_host_tokens(num_decoding)
+
     def step_scheduled(self, drafted: bool) -> None:
         self.policy.step_scheduled(drafted)
 

@@ -17,6 +17,10 @@ PRIOR_ACCEPTANCE = 0.6
 ACCEPTANCE_SMOOTHING = 0.05
 # With speculation off for low acceptance, every this many steps draft anyway to measure again.
 PROBE_INTERVAL = 64
+# A step that proposed nothing gave up its overlap for nothing (the proposers found no match);
+# after one, they are asked again only every this many steps, and the steps between overlap
+# as without speculation.
+RETRY_INTERVAL = 8
 
 
 class DraftLengthPolicy:
@@ -46,6 +50,12 @@ class DraftLengthPolicy:
                 batch * 2 <= self.knee_tokens:
             return 1  # off for low acceptance alone: measure it again
         return best
+
+    def wants_host_tokens(self, batch: int) -> bool:
+        """Whether the next step should be scheduled with every token on the host (the step
+        before it read first), so that drafts can follow them."""
+        return (self.draft_length(batch) > 0
+                and self.steps_without_drafts % RETRY_INTERVAL == 0)
 
     def step_scheduled(self, drafted: bool) -> None:
         self.steps_without_drafts = 0 if drafted else self.steps_without_drafts + 1

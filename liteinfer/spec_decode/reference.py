@@ -15,6 +15,11 @@ class ReferenceProposer:
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
 
+    def set_reference(self, reference_outputs: dict[tuple[int, ...], tuple[int, ...]],
+                      corrupt_probability: float) -> None:
+        self.outputs = reference_outputs
+        self.corrupt_probability = corrupt_probability
+
     def propose(self, request_id: str, prompt_len: int, token_ids: list[int],
                 max_tokens: int) -> list[int]:
         reference = self.outputs.get(tuple(token_ids[:prompt_len]))

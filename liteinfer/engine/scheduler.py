@@ -171,9 +171,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         # Decodes reserve first. A sequence they preempt goes back to the head of the queue and
         # never fits in the blocks its preemption freed, so nobody is admitted past it.
-        decodes, verifies = self._reserve_decodes()
+        decodes, verifies, asked = self._reserve_decodes()
         if self.speculator is not None:
-            self.speculator.step_scheduled(bool(verifies))
+            self.speculator.step_scheduled(drafted=bool(verifies), asked=asked)
         return (self._schedule_prompts(decodes, verifies)
                 or self._decode_batch(decodes))
 
@@ -353,9 +353,10 @@ class Scheduler:
                 seqs.pop()
                 num_tokens.pop()
 
-    def _reserve_decodes(self) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
+    def _reserve_decodes(self) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]], bool]:
         """Running sequences that decode a token next, each given room for it: those that
-        decode it alone, and those that verify drafts after it (with room for them too).
+        decode it alone, and those that verify drafts after it (with room for them too); and
+        whether drafts were asked for any sequence with every token on the host.
         Partly prefilled prompts sit decodes out, and so do sequences whose pending token ends
         them. Written out for speed: it runs for every running sequence every step."""
         blocks_needed = self.block_manager.blocks_needed
@@ -363,12 +364,16 @@ class Scheduler:
         if self.speculator is not None:
             num_drafts = self.speculator.draft_length(len(self.running))
         decodes, verifies = [], []
+        asked = False
         for seq in list(self.running):
             n = len(seq.token_ids) + seq.num_pending
             if (seq.status is not SequenceStatus.RUNNING or n - seq.num_computed_tokens != 1
                     or self._at_length_limit(seq, n)):
                 continue
-            drafts = self._propose(seq, num_drafts) if num_drafts else []
+            drafts = []
+            if num_drafts and not seq.num_pending:
+                asked = True
+                drafts = self._propose(seq, num_drafts)
             # Drafts never preempt anyone: without room for them, the sequence decodes alone.
             if drafts and self.block_manager.can_allocate(seq, n + len(drafts)):
                 self.block_manager.allocate(seq, n + len(drafts))
@@ -376,14 +381,14 @@ class Scheduler:
             # Most steps: its blocks hold the token already.
             elif blocks_needed(seq, n) == 0 or self._reserve(seq, n):
                 decodes.append(seq)
-        return decodes, verifies
+        return decodes, verifies, asked
 
     def _propose(self, seq: Sequence, num_drafts: int) -> list[int]:
         """Draft tokens for a sequence whose tokens are all on the host, within its length
         limits. Sequences whose sampling reads their earlier outputs (penalties), whose
         grammar constrains them, or that may not stop yet (min_tokens) draft nothing."""
         params = seq.sampling_params
-        if (seq.num_pending or seq.needs_penalties or params.structured_outputs is not None
+        if (seq.needs_penalties or params.structured_outputs is not None
                 or seq.num_output_tokens < params.min_tokens):
             return []
         n = len(seq.token_ids)

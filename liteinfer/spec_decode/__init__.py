@@ -50,8 +50,8 @@ class Speculator:
     def wants_host_tokens(self, num_decoding: int) -> bool:
         return self.policy.wants_host_tokens(num_decoding)
 
-    def step_scheduled(self, drafted: bool) -> None:
-        self.policy.step_scheduled(drafted)
+    def step_scheduled(self, drafted: bool, asked: bool) -> None:
+        self.policy.step_scheduled(drafted, asked)
 
     def propose(self, request_id: str, prompt_len: int, token_ids: list[int],
                 max_tokens: int) -> list[int]:

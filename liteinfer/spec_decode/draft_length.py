@@ -57,8 +57,14 @@ class DraftLengthPolicy:
         return (self.draft_length(batch) > 0
                 and self.steps_without_drafts % RETRY_INTERVAL == 0)
 
-    def step_scheduled(self, drafted: bool) -> None:
-        self.steps_without_drafts = 0 if drafted else self.steps_without_drafts + 1
+    def step_scheduled(self, drafted: bool, asked: bool) -> None:
+        """drafted: some sequence verifies drafts in the step; asked: drafts were asked for a
+        sequence with every token on the host. A step read ahead in which nobody could be
+        asked (all prefilling) is no failed retry: the next step stays read ahead."""
+        if drafted:
+            self.steps_without_drafts = 0
+        elif asked or self.steps_without_drafts % RETRY_INTERVAL:
+            self.steps_without_drafts += 1
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """One sequence's verification: `num_accepted` of its `num_drafted` drafts kept. The

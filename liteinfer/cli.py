@@ -21,7 +21,7 @@ from liteinfer.loader.overrides import (
     load_chat_template,
     load_generation_config,
 )
-from liteinfer.logger import LEVELS, configure_logging
+from liteinfer.logger import LEVELS, LOGGERS, configure_logging
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     finally:
-        logging.getLogger("liteinfer").removeHandler(handler)
+        for name in LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
 
 
 if __name__ == "__main__":

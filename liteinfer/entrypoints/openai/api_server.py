@@ -63,7 +63,7 @@ from liteinfer.entrypoints.openai.protocol import (
 )
 from liteinfer.entrypoints.openai.structured import ToolCalls
 from liteinfer.loader.overrides import ModelOverrides
-from liteinfer.logger import configure_logging
+from liteinfer.logger import configure_logging, logging_level
 from liteinfer.outputs import Logprob, RequestOutput
 from liteinfer.utils import freeze_heap, model_label
 
@@ -607,8 +607,9 @@ class Server:
             runner.run(self.serve(sockets))
 
 
-def uvicorn_config(app: Starlette, host: str, port: int, log_level: str = "info") -> Any:
-    """uvloop and httptools where installed, else asyncio and h11."""
+def uvicorn_config(app: Starlette, host: str, port: int, log_level: str | None = None) -> Any:
+    """uvloop and httptools where installed, else asyncio and h11. uvicorn logs through
+    liteinfer's handler (logger.py), at `log_level` or else --log-level."""
     import importlib.util
 
     import uvicorn
@@ -616,8 +617,8 @@ def uvicorn_config(app: Starlette, host: str, port: int, log_level: str = "info"
     fast = {"loop": "uvloop"} if importlib.util.find_spec("uvloop") else {}
     if importlib.util.find_spec("httptools"):
         fast["http"] = "httptools"
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          timeout_graceful_shutdown=5, **fast)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level or logging_level(),
+                          log_config=None, timeout_graceful_shutdown=5, **fast)
 
 
 def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,

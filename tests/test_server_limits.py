@@ -198,6 +198,23 @@ def test_bad_numbers_beside_32_good_streams(url, tiny_llm):
     assert_idle(url)
 
 
+def test_the_core_admits_a_request_s_choices_together(tiny_llama_dir):
+    """A core that may hold 2 running and 1 waiting requests: n=4 is refused whole with a 503
+    that gives the server's limit, n=3 runs whole; the core holds nothing afterwards."""
+    engine = AsyncLLM.from_args(str(tiny_llama_dir), max_waiting_requests=1,
+                                **{**ENGINE_ARGS, "max_num_seqs": 2})
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "ignore_eos": True}
+    try:
+        with serve(engine, MODEL) as base, httpx.Client(base_url=base, timeout=60) as c:
+            assert_openai_error(c.post("/v1/completions", json={**body, "n": 4}), 503,
+                                "(0 requests running or waiting, at most 3)")
+            r = c.post("/v1/completions", json={**body, "n": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+            assert_idle(base)
+    finally:
+        engine.shutdown()
+
+
 REQUEST_FIELDS = {
     "model": st.one_of(st.none(), st.just(MODEL), st.text(max_size=8)),
     "max_tokens": st.one_of(st.none(), st.integers(-2, 6), st.integers()),

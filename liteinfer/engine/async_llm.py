@@ -175,6 +175,8 @@ class AsyncLLM:
         core, or none: a ValueError (bad prompt or parameters) leaves the engine as it was.
         Returns once the core has admitted them: ServerBusyError when it holds as many requests
         as it may (every front end's), EngineError when the core is gone."""
+        if not requests:  # the core answers each batch by its first request
+            raise ValueError("no requests given")
         self._check_alive()
         arrival = time.perf_counter()
 

@@ -632,7 +632,8 @@ def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
     if args.api_server_count > 1:
         run_api_servers(model, host, port, name, load_format, args, overrides, **engine_args)
         return
-    socks = listening_sockets(host, port, 1)  # before loading: a port in use fails at once
+    # Before loading: a port in use fails at once.
+    socks = listening_sockets(host, port, 1, reuse_port=False)
     try:
         with StartingResponder(socks):
             engine = AsyncLLM.from_args(model, load_format, args.max_waiting_requests,
@@ -660,10 +661,12 @@ def serve_engine(engine: AsyncLLM, name: str, args: ServerArgs, overrides: Model
 
 
 # ---- several API-server processes on one engine core ---------------------------------------
-def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
-    """n listening sockets on one port (SO_REUSEPORT). The kernel spreads new connections
-    evenly over them; processes sharing one socket would not (an event loop that wakes up
-    accepts every connection waiting, so one process takes a burst of them)."""
+def listening_sockets(host: str, port: int, n: int, reuse_port: bool = True
+                      ) -> list[socket.socket]:
+    """n listening sockets on one port (SO_REUSEPORT, which one server alone leaves off: it
+    would let a second server share the port). The kernel spreads new connections evenly over
+    them; processes sharing one socket would not (an event loop that wakes up accepts every
+    connection waiting, so one process takes a burst of them)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     socks: list[socket.socket] = []
     try:
@@ -671,7 +674,7 @@ def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
             sock = socket.socket(family, socket.SOCK_STREAM)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, reuse_port)
             sock.bind((host, port))
             port = sock.getsockname()[1]  # port 0: the others join the one the first got
             sock.listen(2048)

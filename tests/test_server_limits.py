@@ -5,6 +5,7 @@ engine core and SIGTERM answered with errors, never a silent cut, and the server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -374,8 +375,14 @@ def sockets_per_process(pids: list[int], port: int, state: str = ESTABLISHED
 
 
 def spawned_children(server_pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text()
-            .split() if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    """The server's children started by multiprocessing's spawn (the engine core, API
+    servers)."""
+    pids = []
+    for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
+        with contextlib.suppress(OSError):  # one that exited meanwhile
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(int(pid))
+    return pids
 
 
 def front_ends_and_core(server_pid: int, port: int) -> tuple[list[int], int]:

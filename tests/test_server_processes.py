@@ -86,7 +86,8 @@ def test_a_burst_never_exceeds_the_server_wide_limit(server):
     async def burst() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=300, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
-            return await asyncio.gather(*(completion(client, 16) for _ in range(300)))
+            # Long enough that the burst arrives while the first admitted ones still run.
+            return await asyncio.gather(*(completion(client, 64) for _ in range(300)))
 
     scraper = threading.Thread(target=scrape)
     scraper.start()
@@ -99,7 +100,7 @@ def test_a_burst_never_exceeds_the_server_wide_limit(server):
     refused = [r for r in responses if r.status_code != 200]
     assert len(served) >= limit and refused
     for r in served:
-        assert r.json()["usage"]["completion_tokens"] == 16
+        assert r.json()["usage"]["completion_tokens"] == 64
     for r in refused:
         assert_openai_error(r, 503, f"at most {limit})")
     assert seen and max(running for running, _ in seen) <= MAX_NUM_SEQS
@@ -159,7 +160,8 @@ def test_a_killed_api_server_is_replaced_while_the_other_serves(server):
     with ThreadPoolExecutor(1) as pool:
         # /health: 503 when asked 0.5 s after the kill, until the new API server serves.
         health = pool.submit(health_after, base, killed, lambda a: (
-            a and a[-1][1] == 200) or time.monotonic() - killed > 120)
+            503 in [status for _, status in a] and a[-1][1] == 200)
+            or time.monotonic() - killed > 120)
         while process_alive(before[0]):  # its listening socket is closed once it is gone
             time.sleep(0.01)
         # Requests on the other API server complete meanwhile.
@@ -211,6 +213,34 @@ def test_sigterm_turns_health_503_then_the_server_exits(server):
     assert all(status != 200 for asked, status in answers if asked > 0.5), answers
     assert 503 in [status for _, status in answers]
     assert proc.wait(timeout=GRACE_S + 15) == 0
+
+
+def test_api_servers_dying_repeatedly_end_the_server(tiny_llama_dir, tmp_path):
+    """Past MAX_RESTARTS replacements within the window the server gives up: it exits with an
+    error instead of restarting API servers that keep dying."""
+    log = tmp_path / "serve.log"
+    proc, base = start_server(tiny_llama_dir, "--api-server-count", "2", "--shutdown-grace",
+                              "1", log=log)
+    try:
+        (core,) = set(spawned_children(proc.pid)) - set(api_servers(proc.pid, port_of(base)))
+
+        def api_server_pids() -> set[int]:
+            return set(spawned_children(proc.pid)) - {core}
+
+        deadline = time.monotonic() + 60
+        for _ in range(MAX_RESTARTS + 1):
+            while len(api_server_pids()) < 2:  # the last one's replacement is started
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.01)
+            victim = max(api_server_pids())
+            os.kill(victim, signal.SIGKILL)
+            while proc.poll() is None and victim in spawned_children(proc.pid):
+                time.sleep(0.01)  # until the server has reaped it
+        assert proc.wait(timeout=30) == 1
+        assert f"{MAX_RESTARTS + 1} API-server processes died within" in log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_restarts_are_bounded():

@@ -22,6 +22,7 @@ from liteinfer.loader.overrides import (
     load_chat_template,
     load_generation_config,
 )
+from liteinfer.logger import LEVELS, LOGGERS, configure_logging
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -79,13 +80,15 @@ def _value_parser(annotation: Any) -> tuple[Callable[[str], Any], bool]:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The model and every EngineConfig field as a flag (`max_num_seqs` as --max-num-seqs,
-    booleans as --x / --no-x), `--set KEY=VALUE`, and the model-file overrides. `engine_kwargs`
-    and `model_overrides` read them back."""
+    """The model, --log-level and every EngineConfig field as a flag (`max_num_seqs` as
+    --max-num-seqs, booleans as --x / --no-x), `--set KEY=VALUE`, and the model-file overrides.
+    `engine_kwargs` and `model_overrides` read them back."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help=f"HF model directory or id (org/name, from the local Hugging Face "
                              f"cache), .gguf file or a known name (default: {DEFAULT_MODEL})")
     parser.add_argument("--model", help="the same as MODEL")
+    parser.add_argument("--log-level", default="info", choices=LEVELS,
+                        help="of every process's log lines (default: %(default)s)")
     parser.add_argument("--load-format", default="auto",
                         choices=["auto", "safetensors", "gguf", "dummy"])
     engine = parser.add_argument_group("engine arguments (EngineConfig, liteinfer/config.py)")
@@ -243,19 +246,16 @@ def main(argv: list[str] | None = None) -> None:
 
         bench_main(argv[1:])
         return
-    # The engine's notes (e.g. max_model_len fitted to the KV pool) are part of the output.
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("liteinfer")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
     args = build_parser().parse_args(argv)
+    # The engine's notes (e.g. max_model_len fitted to the KV pool) are part of the output.
+    handler = configure_logging(args.log_level)
     try:
         args.func(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
     finally:
-        logger.removeHandler(handler)
+        for name in LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -208,3 +208,25 @@ def test_liteinfer_bench_is_the_benchmark_harness(capsys):
     main(["bench", "run", "--dry-run", "--config", "prompt-graphs", "--quick"])
     planned = capsys.readouterr().out
     assert "prompt-graphs" in planned and "128" in planned
+
+
+def test_log_level_reaches_every_process(monkeypatch):
+    """--log-level sets this process's level and the environment that the processes it
+    spawns (engine core, API servers, grammar process, workers) configure theirs from."""
+    import logging
+
+    from liteinfer.logger import LOGGING_LEVEL_ENV
+
+    monkeypatch.delenv(LOGGING_LEVEL_ENV, raising=False)
+    seen = []
+    monkeypatch.setattr("liteinfer.entrypoints.openai.api_server.run_server", lambda *a, **kw:
+                        seen.append((os.environ[LOGGING_LEVEL_ENV],
+                                     logging.getLogger("liteinfer").level,
+                                     logging.getLogger("uvicorn").level)))
+    before = {name: logging.getLogger(name).level for name in ("liteinfer", "uvicorn")}
+    try:
+        main(["serve", "--log-level", "warning"])
+    finally:
+        for name, level in before.items():
+            logging.getLogger(name).setLevel(level)
+    assert seen == [("warning", logging.WARNING, logging.WARNING)]

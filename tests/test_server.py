@@ -273,7 +273,8 @@ def test_tokenize_and_detokenize(client, tiny_llm):
 
 @pytest.mark.parametrize("metrics_need_key", [False, True])
 def test_api_key_guards_the_api(served, tiny_llama_dir, metrics_need_key):
-    """Every route touching the model or its tokenizer needs the key; /health never does."""
+    """Every route touching the model or its tokenizer needs the key; /health and /livez
+    never do."""
     front = second_front_end(served, tiny_llama_dir)
     args = ServerArgs(api_key="s3cret", metrics_need_key=metrics_need_key)
     with serve(front, MODEL, args) as url, httpx.Client(base_url=url) as c:
@@ -287,7 +288,7 @@ def test_api_key_guards_the_api(served, tiny_llama_dir, metrics_need_key):
                                       ("POST", "/detokenize", {"tokens": [5]}),
                                       ("GET", "/nowhere", None)]:
             assert c.request(method, path, json=payload).status_code == 401, path
-        assert c.get("/health").status_code == 200
+        assert c.get("/health").status_code == c.get("/livez").status_code == 200
         assert c.get("/metrics").status_code == (401 if metrics_need_key else 200)
         r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -5,6 +5,7 @@ engine core and SIGTERM answered with errors, never a silent cut, and the server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,6 @@ from hypothesis import strategies as st
 
 from fixtures import serve
 from liteinfer import SamplingParams
-from liteinfer.config import EngineConfig
 from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.entrypoints.openai.cli_args import ServerArgs
 from liteinfer.utils import free_port
@@ -35,8 +35,8 @@ LIMITS = ServerArgs(max_body_bytes=4096, max_prompts_per_request=4,
 
 @pytest.fixture(scope="module")
 def core(tiny_llama_dir):
-    """An engine core with room for two front ends: 0 with LIMITS, 1 for admission tests."""
-    engine = AsyncLLM.from_args(str(tiny_llama_dir), num_clients=2, **ENGINE_ARGS)
+    """An engine core and its front end, served with LIMITS."""
+    engine = AsyncLLM.from_args(str(tiny_llama_dir), **ENGINE_ARGS)
     yield engine
     engine.shutdown()
 
@@ -199,26 +199,21 @@ def test_bad_numbers_beside_32_good_streams(url, tiny_llm):
     assert_idle(url)
 
 
-def test_waiting_queue_is_bounded(core, tiny_llama_dir):
-    """Past a full batch and the waiting queue, a 503; the admitted requests still finish."""
-    front = AsyncLLM(str(tiny_llama_dir), EngineConfig(max_num_seqs=2, **ENGINE_ARGS),
-                     core.core_handle, client_index=1, max_waiting_requests=1)
-    body = {"prompt": PROMPTS[0], "max_tokens": 60, "ignore_eos": True, "temperature": 0}
-
-    async def run(base: str) -> None:
-        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-            admitted = [asyncio.ensure_future(stream_text(client, body)) for _ in range(3)]
-            while front.num_requests < 3:
-                await asyncio.sleep(0.01)
-            assert_openai_error(await client.post("/v1/completions", json=body), 503, "capacity")
-            for text, chunks in await asyncio.gather(*admitted):
-                assert chunks[-1] == "[DONE]" and text
-        r = httpx.post(base + "/v1/completions", json={**body, "max_tokens": 2})
-        assert r.status_code == 200
-
-    with serve(front, MODEL) as base:
-        asyncio.run(run(base))
-    front.shutdown()
+def test_the_core_admits_a_request_s_choices_together(tiny_llama_dir):
+    """A core that may hold 2 running and 1 waiting requests: n=4 is refused whole with a 503
+    that gives the server's limit, n=3 runs whole; the core holds nothing afterwards."""
+    engine = AsyncLLM.from_args(str(tiny_llama_dir), max_waiting_requests=1,
+                                **{**ENGINE_ARGS, "max_num_seqs": 2})
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "ignore_eos": True}
+    try:
+        with serve(engine, MODEL) as base, httpx.Client(base_url=base, timeout=60) as c:
+            assert_openai_error(c.post("/v1/completions", json={**body, "n": 4}), 503,
+                                "(0 requests running or waiting, at most 3)")
+            r = c.post("/v1/completions", json={**body, "n": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+            assert_idle(base)
+    finally:
+        engine.shutdown()
 
 
 REQUEST_FIELDS = {
@@ -319,23 +314,34 @@ def test_64_streams_a_quarter_leaving(url, tiny_llm):
 
 
 # ---- the `liteinfer serve` process ----------------------------------------------------------
-def start_server(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, *flags: str, log: Path | None = None,
+                 statuses: list[httpx.Response] | None = None) -> tuple[subprocess.Popen, str]:
+    """`liteinfer serve` of the model, once /health answers 200; its output goes to `log`
+    (else a pipe), and /health's answers before the 200 to `statuses`."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
+    out = subprocess.PIPE if log is None else log.open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "liteinfer.cli", "serve", "--model",
                              str(model_dir), "--device", "cpu", "--dtype", "float32",
                              "--max-model-len", "256", "--port", str(port), *flags],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
+        if proc.poll() is not None:
+            raise AssertionError((proc.stdout.read() if log is None else log.read_bytes())
+                                 .decode())
         assert time.monotonic() < deadline, "the server did not start"
         try:
-            if httpx.get(base + "/health").status_code == 200:
-                return proc, base
+            r = httpx.get(base + "/health")
         except httpx.TransportError:
             time.sleep(0.2)
+            continue
+        if r.status_code == 200:
+            return proc, base
+        if statuses is not None:
+            statuses.append(r)
+        time.sleep(0.2)
 
 
 def core_pid(server_pid: int) -> int:
@@ -346,6 +352,46 @@ def core_pid(server_pid: int) -> int:
         if b"spawn_main" in cmdline:
             return int(pid)
     raise AssertionError(f"no engine core among {children}")
+
+
+ESTABLISHED, LISTEN = "01", "0A"
+
+
+def sockets_per_process(pids: list[int], port: int, state: str = ESTABLISHED
+                        ) -> dict[int, int]:
+    """Each process's TCP sockets on local `port` in `state` (from /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == state:
+                    inodes.add(f[9])
+    counts = {}
+    for pid in pids:
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        counts[pid] = sum(link[8:-1] in inodes for link in links if link.startswith("socket:["))
+    return counts
+
+
+def spawned_children(server_pid: int) -> list[int]:
+    """The server's children started by multiprocessing's spawn (the engine core, API
+    servers)."""
+    pids = []
+    for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
+        with contextlib.suppress(OSError):  # one that exited meanwhile
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(int(pid))
+    return pids
+
+
+def front_ends_and_core(server_pid: int, port: int) -> tuple[list[int], int]:
+    """The API-server processes (those listening on the port) and the engine core."""
+    children = spawned_children(server_pid)
+    listening = sockets_per_process(children, port, LISTEN)
+    front_ends = [p for p in children if listening[p]]
+    (core,) = set(children) - set(front_ends)
+    return front_ends, core
 
 
 async def streams_in_flight(base: str, n: int, max_tokens: int, started: asyncio.Event

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -33,8 +32,6 @@ from liteinfer.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 T = TypeVar("T")
-logger = logging.getLogger(__name__)
-STATS_INTERVAL_S = 10.0
 # Tokenizing and templating run here, off the event loop; tokenizers release the GIL.
 TOKENIZER_THREADS = 4
 # Token-id prompts up to this many tokens in all are validated on the event loop: a hop to the
@@ -47,7 +44,7 @@ class EngineError(RuntimeError):
 
 
 class ServerBusyError(RuntimeError):
-    """The waiting queue is full: the request is refused (HTTP 503)."""
+    """The core holds as many requests as it may: the request is refused (HTTP 503)."""
 
 
 class RequestStream:
@@ -60,6 +57,8 @@ class RequestStream:
         self._pending: dict[str, RequestOutput] = {}
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
+        # Set once the core admits the requests; ServerBusyError if it refuses them.
+        self.admission = asyncio.get_running_loop().create_future()
 
     def put(self, out: RequestOutput) -> None:
         before = self._pending.get(out.request_id)
@@ -73,6 +72,8 @@ class RequestStream:
         """Ends the stream with `error` once the outputs already received are taken."""
         self._error = error
         self._ready.set()
+        if not self.admission.done():
+            self.admission.set_exception(error)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -106,7 +107,6 @@ class AsyncLLM:
 
     def __init__(self, model: str, config: EngineConfig, core: CoreHandle,
                  load_format: str = "auto", client_index: int = 0,
-                 max_waiting_requests: int | None = None,
                  owned_core: CoreProcess | None = None):
         source = load_model_source(model, load_format)
         self.model_config = ModelConfig.from_hf(source.hf_config)
@@ -118,9 +118,6 @@ class AsyncLLM:
         self.processor = InputProcessor(self.model_config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client_index = client_index
-        # Requests of this front end the engine may hold: a full batch, then the waiting queue.
-        self.max_requests = (None if max_waiting_requests is None
-                             else config.max_num_seqs + max_waiting_requests)
         self._owned_core = owned_core
         self._pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS,
                                                            thread_name_prefix="liteinfer-tok")
@@ -128,20 +125,18 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self.scheduler_stats = SchedulerStats()
         self.dead: EngineError | None = None
-        self._stats_task: asyncio.Task[None] | None = None
-        self._prompt_tokens = self._generation_tokens = 0
         self.on_death: list[Callable[[], None]] = []
 
     @classmethod
     def from_args(cls, model: str, load_format: str = "auto",
                   max_waiting_requests: int | None = None, num_clients: int = 1,
                   **engine_args: Any) -> AsyncLLM:
-        """Starts an engine core process for the model and becomes its front end 0."""
+        """Starts an engine core process for the model (holding at most a full batch and
+        `max_waiting_requests` more) and becomes its front end 0."""
         config = EngineConfig(**engine_args)
-        core = CoreProcess(model, config, load_format, num_clients)
+        core = CoreProcess(model, config, load_format, num_clients, max_waiting_requests)
         try:
-            return cls(model, config, core.handle, load_format,
-                       max_waiting_requests=max_waiting_requests, owned_core=core)
+            return cls(model, config, core.handle, load_format, owned_core=core)
         except BaseException:
             core.shutdown()
             raise
@@ -151,36 +146,9 @@ class AsyncLLM:
         self._client = EngineCoreClient(self.core_handle, self.client_index, self._on_outputs,
                                         self._on_core_death)
         self._client.start()
-        if self.client_index == 0:  # one stats line per core, as vLLM prints
-            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats())
-
-    async def _log_stats(self) -> None:
-        """Every STATS_INTERVAL_S while requests run: this front end's prompt and generation
-        tok/s, and the core's running, waiting, KV usage and prefix-cache hit rate."""
-        before = (0, 0, time.monotonic())
-        while True:
-            await asyncio.sleep(STATS_INTERVAL_S)
-            now = (self._prompt_tokens, self._generation_tokens, time.monotonic())
-            if now[:2] == before[:2]:
-                continue
-            s, dt = self.scheduler_stats, now[2] - before[2]
-            hits = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
-            spec = ""
-            if s.spec_decoding is not None:
-                spec = (f", draft acceptance rate {100 * s.spec_decoding.acceptance_rate:.1f}%"
-                        f", mean acceptance length "
-                        f"{s.spec_decoding.mean_acceptance_length:.2f}")
-            logger.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, "
-                        "KV cache %.1f%%, prefix cache hit rate %.1f%%%s",
-                        (now[0] - before[0]) / dt, (now[1] - before[1]) / dt, s.num_running,
-                        s.num_waiting, 100 * s.kv_cache_usage, 100 * hits, spec)
-            before = now
 
     async def stop(self) -> None:
         """Fails what is still running and disconnects from the core."""
-        if self._stats_task is not None:
-            self._stats_task.cancel()
-            self._stats_task = None
         self.fail_all(EngineError("the server is shutting down"))
         if self._client is not None:
             self._client.close()
@@ -205,8 +173,11 @@ class AsyncLLM:
                            max_prompt_tokens: int | None = None) -> RequestStream:
         """Validates and tokenizes every request (in the pool), then sends them all to the
         core, or none: a ValueError (bad prompt or parameters) leaves the engine as it was.
-        ServerBusyError when the waiting queue has no room, EngineError when the core is gone."""
-        self._check_room(len(requests))
+        Returns once the core has admitted them: ServerBusyError when it holds as many requests
+        as it may (every front end's), EngineError when the core is gone."""
+        if not requests:  # the core answers each batch by its first request
+            raise ValueError("no requests given")
+        self._check_alive()
         arrival = time.perf_counter()
 
         def process() -> list[EngineCoreRequest]:
@@ -222,7 +193,7 @@ class AsyncLLM:
             processed = process()
         else:
             processed = await self.run_in_pool(process)
-            self._check_room(len(requests))  # others may have come in while this one waited
+            self._check_alive()
         assert self._client is not None, "AsyncLLM.start() was not called"
         for request in processed:
             if request.request_id in self._streams:
@@ -231,27 +202,36 @@ class AsyncLLM:
         # Sent first, so that the core starts on them while this front end sets up their
         # state: their outputs are read on this thread, after this call returns.
         self._client.add_requests(processed)
-        stream = RequestStream(self, [r.request_id for r in processed])
-        self._prompt_tokens += sum(len(r.prompt_token_ids) for r in processed)
+        ids = [r.request_id for r in processed]
+        stream = RequestStream(self, ids)
         for request, (_, prompt, _) in zip(processed, requests):
             self.output_processor.add_request(request, prompt if isinstance(prompt, str) else None)
             self._streams[request.request_id] = stream
+        try:
+            await stream.admission
+        except ServerBusyError:
+            self._forget(ids)  # the core never took them
+            raise
+        except BaseException:  # the core died, or the caller was cancelled
+            stream.abort()
+            raise
         return stream
 
-    def _check_room(self, n: int) -> None:
+    def _check_alive(self) -> None:
         if self.dead is not None:
             raise self.dead
-        if self.max_requests is not None and len(self._streams) + n > self.max_requests:
-            raise ServerBusyError(f"the server is at capacity ({len(self._streams)} requests "
-                                  "running or waiting); retry later")
 
     def abort(self, request_ids: list[str]) -> None:
-        ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
-        if not ids:
-            return
-        self.output_processor.abort_requests(ids)
-        if self._client is not None and self.dead is None:
+        ids = self._forget(request_ids)
+        if ids and self._client is not None and self.dead is None:
             self._client.abort_requests(ids)
+
+    def _forget(self, request_ids: list[str]) -> list[str]:
+        """Drops this front end's state of the requests; returns those it held."""
+        ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        if ids:
+            self.output_processor.abort_requests(ids)
+        return ids
 
     def fail_all(self, error: BaseException) -> None:
         """Ends every request in flight with `error` (shutdown, a dead core)."""
@@ -265,8 +245,15 @@ class AsyncLLM:
         for step in steps:
             if step.scheduler_stats is not None:
                 self.scheduler_stats = step.scheduler_stats
+            for admission in step.admissions:
+                stream = self._streams.get(admission.request_id)
+                if stream is None or stream.admission.done():
+                    continue
+                if admission.refusal is None:
+                    stream.admission.set_result(None)
+                else:
+                    stream.admission.set_exception(ServerBusyError(admission.refusal))
         outputs = merge_steps(steps)
-        self._generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         failed = [o for o in outputs if o.finish_reason == "error"]
         if failed:
             outputs = [o for o in outputs if o.finish_reason != "error"]

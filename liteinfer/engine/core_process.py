@@ -9,6 +9,11 @@ end that has requests in that step. Several front ends may share one core: each 
 
     front end --PUSH--> [input: PULL]  core  [output i: PUSH] --PULL--> front end i
 
+The core admits requests for the whole server: each batch a front end sends (the choices of
+one HTTP request) is admitted or refused at once, and answered, so that however many front ends
+feed it, it holds at most a full batch plus `max_waiting_requests`. It also writes the server's
+stats line.
+
 At start the core reports on a handshake socket: its EngineCoreInfo once the model is loaded,
 or the error that stopped it. Front ends watch the process: if it dies, every request in flight
 fails with an error instead of waiting forever.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
@@ -33,14 +39,18 @@ import zmq
 from liteinfer.config import EngineConfig
 from liteinfer.engine.core import EngineCore
 from liteinfer.engine.messages import (
+    Admission,
     EngineCoreInfo,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
 )
+from liteinfer.logger import configure_logging
 
-# Input frames: [ADD, list[EngineCoreRequest]] | [ABORT, list[str]] | [SHUTDOWN].
-ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
+logger = logging.getLogger(__name__)
+# Input frames: [ADD, list[EngineCoreRequest]] | [ABORT, list[str]] | [SHUTDOWN] |
+# [ABORT_CLIENT, client index as text] (a front-end process that died: its requests end).
+ADD, ABORT, SHUTDOWN, ABORT_CLIENT = b"add", b"abort", b"shutdown", b"abort-client"
 READY, FAILED = b"ready", b"failed"
 # Once idle, the core spins on its input this long before it blocks: waking a process that
 # sleeps costs from tens of microseconds to milliseconds (more on virtual machines), and all of
@@ -49,6 +59,7 @@ IDLE_SPIN_S = 0.5
 # While blocked the core wakes this often to see whether the process that started it still lives.
 IDLE_POLL_MS = 1000
 LIVENESS_POLL_S = 0.2
+STATS_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -68,11 +79,48 @@ class CoreAddresses:
                    f"ipc://{base}/handshake")
 
 
-class EngineCoreProc:
-    """The core process's loop around an EngineCore (`run_engine_core` starts it)."""
+class LoggingStatLogger:
+    """The server's stats line, every STATS_INTERVAL_S while tokens flow: prompt tokens admitted
+    and tokens generated per second, and the scheduler's running, waiting, KV-cache use and
+    prefix-cache hit rate (and, with speculative decoding, the drafts' acceptance since the
+    start)."""
 
-    def __init__(self, core: EngineCore, ctx: zmq.Context, addresses: CoreAddresses):
+    def __init__(self, core: EngineCore):
         self.core = core
+        self.prompt_tokens = self.generation_tokens = 0
+        self.last = (0, 0, time.monotonic())
+        self.next_log = self.last[2] + STATS_INTERVAL_S
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now < self.next_log:
+            return
+        self.next_log = now + STATS_INTERVAL_S
+        counts = (self.prompt_tokens, self.generation_tokens)
+        if counts == self.last[:2]:
+            return
+        s, dt = self.core.scheduler.stats(), now - self.last[2]
+        hits = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
+        spec = ""
+        if s.spec_decoding is not None:
+            spec = (f", draft acceptance rate {100 * s.spec_decoding.acceptance_rate:.1f}%, "
+                    f"mean acceptance length {s.spec_decoding.mean_acceptance_length:.2f}")
+        logger.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, "
+                    "KV cache %.1f%%, prefix cache hit rate %.1f%%%s",
+                    (counts[0] - self.last[0]) / dt, (counts[1] - self.last[1]) / dt,
+                    s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * hits, spec)
+        self.last = (*counts, now)
+
+
+class EngineCoreProc:
+    """The core process's loop around an EngineCore (`run_engine_core` starts it).
+    max_requests: requests the core may hold (running or waiting); None, no limit."""
+
+    def __init__(self, core: EngineCore, ctx: zmq.Context, addresses: CoreAddresses,
+                 max_requests: int | None = None):
+        self.core = core
+        self.max_requests = max_requests
+        self.stats = LoggingStatLogger(core)
         self.input = ctx.socket(zmq.PULL)
         self.input.bind(addresses.input)
         self.outputs = []
@@ -102,6 +150,7 @@ class EngineCoreProc:
             if self.core.has_unfinished_requests():
                 busy = True
                 self._step()
+                self.stats.maybe_log()
 
     def _wait_for_input(self) -> bool:
         """Spins, then blocks, until input arrives; False if the parent process is gone."""
@@ -112,26 +161,49 @@ class EngineCoreProc:
         while not self.input.poll(IDLE_POLL_MS):
             if os.getppid() != self.parent:
                 return False
+            self.stats.maybe_log()  # the interval that the last requests ended in
         return True
 
     def _take_inputs(self) -> bool:
-        """Handles every message waiting on the input socket; False on SHUTDOWN."""
+        """Handles every message waiting on the input socket, then answers each front end's
+        batches of requests; False on SHUTDOWN."""
+        admissions: dict[int, list[Admission]] = {}
         while True:
             try:
                 frames = self.input.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return True
+                break
             kind = frames[0].bytes
             if kind == SHUTDOWN:
                 return False
             if kind == ADD:
-                for request in self.requests_decoder.decode(frames[1].buffer):
-                    self._add(request)
+                batch = self.requests_decoder.decode(frames[1].buffer)
+                admission = self._admit(batch)
+                admissions.setdefault(batch[0].client_index, []).append(admission)
             elif kind == ABORT:
-                ids = self.ids_decoder.decode(frames[1].buffer)
-                self.core.abort_requests(ids)
-                for rid in ids:
-                    self.owner.pop(rid, None)
+                self._abort(self.ids_decoder.decode(frames[1].buffer))
+            elif kind == ABORT_CLIENT:
+                client = int(frames[1].bytes)
+                self._abort([rid for rid, c in self.owner.items() if c == client])
+        for client, answers in admissions.items():
+            self._send(client, EngineCoreOutputs(admissions=answers))
+        return True
+
+    def _admit(self, batch: list[EngineCoreRequest]) -> Admission:
+        """Adds the batch's requests, or none of them if the core would then hold more than
+        max_requests."""
+        held = len(self.owner)
+        if self.max_requests is not None and held + len(batch) > self.max_requests:
+            return Admission(batch[0].request_id, f"the server is at capacity ({held} requests "
+                             f"running or waiting, at most {self.max_requests}); retry later")
+        for request in batch:
+            self._add(request)
+        return Admission(batch[0].request_id)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+        for rid in request_ids:
+            self.owner.pop(rid, None)
 
     def _add(self, request: EngineCoreRequest) -> None:
         try:
@@ -142,6 +214,7 @@ class EngineCoreProc:
                                                                timestamp=time.monotonic()))
             return
         self.owner[request.request_id] = request.client_index
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
 
     def _step(self) -> None:
         try:
@@ -165,6 +238,7 @@ class EngineCoreProc:
             client = self.owner.get(out.request_id)
             if client is None:
                 continue
+            self.stats.generation_tokens += len(out.new_token_ids)
             if out.finished:
                 del self.owner[out.request_id]
             per_client.setdefault(client, []).append(out)
@@ -179,8 +253,9 @@ class EngineCoreProc:
 
 
 def run_engine_core(model: str, config: EngineConfig, load_format: str,
-                    addresses: CoreAddresses) -> None:
+                    addresses: CoreAddresses, max_waiting_requests: int | None) -> None:
     """The core process's entry point: load, report READY (or FAILED and why), then loop."""
+    configure_logging()
     # Ctrl-C in a terminal reaches the whole process group: the front end decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
@@ -189,7 +264,8 @@ def run_engine_core(model: str, config: EngineConfig, load_format: str,
     handshake.connect(addresses.handshake)
     try:
         core = EngineCore(model, config, load_format)
-        proc = EngineCoreProc(core, ctx, addresses)
+        proc = EngineCoreProc(core, ctx, addresses, None if max_waiting_requests is None
+                              else core.config.max_num_seqs + max_waiting_requests)
     except Exception as e:  # reported to the front end, which exits with it
         handshake.send_multipart([FAILED, f"{type(e).__name__}: {e}".encode()])
         handshake.close()
@@ -224,16 +300,18 @@ class CoreHandle:
 
 
 class CoreProcess:
-    """A started engine-core process, ready: its pid, addresses and EngineCoreInfo."""
+    """A started engine-core process, ready: its pid, addresses and EngineCoreInfo.
+    max_waiting_requests: requests it may hold beyond a full batch; more are refused."""
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto",
-                 num_clients: int = 1):
+                 num_clients: int = 1, max_waiting_requests: int | None = None):
         self.addresses = CoreAddresses.in_new_dir(num_clients)
         ctx = zmq.Context.instance()
         handshake = ctx.socket(zmq.PULL)
         handshake.bind(self.addresses.handshake)
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(model, config, load_format, self.addresses),
+            target=run_engine_core,
+            args=(model, config, load_format, self.addresses, max_waiting_requests),
             name="liteinfer-engine-core")
         self.proc.start()
         try:
@@ -251,15 +329,21 @@ class CoreProcess:
         self.handle = CoreHandle(self.addresses, self.proc.pid,
                                  msgspec.msgpack.decode(payload, type=EngineCoreInfo))
 
+    def abort_client(self, client_index: int) -> None:
+        """Ends the requests of a front end that died (their clients are gone)."""
+        self._send([ABORT_CLIENT, str(client_index).encode()])
+
+    def _send(self, frames: list[bytes]) -> None:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(self.addresses.input)
+        sock.send_multipart(frames)
+        sock.close()
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Asks the core to stop, then makes sure it has."""
         if self.proc.is_alive():
-            ctx = zmq.Context.instance()
-            sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.connect(self.addresses.input)
-            sock.send_multipart([SHUTDOWN])
-            sock.close()
+            self._send([SHUTDOWN])
             self.proc.join(timeout_s)
         if self.proc.is_alive():
             self.proc.kill()

@@ -83,12 +83,22 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding
 
 
+class Admission(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The core's answer to one batch of requests a front end sent: all admitted, or all
+    refused (the server holds as many requests as it may)."""
+
+    request_id: str  # the batch's first request
+    refusal: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One step's message: every request's new tokens, and the scheduler's state."""
+    """One step's message: every request's new tokens, and the scheduler's state; or the
+    answers to the batches of requests the core has just taken in."""
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0  # time.monotonic() on the core's host when the step's tokens arrived
+    admissions: list[Admission] = msgspec.field(default_factory=list)
 
 
 class EngineCoreInfo(msgspec.Struct, array_like=True):

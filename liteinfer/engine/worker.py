@@ -31,6 +31,7 @@ from liteinfer.engine.scheduler import SchedulerOutput
 from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed
 from liteinfer.loader import load_model_source
+from liteinfer.logger import configure_logging
 from liteinfer.sampling_params import SamplingParams
 from liteinfer.utils import free_port, freeze_heap
 
@@ -169,6 +170,7 @@ def run_worker(rank: int, init_method: str, model: str, config: EngineConfig, lo
                max_model_len: int, eos_token_ids: list[int], conn: Connection) -> None:
     """The main function of rank `rank` > 0, in a process of its own. `config` is resolved
     (engine/core.py resolve_config); the EOS ids come from rank 0, which has the tokenizer."""
+    configure_logging()
     init_distributed(rank, config.tensor_parallel_size, init_method, config.device)
     source = load_model_source(model, load_format)
     # As on rank 0: unseeded requests draw from the default generator, the same on every rank.

@@ -33,6 +33,7 @@ import msgspec
 import torch
 import xgrammar as xgr
 
+from liteinfer.logger import configure_logging
 from liteinfer.structured_output.backend import XgrammarBackend
 from liteinfer.structured_output.params import StructuredOutputsParams
 from liteinfer.utils import ReadableWait
@@ -193,6 +194,7 @@ class GrammarWorker:
 def run_grammar_worker(conn: Connection, tokenizer_info: str, bitmask: torch.Tensor,
                        fill_threads: int, compile_threads: int, spin: bool) -> None:
     """The grammar process's main function."""
+    configure_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the core's to handle
     torch.set_num_threads(1)
     GrammarWorker(conn, tokenizer_info, bitmask, fill_threads, compile_threads, spin).run()

@@ -23,7 +23,7 @@ from liteinfer.bench.serve import Job, Timing, spread, summarize_timings
 from liteinfer.bench.store import read_jsonl
 from liteinfer.bench.workloads import SEED, Shape, fingerprint
 from liteinfer.engine.core_process import process_alive
-from test_server_limits import start_server
+from test_server_limits import front_ends_and_core, sockets_per_process, start_server
 
 PROMPTS = ["The quick brown fox", "Hello world! How are", "Once upon a time there",
            "def add(a, b):", "Caching keys and values", "Numbers: 0 1 2"]
@@ -107,36 +107,6 @@ def test_streams_are_spread_over_client_processes():
         ([0, 2, 3, 5, 6, 8, 9], 2), ([1, 4, 7], 1)]
     assert [n for _, n in spread(jobs, concurrency=1, processes=4)] == [1]
     assert sorted(j.index for js, _ in spread(jobs, None, 3) for j in js) == list(range(10))
-
-
-ESTABLISHED, LISTEN = "01", "0A"
-
-
-def sockets_per_process(pids: list[int], port: int, state: str = ESTABLISHED
-                        ) -> dict[int, int]:
-    """Each process's TCP sockets on local `port` in `state` (from /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if os.path.exists(table):
-            for line in Path(table).read_text().splitlines()[1:]:
-                f = line.split()
-                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == state:
-                    inodes.add(f[9])
-    counts = {}
-    for pid in pids:
-        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        counts[pid] = sum(link[8:-1] in inodes for link in links if link.startswith("socket:["))
-    return counts
-
-
-def front_ends_and_core(server_pid: int, port: int) -> tuple[list[int], int]:
-    """The API-server processes (those listening on the port) and the engine core."""
-    children = [int(p) for p in Path(f"/proc/{server_pid}/task/{server_pid}/children")
-                .read_text().split() if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
-    listening = sockets_per_process(children, port, LISTEN)
-    front_ends = [p for p in children if listening[p]]
-    (core,) = set(children) - set(front_ends)
-    return front_ends, core
 
 
 def test_two_front_ends_serve_offline_outputs_and_count_in_metrics(server, tiny_llm):

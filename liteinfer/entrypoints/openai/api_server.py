@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server: /v1/completions and /v1/chat/completions (streamed as
-server-sent events or whole), /v1/models and /v1/models/{id}, /health, /metrics (Prometheus),
-and vLLM's /version, /tokenize and /detokenize, over an AsyncLLM (whose engine core runs in a
-process of its own).
+server-sent events or whole), /v1/models and /v1/models/{id}, /health (readiness), /livez
+(liveness), /metrics (Prometheus), and vLLM's /version, /tokenize and /detokenize, over an
+AsyncLLM (whose engine core runs in a process of its own).
 
 Every HTTP request becomes one engine request per prompt and choice, all admitted together or
 not at all. Bad input of any kind (a body too large, malformed JSON, a field out of range, text
@@ -11,22 +11,28 @@ so it never disturbs the requests already running; so is every other error the f
 
     liteinfer serve --model DIR_OR_NAME [--port 8000] [--api-key KEY]
 
-With an API key, every route but /health (and /metrics, unless --metrics-need-key) needs
-`Authorization: Bearer KEY`. On SIGTERM the server refuses new requests with a 503, lets the
-streams in flight finish for a grace period, ends the rest with an error, and exits.
+With an API key, every route but /health and /livez (and /metrics, unless --metrics-need-key)
+needs `Authorization: Bearer KEY`. On SIGTERM the server refuses new requests with a 503, lets
+the streams in flight finish for a grace period, ends the rest with an error, and exits. /health
+answers 200 only while requests are admitted: a 503 while shutting down, once the engine core
+died, and while any API-server process is down; /livez answers 200 while the process does.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
 import secrets
+import selectors
 import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -57,11 +63,13 @@ from liteinfer.entrypoints.openai.protocol import (
 )
 from liteinfer.entrypoints.openai.structured import ToolCalls
 from liteinfer.loader.overrides import ModelOverrides
+from liteinfer.logger import configure_logging, logging_level
 from liteinfer.outputs import Logprob, RequestOutput
 from liteinfer.utils import freeze_heap, model_label
 
 Chunk = dict[str, Any]
 Body = TypeVar("Body", bound=BaseModel)
+logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowed", 413: "RequestTooLarge", 499: "ClientClosedRequest",
@@ -70,6 +78,23 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 
 class ServerShuttingDown(EngineError):
     pass
+
+
+class Readiness:
+    """Whether each API-server process of the server admits requests, in memory that they
+    share with the process that supervises them: each marks itself once it serves and unmarks
+    itself when it drains; the supervisor unmarks one that died. One process alone holds a
+    list of one."""
+
+    def __init__(self, flags: Any = None, index: int = 0):
+        self.flags = [False] if flags is None else flags
+        self.index = index
+
+    def set(self, ready: bool) -> None:
+        self.flags[self.index] = ready
+
+    def all(self) -> bool:
+        return all(self.flags)
 
 
 class RequestError(Exception):
@@ -124,10 +149,12 @@ def parse(model: type[Body], data: Any) -> Body:
 class OpenAIServing:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, args: ServerArgs):
+    def __init__(self, engine: AsyncLLM, model_name: str, args: ServerArgs,
+                 readiness: Readiness | None = None):
         self.engine = engine
         self.model_name = model_name
         self.args = args
+        self.readiness = readiness or Readiness()
         self.tokenizer = engine.tokenizer
         self.defaults = generation_defaults(engine.generation_config)
         self.created = int(time.time())
@@ -203,6 +230,16 @@ class OpenAIServing:
     def _check_admitting(self) -> None:
         if self.draining:
             raise RequestError(503, "the server is shutting down")
+
+    def unready(self) -> str | None:
+        """Why the server would not admit requests now (/health's 503), or None."""
+        if self.engine.dead is not None:
+            return str(self.engine.dead)
+        if self.draining:
+            return "the server is shutting down"
+        if not self.readiness.all():
+            return "an API-server process is down or starting"
+        return None
 
     async def _serve(self, body: SamplingRequest, request: Request, prefix: str, kind: str,
                      prompts: list[Prompt] | Callable[[], list[Prompt]], num_prompts: int,
@@ -424,20 +461,23 @@ class APIKeyGuard:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None) -> Starlette:
+def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None,
+              readiness: Readiness | None = None) -> Starlette:
     """The ASGI app; its lifespan binds the engine client to the serving event loop. Plain
     Starlette: requests are parsed by the protocol's models, so FastAPI's layers over it
     (dependency solving, its middlewares) would only add ~0.1 ms to every request's path."""
     args = args or ServerArgs()
-    serving = OpenAIServing(engine, model_name, args)
+    serving = OpenAIServing(engine, model_name, args, readiness)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         await engine.start()
         freeze_heap()  # the tokenizer and the app, as the engine core freezes its own heap
+        serving.readiness.set(True)
         try:
             yield
         finally:
+            serving.readiness.set(False)
             await engine.stop()
 
     async def request_error(_: Request, exc: Exception) -> Response:
@@ -455,9 +495,13 @@ def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None)
         return parse(model, await read_json(request, args.max_body_bytes))
 
     async def health(_: Request) -> Response:
-        if engine.dead is not None:
-            return error_response(503, str(engine.dead))
+        reason = serving.unready()
+        if reason is not None:
+            return error_response(503, reason)
         return json_response({"status": "ok"})
+
+    async def livez(_: Request) -> Response:
+        return json_response({"status": "alive"})
 
     async def metrics(_: Request) -> Response:
         return Response(serving.metrics.render(), media_type=serving.metrics.content_type)
@@ -485,13 +529,14 @@ def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None)
 
     middleware = []
     if args.api_key:
-        open_paths = frozenset({"/health"} if args.metrics_need_key else {"/health", "/metrics"})
+        open_paths = frozenset({"/health", "/livez"} | (set() if args.metrics_need_key
+                                                         else {"/metrics"}))
         middleware.append(Middleware(APIKeyGuard, api_key=args.api_key, open_paths=open_paths))
     app = Starlette(
         # Matched in order: the generation routes, where latency counts, come first.
         routes=[Route("/v1/completions", completions, methods=["POST"]),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
-                Route("/health", health), Route("/metrics", metrics),
+                Route("/health", health), Route("/livez", livez), Route("/metrics", metrics),
                 Route("/version", version), Route("/v1/models", models),
                 Route("/v1/models/{model_id:path}", model),
                 Route("/tokenize", tokenize, methods=["POST"]),
@@ -507,6 +552,7 @@ def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None)
 async def drain(serving: OpenAIServing, grace_s: float) -> None:
     """Refuses new requests, lets those in flight run for `grace_s`, then ends the rest."""
     serving.draining = True
+    serving.readiness.set(False)  # the other API servers' /health answers 503 too
     deadline = time.monotonic() + grace_s
     while serving.engine.num_requests and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -561,8 +607,9 @@ class Server:
             runner.run(self.serve(sockets))
 
 
-def uvicorn_config(app: Starlette, host: str, port: int, log_level: str = "info") -> Any:
-    """uvloop and httptools where installed, else asyncio and h11."""
+def uvicorn_config(app: Starlette, host: str, port: int, log_level: str | None = None) -> Any:
+    """uvloop and httptools where installed, else asyncio and h11. uvicorn logs through
+    liteinfer's handler (logger.py), at `log_level` or else --log-level."""
     import importlib.util
 
     import uvicorn
@@ -570,8 +617,8 @@ def uvicorn_config(app: Starlette, host: str, port: int, log_level: str = "info"
     fast = {"loop": "uvloop"} if importlib.util.find_spec("uvloop") else {}
     if importlib.util.find_spec("httptools"):
         fast["http"] = "httptools"
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          timeout_graceful_shutdown=5, **fast)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level or logging_level(),
+                          log_config=None, timeout_graceful_shutdown=5, **fast)
 
 
 def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
@@ -585,18 +632,27 @@ def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
     if args.api_server_count > 1:
         run_api_servers(model, host, port, name, load_format, args, overrides, **engine_args)
         return
-    engine = AsyncLLM.from_args(model, load_format, args.max_waiting_requests, **engine_args)
-    serve_engine(engine, name, args, overrides, host, port)
+    # Before loading: a port in use fails at once.
+    socks = listening_sockets(host, port, 1, reuse_port=False)
+    try:
+        with StartingResponder(socks):
+            engine = AsyncLLM.from_args(model, load_format, args.max_waiting_requests,
+                                        **engine_args)
+        serve_engine(engine, name, args, overrides, host, port, socks)
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def serve_engine(engine: AsyncLLM, name: str, args: ServerArgs, overrides: ModelOverrides,
                  host: str, port: int, sockets: list[socket.socket] | None = None,
-                 ignored_signals: frozenset[int] = frozenset()) -> None:
+                 ignored_signals: frozenset[int] = frozenset(),
+                 readiness: Readiness | None = None) -> None:
     """Serves `engine` until shut down (on `sockets` when given, else it binds host:port),
     then shuts it down; a dead engine is the process's error."""
     try:
         overrides.apply(engine)
-        app = build_app(engine, name, args)
+        app = build_app(engine, name, args, readiness)
         Server(app, uvicorn_config(app, host, port), ignored_signals).run(sockets)
     finally:
         engine.shutdown()
@@ -605,10 +661,12 @@ def serve_engine(engine: AsyncLLM, name: str, args: ServerArgs, overrides: Model
 
 
 # ---- several API-server processes on one engine core ---------------------------------------
-def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
-    """n listening sockets on one port (SO_REUSEPORT). The kernel spreads new connections
-    evenly over them; processes sharing one socket would not (an event loop that wakes up
-    accepts every connection waiting, so one process takes a burst of them)."""
+def listening_sockets(host: str, port: int, n: int, reuse_port: bool = True
+                      ) -> list[socket.socket]:
+    """n listening sockets on one port (SO_REUSEPORT, which one server alone leaves off: it
+    would let a second server share the port). The kernel spreads new connections evenly over
+    them; processes sharing one socket would not (an event loop that wakes up accepts every
+    connection waiting, so one process takes a burst of them)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     socks: list[socket.socket] = []
     try:
@@ -616,7 +674,7 @@ def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
             sock = socket.socket(family, socket.SOCK_STREAM)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, reuse_port)
             sock.bind((host, port))
             port = sock.getsockname()[1]  # port 0: the others join the one the first got
             sock.listen(2048)
@@ -627,62 +685,168 @@ def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
     return socks
 
 
+class StartingResponder:
+    """While the engine core loads and the API servers start, answers every connection on the
+    server's listening sockets with a 503 in OpenAI's shape, instead of leaving it unanswered in
+    the backlog: /health tells the truth from the moment the port is bound. A thread, until
+    `stop()` or until `done()` holds (the API servers accept on the same sockets by then)."""
+
+    def __init__(self, socks: list[socket.socket], done: Callable[[], bool] = lambda: False):
+        self.socks, self.done = socks, done
+        self.stopped = threading.Event()
+        for sock in socks:  # an API server may take a connection this thread was woken for
+            sock.setblocking(False)
+        self.thread = threading.Thread(target=self._run, name="liteinfer-starting", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = orjson.dumps(error_body(503, "the server is starting"))
+        response = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+        with selectors.DefaultSelector() as selector:
+            for sock in self.socks:
+                selector.register(sock, selectors.EVENT_READ)
+            while not self.stopped.is_set() and not self.done():
+                for key, _ in selector.select(0.05):
+                    with contextlib.suppress(OSError):  # taken by an API server, or a reset
+                        conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
+                        with conn:
+                            conn.settimeout(1.0)
+                            conn.recv(65536)  # the request's head
+                            conn.sendall(response)
+                            conn.shutdown(socket.SHUT_WR)
+        self.stopped.set()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+    def __enter__(self) -> StartingResponder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def run_api_server_process(model: str, config: EngineConfig, core: CoreHandle,
-                           load_format: str, client_index: int, sock: socket.socket,
-                           name: str, args: ServerArgs, overrides: ModelOverrides) -> None:
-    """An API-server process: front end `client_index` of the core, serving on `sock`."""
-    engine = AsyncLLM(model, config, core, load_format, client_index,
-                      -(-args.max_waiting_requests // args.api_server_count))
-    host, port = sock.getsockname()[:2]
-    serve_engine(engine, name, args, overrides, host, port, [sock], frozenset({signal.SIGINT}))
+                           load_format: str, client_index: int, sock: socket.socket | None,
+                           address: tuple[str, int], name: str, args: ServerArgs,
+                           overrides: ModelOverrides, ready: Any) -> None:
+    """An API-server process: front end `client_index` of the core, serving on `sock`, else
+    (a replacement) on a socket of its own at `address`, bound once it can serve so that no
+    connection waits for it meanwhile; `ready` holds every API server's readiness flag."""
+    configure_logging()
+    engine = AsyncLLM(model, config, core, load_format, client_index)
+    host, port = address
+    if sock is None:
+        (sock,) = listening_sockets(host, port, 1)
+    serve_engine(engine, name, args, overrides, host, port, [sock], frozenset({signal.SIGINT}),
+                 Readiness(ready, client_index))
+
+
+# An API-server process that dies is replaced, unless this many died in the last window: then
+# something kills them faster than they serve, and the server exits.
+MAX_RESTARTS, RESTART_WINDOW_S = 3, 60.0
+
+
+class RestartBudget:
+    """At most MAX_RESTARTS replacements in any RESTART_WINDOW_S."""
+
+    def __init__(self) -> None:
+        self.times: collections.deque[float] = collections.deque()
+
+    def take(self, now: float) -> bool:
+        while self.times and now - self.times[0] > RESTART_WINDOW_S:
+            self.times.popleft()
+        if len(self.times) >= MAX_RESTARTS:
+            return False
+        self.times.append(now)
+        return True
 
 
 def run_api_servers(model: str, host: str, port: int, name: str, load_format: str,
                     args: ServerArgs, overrides: ModelOverrides, **engine_args: Any) -> None:
     """`args.api_server_count` API-server processes, each front end of one engine core and
-    listening on the same port. SIGTERM or SIGINT here drains them all; when the core dies
-    they end their streams with an error and exit, and so does this process. /metrics counts
-    every process's requests (prometheus_client's multiprocess mode)."""
+    listening on the same port. SIGTERM or SIGINT here drains them all. An API server that
+    dies has its requests ended in the core and is replaced, the others serving meanwhile
+    (within a RestartBudget). When the core dies the API servers end their streams with an
+    error and exit, and so does this process. /metrics counts every process's requests
+    (prometheus_client's multiprocess mode)."""
     n = args.api_server_count
     config = EngineConfig(**engine_args)
     socks = listening_sockets(host, port, n)  # before loading: a port in use fails at once
+    port = socks[0].getsockname()[1]
     metrics_dir = tempfile.mkdtemp(prefix="liteinfer-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the children's imports
     ctx = multiprocessing.get_context("spawn")
-    procs: list[multiprocessing.process.BaseProcess] = []
+    ready = ctx.Array("b", n, lock=False)  # each API server sets its own; this process clears
+    procs: dict[int, multiprocessing.process.BaseProcess] = {}
     stopping = False
 
     def stop(sig: int, frame: Any) -> None:
         nonlocal stopping
         stopping = True
-        for proc in procs:  # a second signal reaches them too: they stop at once
+        ready[:] = [0] * n
+        for proc in procs.values():  # a second signal reaches them too: they stop at once
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    responder: StartingResponder | None = StartingResponder(socks, lambda: all(ready))
     core = None
+    core_died = False
+    failed: str | None = None
     try:
-        core = CoreProcess(model, config, load_format, num_clients=n)
+        core = CoreProcess(model, config, load_format, n, args.max_waiting_requests)
+
+        def start(i: int, sock: socket.socket | None) -> None:
+            assert core is not None
+            procs[i] = ctx.Process(target=run_api_server_process,
+                                   name=f"liteinfer-api-server-{i}",
+                                   args=(model, config, core.handle, load_format, i, sock,
+                                         (host, port), name, args, overrides, ready))
+            procs[i].start()
+
         for i, sock in enumerate(socks):
             if stopping:  # a signal while the model loaded
                 break
-            proc = ctx.Process(target=run_api_server_process, name=f"liteinfer-api-server-{i}",
-                               args=(model, config, core.handle, load_format, i, sock, name,
-                                     args, overrides))
-            proc.start()
-            procs.append(proc)
-        for sock in socks:  # each child holds its own
-            sock.close()
-        # Until a child exits (drained after a signal, or after the core died) or the core does.
-        # (Its sentinel, not is_alive(): a process closes its pipes before it can be reaped.)
-        ended = [] if stopping else mp_connection.wait([p.sentinel for p in procs]
-                                                        + [core.proc.sentinel])
-        core_died = core.proc.sentinel in ended
-        failed = [p.name for p in procs if p.sentinel in ended] if not stopping else []
-        if not core_died and not stopping:  # a child ended by itself: the others drain
+            start(i, sock)
+        budget = RestartBudget()
+        while not stopping and failed is None:
+            # Until a child exits or the core does. (Sentinels, not is_alive(): a process
+            # closes its pipes before it can be reaped.)
+            ended = mp_connection.wait([p.sentinel for p in procs.values()]
+                                       + [core.proc.sentinel],
+                                       None if responder is None else 0.1)
+            if responder is not None and responder.stopped.is_set():
+                # Every API server serves: this process's copies of their sockets go, so that
+                # the kernel stops sending connections to the socket of one that dies.
+                responder.stop()
+                responder = None
+                for sock in socks:
+                    sock.close()
+            if stopping:
+                break
+            if core.proc.sentinel in ended or mp_connection.wait([core.proc.sentinel], 0):
+                core_died = True
+                break
+            for i, proc in list(procs.items()):
+                if proc.sentinel not in ended:
+                    continue
+                ready[i] = 0
+                proc.join()
+                core.abort_client(i)  # its clients are gone
+                if not budget.take(time.monotonic()):
+                    failed = (f"{MAX_RESTARTS + 1} API-server processes died within "
+                              f"{RESTART_WINDOW_S:.0f} s")
+                    break
+                logger.warning("%s exited (code %s); starting another", proc.name,
+                               proc.exitcode)
+                start(i, None)
+        if not core_died and not stopping:  # too many deaths: the others drain
             stop(signal.SIGTERM, None)
         deadline = time.monotonic() + args.shutdown_grace_s + 10
-        for proc in procs:
+        for proc in procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
@@ -690,9 +854,11 @@ def run_api_servers(model: str, host: str, port: int, name: str, load_format: st
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if responder is not None:
+            responder.stop()
         for sock in socks:
             sock.close()
-        for proc in procs:
+        for proc in procs.values():
             if proc.is_alive():
                 proc.kill()
         if core is not None:
@@ -701,4 +867,4 @@ def run_api_servers(model: str, host: str, port: int, name: str, load_format: st
     if core_died:
         raise SystemExit("error: the engine core process died")
     if failed:
-        raise SystemExit(f"error: {', '.join(failed)} failed")
+        raise SystemExit(f"error: {failed}")

@@ -223,11 +223,12 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: str | None = None
+    include_reasoning: bool = True  # vLLM's: False drops a reasoning model's reasoning
 
     def unsupported(self) -> list[str]:
         names = super().unsupported()
-        names += [name for name in ("best_of", "chat_template", "chat_template_kwargs",
-                                    "documents") if getattr(self, name) is not None]
+        names += [name for name in ("best_of", "chat_template", "documents")
+                  if getattr(self, name) is not None]
         names += [name for name in ("echo", "continue_final_message") if getattr(self, name)]
         return names
 

@@ -218,7 +218,7 @@ class OpenAIServingResponses:
                                 if isinstance(body.tool_choice, NamedFunction)
                                 else body.tool_choice or "auto"),
                 "tools": [t.model_dump() for t in body.tools or ()]}
-        history = chat.conversation()
+        history += body.input_messages()  # what a response continuing this one comes after
         if body.stream:
             events = self._events(self.serving.chat_deltas(stream, output), meta, history)
             return StreamingResponse(events, media_type="text/event-stream")

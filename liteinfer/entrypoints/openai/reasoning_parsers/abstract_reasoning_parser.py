@@ -35,7 +35,10 @@ class ReasoningParser:
 
     def _split(self, text: str, finished: bool) -> tuple[str, str]:
         """(reasoning, content) of `text`; unless `finished`, without a marker's beginning at
-        its end. Each is a prefix of what it becomes as the text grows."""
+        its end. The whitespace around the reasoning and before the answer (the newlines the
+        models write beside the markers) is neither's; a streamed text's last whitespace is
+        held back while it may turn out to be so. Each is a prefix of what it becomes as the
+        text grows."""
         before = ""
         if self.starts_in_reasoning:
             lead = len(text) - len(text.lstrip())
@@ -50,6 +53,8 @@ class ReasoningParser:
                                                                                   self.start)]
             before, text = text[:at], text[at + len(self.start):]
         at = find_marker(text, self.end)
-        if at is None:
-            return text if finished else text[:len(text) - partial_marker(text, self.end)], before
-        return text[:at], before + text[at + len(self.end):]
+        if at is not None:
+            return text[:at].strip(), before + text[at + len(self.end):].lstrip()
+        if not finished:
+            text = text[:len(text) - partial_marker(text, self.end)]
+        return text.strip(), before

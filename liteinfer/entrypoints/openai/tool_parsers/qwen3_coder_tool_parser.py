@@ -74,6 +74,8 @@ class Qwen3CoderToolParser(ToolParser):
                 if key is None:
                     return None
                 end = text.find(END_PARAMETER, pos)
+                if PARAMETER in text[pos:len(text) if end < 0 else end]:
+                    return None  # the value is never closed
                 if end < 0:
                     raise _Incomplete
                 arguments[key] = self._value(name, key, text[pos:end])

@@ -84,10 +84,24 @@ class ToolChoice(BaseModel):
 
 
 class Thinking(BaseModel):
+    """Whether the model thinks (its chat template's switch); a budget is not enforced."""
+
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "adaptive", "between_tools", "disabled"]
     budget_tokens: int | None = None
+
+
+class OutputFormat(BaseModel):
+    type: Literal["json_schema"]
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # effort: no budget is enforced
+
+    format: OutputFormat | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -99,6 +113,7 @@ class CountTokensRequest(BaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
     def chat_request(self, **sampling: Any) -> dict[str, Any]:
         """The chat completion request (as a body) that runs this one. The model is the served
@@ -116,9 +131,13 @@ class CountTokensRequest(BaseModel):
                                        choice.type])
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
         if self.thinking is not None:  # Qwen3's template switch; others ignore it
-            enabled = self.thinking.type == "enabled"
+            enabled = self.thinking.type != "disabled"
             body["chat_template_kwargs"] = {"enable_thinking": enabled}
             body["include_reasoning"] = enabled
+        output = self.output_config
+        if output is not None and output.format is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": output.format.json_schema}}
         return body
 
     def _messages(self) -> list[dict[str, Any]]:

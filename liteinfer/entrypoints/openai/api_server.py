@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server: /v1/completions and /v1/chat/completions (streamed as
 server-sent events or whole), /v1/models and /v1/models/{id}, /health, /metrics (Prometheus),
 and vLLM's /version, /tokenize and /detokenize, over an AsyncLLM (whose engine core runs in a
-process of its own).
+process of its own). OpenAI's Responses API (responses.py) and Anthropic's Messages API
+(entrypoints/anthropic/) run on the chat path and are routed here.
 
 Every HTTP request becomes one engine request per prompt and choice, all admitted together or
 not at all. Bad input of any kind (a body too large, malformed JSON, a field out of range, text

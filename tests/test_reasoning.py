@@ -150,3 +150,32 @@ def test_template_kwargs_and_include_reasoning(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="qwen3", messages=MESSAGES, extra_body={
             "chat_template_kwargs": {"add_generation_prompt": "twice"}})
+
+
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
+TIGHT = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
+def test_constraints_hold_the_answer_after_the_reasoning(client):
+    """The model thinks freely; its grammar begins after </think> (the scripted answer is not
+    JSON: the grammar writes it). With the think block closed in the prompt, at once."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}}
+    ask = {"model": "qwen3", "messages": MESSAGES, "temperature": 0, "max_tokens": 40,
+           "response_format": fmt}
+    message = client.chat.completions.create(**ask, extra_body=TIGHT).choices[0].message
+    assert message.model_extra["reasoning_content"] == QWEN3_REASONING
+    assert set(json.loads(message.content)) == {"ok"}
+    plain = client.chat.completions.create(**ask, extra_body={
+        **TIGHT, "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert plain.model_extra["reasoning_content"] is None
+    assert set(json.loads(plain.content)) == {"ok"}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}}
+    forced = client.chat.completions.create(
+        model="qwen3", messages=MESSAGES, temperature=0, max_tokens=100, tools=[weather],
+        tool_choice="required", parallel_tool_calls=False, extra_body=TIGHT).choices[0]
+    assert forced.message.model_extra["reasoning_content"] == QWEN3_REASONING
+    assert [c.function.name for c in forced.message.tool_calls or ()] == ["get_weather"], forced
+    assert forced.finish_reason == "tool_calls"

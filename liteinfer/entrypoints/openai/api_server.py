@@ -163,11 +163,21 @@ class OpenAIServing:
                                  body.num_logprobs, self.chat_output(body))
 
     def chat_prompts(self, body: ChatCompletionRequest) -> Callable[[], list[Prompt]]:
-        """The request's prompt, rendered by the chat template (in the pool)."""
+        """The request's prompt, rendered by the chat template (in the pool). With a reasoning
+        parser, an output constraint holds the answer that follows the reasoning."""
+        reasoning = self.args.reasoning_parser
+
         def prompts() -> list[Prompt]:
-            return [self.engine.processor.apply_chat_template(
-                body.conversation(), body.add_generation_prompt, tools=body.tool_dicts(),
-                **(body.chat_template_kwargs or {}))]
+            def render(generation_prompt: bool) -> list[int]:
+                return self.engine.processor.apply_chat_template(
+                    body.conversation(), generation_prompt, tools=body.tool_dicts(),
+                    **(body.chat_template_kwargs or {}))
+
+            prompt = render(body.add_generation_prompt)
+            if reasoning and body.add_generation_prompt and body.output_constraint():
+                body.answer_starts_after(REASONING_PARSERS[reasoning].answer_starts_after(
+                    self.tokenizer, prompt, render(False)))
+            return [prompt]
 
         return prompts
 

@@ -3,6 +3,8 @@ between the think markers) and its content (the rest, the answer), whole or stre
 object serves one choice of one request: streamed, it keeps what it has sent."""
 from __future__ import annotations
 
+from typing import Any
+
 from liteinfer.entrypoints.openai.markers import find_marker, partial_marker
 
 
@@ -19,6 +21,19 @@ class ReasoningParser:
     def __init__(self) -> None:
         self._sent_reasoning = 0
         self._sent_content = 0
+
+    @classmethod
+    def answer_starts_after(cls, tokenizer: Any, prompt: list[int], history: list[int]
+                            ) -> int | None:
+        """The token after which the answer (what an output constraint holds) begins: the
+        end marker, unless the generation prompt (what `prompt` adds to `history`, the
+        conversation rendered without it) has closed the reasoning already (Qwen3 with
+        enable_thinking off), or the marker is not one token. None: from the first token."""
+        end = tokenizer.convert_tokens_to_ids(cls.end)
+        if not isinstance(end, int) or end == tokenizer.unk_token_id:
+            return None
+        generation = prompt[len(history):] if prompt[:len(history)] == history else prompt
+        return None if end in generation else end
 
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None for either that is empty."""

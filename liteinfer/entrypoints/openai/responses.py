@@ -54,8 +54,7 @@ class MessageItem(_Item):
     content: str | list[ContentPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else \
-            "".join(p.text for p in self.content)
+        return _text(self.content)
 
 
 class FunctionCallItem(_Item):
@@ -71,8 +70,11 @@ class FunctionCallOutputItem(_Item):
     output: str | list[ContentPart]
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else \
-            "".join(p.text for p in self.output)
+        return _text(self.output)
+
+
+def _text(content: str | list[ContentPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
 class ReasoningItem(_Item):

@@ -23,6 +23,28 @@ def skip(text: str, pos: int) -> int:
     return pos
 
 
+class WholeOutputCalls:
+    """A format whose calls are the whole output or nothing: after whitespace and an optional
+    `tag`, they begin with `opening`."""
+
+    tag: str
+    opening: str
+
+    def find_calls(self, text: str, start: int = 0) -> int | None:
+        """The calls begin where the output does, if they do."""
+        pos = skip(text, 0)
+        if text.startswith(self.tag, pos):
+            pos = skip(text, pos + len(self.tag))
+        return 0 if text.startswith(self.opening, pos) else None
+
+    def holdback(self, text: str) -> int:
+        """All of an output that may still become calls: whitespace and the tag."""
+        pos = skip(text, 0)
+        end = pos + len(self.tag)
+        held = self.tag.startswith(text[pos:end]) and skip(text, end) >= len(text)
+        return len(text) if held else 0
+
+
 @dataclass
 class _OpenObject:
     """An object the text ends inside: where it begins, how far it is scanned (past an escaped

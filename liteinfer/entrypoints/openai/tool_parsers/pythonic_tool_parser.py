@@ -12,25 +12,13 @@ from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ParsedCalls,
     ToolParser,
 )
-from liteinfer.entrypoints.openai.tool_parsers.json_calls import WHITESPACE, skip
+from liteinfer.entrypoints.openai.tool_parsers.json_calls import WHITESPACE, WholeOutputCalls
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 
-class PythonicToolParser(ToolParser):
-    def find_calls(self, text: str, start: int = 0) -> int | None:
-        """Calls are the whole output or nothing: they begin where it does."""
-        pos = skip(text, 0)
-        if text.startswith(PYTHON_START, pos):
-            pos = skip(text, pos + len(PYTHON_START))
-        return 0 if text.startswith("[", pos) else None
-
-    def holdback(self, text: str) -> int:
-        """All of an output that may still become calls: whitespace and the opening tag."""
-        pos = skip(text, 0)
-        end = pos + len(PYTHON_START)
-        held = PYTHON_START.startswith(text[pos:end]) and skip(text, end) >= len(text)
-        return len(text) if held else 0
+class PythonicToolParser(WholeOutputCalls, ToolParser):
+    tag, opening = PYTHON_START, "["
 
     def parse_calls(self, text: str, start: int) -> ParsedCalls | None:
         """The list's calls once it is complete Python; none (yet) while it is not, which

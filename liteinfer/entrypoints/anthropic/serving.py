@@ -79,12 +79,12 @@ class AnthropicServing:
         try:
             async with contextlib.aclosing(deltas):
                 async for step in deltas:
-                    out, delta, calls = step
-                    if len(out.outputs[0].token_ids) == len(out.new_token_ids):  # the first
+                    if out is None:  # the first output: the prompt's tokens are known
                         yield event({"type": "message_start", "message": {
                             **meta, "content": [], "stop_reason": None, "stop_sequence": None,
-                            "usage": {"input_tokens": len(out.prompt_token_ids),
+                            "usage": {"input_tokens": len(step[0].prompt_token_ids),
                                       "output_tokens": 0}}})
+                    out, delta, calls = step
                     for e in blocks.feed(delta):
                         yield event(e)
             for e in blocks.close():

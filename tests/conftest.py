@@ -13,7 +13,20 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CP
 
 import pytest
 
-from fixtures import ENGINES, build_llm, make_tiny_llama_dir, smollm2_gguf_path
+from fixtures import (
+    ENGINES,
+    QWEN3_ANSWER,
+    QWEN3_PLAIN,
+    QWEN3_REASONING,
+    QWEN3_TOKENIZER,
+    build_llm,
+    make_scripted_qwen3_dir,
+    make_tiny_llama_dir,
+    serve,
+    smollm2_gguf_path,
+)
+
+API_KEY = "test-key"  # the key of the servers below
 
 
 @pytest.fixture(autouse=True)
@@ -54,3 +67,46 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path):
     return build_llm(str(smollm2_path), dtype="float32", device="cpu", max_model_len=1024)
+
+
+def _served(model: str, name: str, **args):
+    """Serves `model` (an AsyncLLM on CPU) with ServerArgs `args`; yields the base URL."""
+    from liteinfer.engine.async_llm import AsyncLLM
+    from liteinfer.entrypoints.openai.cli_args import ServerArgs
+    from test_server import assert_engine_idle
+
+    engine = AsyncLLM.from_args(model, dtype="float32", device="cpu", max_model_len=2048)
+    try:
+        with serve(engine, name, ServerArgs(api_key=API_KEY, **args)) as url:
+            yield url
+            assert_engine_idle(url)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def qwen3_url(tmp_path_factory):
+    """A served tiny Qwen3 with the real Qwen3 tokenizer and chat template, scripted (see
+    make_scripted_qwen3_dir) to think QWEN3_REASONING and answer QWEN3_ANSWER, or with
+    thinking off (its chat template's enable_thinking) to answer QWEN3_PLAIN; greedy, it
+    writes them whatever the prompt. Reasoning parser qwen3, tool-call parser hermes."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER))
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    # The generation prompt ends with "\n"; with thinking off, with "</think>\n\n".
+    thinking = ids("\n") + ids("<think>") + ids(QWEN3_REASONING) + ids("</think>") + ids(
+        QWEN3_ANSWER)
+    directory = make_scripted_qwen3_dir(tmp_path_factory.mktemp("qwen3"),
+                                        [thinking, ids("\n\n") + ids(QWEN3_PLAIN)])
+    yield from _served(str(directory), "qwen3", reasoning_parser="qwen3",
+                       tool_call_parser="hermes")
+
+
+@pytest.fixture(scope="session")
+def smollm2_url(smollm2_path):
+    """The served SmolLM2 (tool-call parser hermes)."""
+    yield from _served(str(smollm2_path), "smollm2", tool_call_parser="hermes")

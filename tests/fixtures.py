@@ -18,8 +18,15 @@ import torch
 # command when it is missing.
 from liteinfer.loader import smollm2_gguf_path
 
-__all__ = ["TINY_LLAMA", "llama_cpp_permute", "llama_cpp_rope_freqs", "make_tiny_gguf",
-           "make_tiny_llama_dir", "smollm2_gguf_path", "write_tokenizer"]
+__all__ = ["QWEN3_ANSWER", "QWEN3_PLAIN", "QWEN3_REASONING", "QWEN3_TOKENIZER", "TINY_LLAMA",
+           "llama_cpp_permute", "llama_cpp_rope_freqs", "make_scripted_qwen3_dir",
+           "make_tiny_gguf", "make_tiny_llama_dir", "smollm2_gguf_path", "write_tokenizer"]
+
+# The real Qwen3 tokenizer and chat template (no weights), beside the repository.
+QWEN3_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared/models/qwen3-30b-a3b"
+# What the scripted Qwen3 of conftest's `qwen3_url` writes after the generation prompt: its
+# reasoning between the think markers, then its answer; with thinking off, its plain answer.
+QWEN3_REASONING, QWEN3_ANSWER, QWEN3_PLAIN = "Let me think", "The answer is yes.", "Hello there"
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHATML_TEMPLATE = (
@@ -90,6 +97,57 @@ def make_tiny_llama_dir(tmp_path: Path, **overrides: Any) -> Path:
         model = LlamaForCausalLM(LlamaConfig(**kwargs)).float()
     # Shards far smaller than the model, so loaders see an index and several files.
     model.save_pretrained(directory, max_shard_size="100KB")
+    return directory
+
+
+def make_scripted_qwen3_dir(tmp_path: Path, scripts: list[list[int]]) -> Path:
+    """A tiny Qwen3 with the real Qwen3 tokenizer whose greedy output follows `scripts`: in
+    each script (token ids, no id in two places) every token is followed by the next, the last
+    by <|im_end|>, and any other token by <|im_end|>. So a prompt whose last token begins a
+    script is answered with the rest of it, whatever the model's other (random) weights.
+
+    How: the layers add nothing (their output projections are zero), so the last hidden state
+    is the last token's embedding. Script token i embeds as basis vector i (plus a small shared
+    component every token has); the LM head maps vector i to its successor's logit and the
+    shared component to <|im_end|>'s, ten times weaker."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = json.loads((QWEN3_TOKENIZER / "tokenizer_config.json").read_text())
+    im_end = next(int(i) for i, t in tokenizer["added_tokens_decoder"].items()
+                  if t["content"] == "<|im_end|>")
+    real = json.loads((QWEN3_TOKENIZER / "config.json").read_text())
+    hidden = 64
+    config = AutoConfig.for_model(
+        "qwen3", vocab_size=real["vocab_size"], hidden_size=hidden, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=2048, rope_theta=real["rope_theta"], tie_word_embeddings=False,
+        bos_token_id=real["bos_token_id"], eos_token_id=im_end)
+    successor = {t: nxt for script in scripts for t, nxt in zip(script, script[1:] + [im_end])}
+    tokens = [t for script in scripts for t in script]
+    if len(set(tokens)) != len(tokens) or len(tokens) >= hidden:
+        raise ValueError("scripts need distinct tokens, fewer than the hidden size")
+    shared = hidden - 1
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed.zero_()
+        head.zero_()
+        embed[:, shared] = 0.1
+        head[im_end, shared] = 1.0
+        for i, t in enumerate(tokens):
+            embed[t, i] = 1.0
+            head[successor[t], i] = 10.0
+    directory = tmp_path / "scripted-qwen3"
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QWEN3_TOKENIZER / name, directory / name)
     return directory
 
 

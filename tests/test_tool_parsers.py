@@ -1,6 +1,8 @@
 """Tool-call parsers: llama3_json on Llama 3.1/3.2 outputs in their model cards' JSON format,
-hermes on Qwen2.5-style outputs. Whole outputs and the same outputs streamed in pieces of
-several sizes give the same content and calls; malformed calls stay text."""
+hermes on Qwen2.5-style outputs, qwen3_coder on Qwen3-Coder's XML format, mistral on both of
+Mistral's `[TOOL_CALLS]` layouts, pythonic on Llama 3.2 / Llama 4 Python lists. Whole outputs
+and the same outputs streamed in pieces of several sizes give the same content and calls;
+malformed calls stay text."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,9 @@ from liteinfer.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
+    PythonicToolParser,
+    Qwen3CoderToolParser,
     json_calls,
 )
 
@@ -63,8 +68,10 @@ def stream(text: str, piece: int, parser_cls=Llama3JsonToolParser):
 
 
 def test_registry():
-    assert TOOL_PARSERS["llama3_json"] is Llama3JsonToolParser
-    assert TOOL_PARSERS["hermes"] is HermesToolParser
+    expected = {"llama3_json": Llama3JsonToolParser, "hermes": HermesToolParser,
+                "qwen3_coder": Qwen3CoderToolParser, "mistral": MistralToolParser,
+                "pythonic": PythonicToolParser}
+    assert dict(TOOL_PARSERS) == expected
 
 
 @pytest.mark.parametrize("text, expected", CALLS)
@@ -168,3 +175,153 @@ def test_long_argument_is_read_once(parser_cls, layout, monkeypatch):
     for c in calls:
         streamed[c["index"]] = streamed.get(c["index"], "") + c["function"]["arguments"]
     assert list(streamed) == [0] and json.loads(streamed[0]) == arguments
+
+
+def check_whole_and_streamed(parser, text, content, expected, pieces=(1, 2, 5, 13)):
+    """`parser()` reads `text` as `content` and the calls `expected`, whole and streamed."""
+    whole_content, tool_calls = parser().extract_tool_calls(text)
+    assert whole_content == content and calls_of(tool_calls) == expected
+    for piece in (*pieces, len(text)):
+        streamed, calls, saw = stream(text, piece, parser)
+        assert streamed == (content or "") and saw == bool(expected)
+        assert calls_of(calls) == expected
+
+
+def check_stays_text(parser, text, pieces=(1, 3)):
+    """`parser()` leaves `text` as it is, whole and streamed."""
+    assert parser().extract_tool_calls(text) == (text, [])
+    for piece in (*pieces, max(len(text), 1)):
+        content, calls, saw = stream(text, piece, parser)
+        assert (content, calls, saw) == (text, [], False)
+
+
+# Qwen3-Coder's chat template: "<tool_call>\n<function=example_function_name>\n<parameter=
+# example_parameter_1>\nvalue_1\n</parameter>\n...</function>\n</tool_call>".
+CODER_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=location>\nSan Francisco, CA\n"
+              "</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
+CODER_WEATHER = ("get_weather", {"location": "San Francisco, CA", "unit": "celsius"})
+CODER_WRITE = ("<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n"
+               "<parameter=content>\ndef f(x):\n    return x < 3  # </tool_call> in a string\n"
+               "</parameter>\n<parameter=mode>\n420\n</parameter>\n<parameter=options>\n"
+               '{"backup": true, "tags": ["a"]}\n</parameter>\n</function>\n</tool_call>')
+CODER_TOOLS = {"write_file": {"type": "object", "properties": {
+    "path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": "integer"},
+    "options": {"type": "object"}}}}
+
+
+def coder() -> Qwen3CoderToolParser:
+    return Qwen3CoderToolParser(CODER_TOOLS)
+
+
+@pytest.mark.parametrize("text, content, expected", [
+    (CODER_CALL, None, [CODER_WEATHER]),
+    ("I will check the weather in both cities.\n" + CODER_CALL + "\n"
+     + CODER_CALL.replace("San Francisco, CA", "Tokyo"),
+     "I will check the weather in both cities.\n",
+     [CODER_WEATHER, ("get_weather", {"location": "Tokyo", "unit": "celsius"})]),
+    # Typed by the tool's schema: a string stays one even where it would parse as JSON.
+    (CODER_WRITE, None, [("write_file", {
+        "path": "src/a.py", "content": "def f(x):\n    return x < 3  # </tool_call> in a string",
+        "mode": 420, "options": {"backup": True, "tags": ["a"]}})]),
+    ("<tool_call>\n<function=list_files>\n</function>\n</tool_call>", None,
+     [("list_files", {})]),
+])
+def test_qwen3_coder_calls(text, content, expected):
+    check_whole_and_streamed(coder, text, content, expected)
+
+
+@pytest.mark.parametrize("text", [
+    "No call here, though 1 < 2 and <tool is not a tag.",
+    QWEN_CALL,  # hermes' JSON in the tags: another format
+    CODER_CALL[:-len("</function>\n</tool_call>")],  # cut off
+    CODER_CALL.replace("</parameter>\n<parameter=unit>", "<parameter=unit>"),
+    CODER_CALL.replace("<function=get_weather>", "<function=>"),
+    CODER_CALL.replace("</function>", "</func>"),
+])
+def test_qwen3_coder_malformed_calls_stay_text(text):
+    check_stays_text(coder, text)
+
+
+# Mistral's function calling docs (v0.3 tokenizer): "[TOOL_CALLS] [{"name": ..., "arguments":
+# {...}}]"; v11 and later (Mistral Small 3.2, Devstral): "[TOOL_CALLS]name[ARGS]{...}".
+MISTRAL_CALLS = [
+    ('[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France",'
+     ' "format": "celsius"}}]', None,
+     [("get_current_weather", {"location": "Paris, France", "format": "celsius"})]),
+    ('[TOOL_CALLS][{"name": "retrieve_payment_status", "arguments": {"transaction_id": "T1001"}'
+     '}, {"name": "retrieve_payment_date", "arguments": {"transaction_id": "T1001"}}]', None,
+     [("retrieve_payment_status", {"transaction_id": "T1001"}),
+      ("retrieve_payment_date", {"transaction_id": "T1001"})]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}', None,
+     [("get_weather", {"city": "Paris", "days": [1, 2]})]),
+    ('Let me look both up.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time'
+     '[ARGS]{"tz": "CET [ARGS] ]"}', "Let me look both up.",
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET [ARGS] ]"})]),
+]
+
+
+@pytest.mark.parametrize("text, content, expected", MISTRAL_CALLS)
+def test_mistral_calls(text, content, expected):
+    check_whole_and_streamed(MistralToolParser, text, content, expected)
+    assert not MistralToolParser.skip_special_tokens  # [TOOL_CALLS] is a special token
+
+
+@pytest.mark.parametrize("text", [
+    "The weather in Paris is [probably] sunny.",
+    '[TOOL_CALLS] [{"name": "f"}]',  # no arguments
+    '[TOOL_CALLS] [{"name": "f", "arguments": {}}',  # never closed
+    "[TOOL_CALLS]get weather[ARGS]{}",
+    "[TOOL_CALLS]get_weather{}",
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"',
+])
+def test_mistral_malformed_calls_stay_text(text):
+    check_stays_text(MistralToolParser, text)
+
+
+# Llama 3.2's model card ("[func_name1(params_name1=params_value1, ...), func_name2(params)]")
+# and Llama 4's, between <|python_start|> and <|python_end|> where special tokens are kept.
+PYTHONIC_CALLS = [
+    ("[get_user_info(user_id=7, special='black')]",
+     [("get_user_info", {"user_id": 7, "special": "black"})]),
+    ('[get_weather(location="San Francisco, CA", days=3), get_time(timezone="PST")]',
+     [("get_weather", {"location": "San Francisco, CA", "days": 3}),
+      ("get_time", {"timezone": "PST"})]),
+    ("<|python_start|>[search(query='a], b(', filters={'year': [2024, 2025]}, exact=True, "
+     "limit=None, scale=-1.5, pair=(1, 2))]<|python_end|>",
+     [("search", {"query": "a], b(", "filters": {"year": [2024, 2025]}, "exact": True,
+                  "limit": None, "scale": -1.5, "pair": [1, 2]})]),
+    ("\n[tools.clock.now()]", [("tools.clock.now", {})]),
+]
+
+
+@pytest.mark.parametrize("text, expected", PYTHONIC_CALLS)
+def test_pythonic_calls(text, expected):
+    check_whole_and_streamed(PythonicToolParser, text, None, expected)
+
+
+@pytest.mark.parametrize("text", [
+    "The answer is [1, 2].",
+    "get_weather(location='Paris')",  # not a list
+    "[get_weather('Paris')]",  # positional
+    "[get_weather(location=open('x'))]",  # not a literal
+    "[get_weather(location='Paris'",
+    "[1, 2]",
+    "[]",
+])
+def test_pythonic_malformed_calls_stay_text(text):
+    check_stays_text(PythonicToolParser, text)
+
+
+@pytest.mark.parametrize("parser, call, expected", [
+    (coder, CODER_CALL, [CODER_WEATHER]),
+    (MistralToolParser, '[TOOL_CALLS] [{"name": "f", "arguments": {}}]', [("f", {})]),
+    (MistralToolParser, "[TOOL_CALLS]f[ARGS]{}", [("f", {})]),
+    (PythonicToolParser, "[f(x=1)]", [("f", {"x": 1})]),
+])
+def test_call_then_remark(parser, call, expected):
+    """Text after the calls makes a whole output text. Streamed, a call that was complete
+    before the text came stays sent, and the text follows as content."""
+    text = call + " and a remark"
+    assert parser().extract_tool_calls(text) == (text, [])
+    content, calls, saw = stream(text, 1, parser)
+    assert calls_of(calls) == expected and saw and content.strip() == "and a remark"

@@ -375,8 +375,7 @@ class EngineCore:
             num_rows = len(upcoming)
             next_rows = [(row, s.request_id) for row, s in enumerate(upcoming)
                          if not s.is_finished and manager.is_constrained(s.request_id)]
-        manager.advance(accepts, next_rows, num_rows)
-        return [rid for rid, _ in accepts]
+        return manager.advance(accepts, next_rows, num_rows)
 
     def _apply_grammar_statuses(self, outputs: list[EngineCoreOutput], advanced: list[str]
                                 ) -> None:

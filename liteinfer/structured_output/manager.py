@@ -140,6 +140,9 @@ class StructuredOutputManager:
         self._by_gid: dict[int, _Grammar] = {}
         self._next_gid = 0
         self._requests: dict[str, _Grammar] = {}
+        # Requests still reasoning, with the token that ends it: their rows are not masked and
+        # their tokens not given to their grammars until it comes.
+        self._reasoning: dict[str, int] = {}
         self._finished: list[str] = []  # told to the grammar process with the next message
         self._fills: list[dict[int, str]] = []  # rows asked for, not filled yet, oldest first
         self._filled: dict[int, str] = {}  # rows filled for the step that samples next
@@ -159,6 +162,8 @@ class StructuredOutputManager:
             return
         grammar = self._grammar(params)
         self._requests[request_id] = grammar
+        if params.reasoning_end_token_id is not None:
+            self._reasoning[request_id] = params.reasoning_end_token_id
         self._send([worker.ADD, request_id, grammar.gid])
 
     def _grammar(self, params: StructuredOutputsParams) -> _Grammar:
@@ -197,6 +202,8 @@ class StructuredOutputManager:
         return self._requests[request_id].error
 
     def is_constrained(self, request_id: str) -> bool:
+        """Whether the request's steps sample with a bitmask (a split step), reasoning or not:
+        the step after the one that ends its reasoning must wait for its grammar."""
         return request_id in self._requests
 
     @property
@@ -207,22 +214,38 @@ class StructuredOutputManager:
     def finish_request(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
             self._finished.append(request_id)
+            self._reasoning.pop(request_id, None)
 
     # ---- steps ----------------------------------------------------------------------------
     def advance(self, accepts: Sequence[tuple[str, list[int]]],
-                next_rows: Sequence[tuple[int, str]] = (), num_rows: int = 0) -> None:
+                next_rows: Sequence[tuple[int, str]] = (), num_rows: int = 0) -> list[str]:
         """Gives each request its new tokens (their statuses: `accepted`). `next_rows` (row,
         request id) are the constrained rows of the step that samples next, of its `num_rows`:
-        the grammar process fills them after these tokens, while the caller goes on."""
+        the grammar process fills them after these tokens, while the caller goes on. A request
+        still reasoning gets none (its grammar has not begun): returns those that did, in
+        order."""
         if self._accepting:  # the last statuses were never read (that step failed): skip them
             self.accepted()
+        if self._reasoning:
+            accepts = [(rid, tokens) for rid, tokens in accepts if not self._reasons(rid, tokens)]
+            next_rows = [(row, rid) for row, rid in next_rows if rid not in self._reasoning]
         self._accepting = bool(accepts)
-        if not accepts and not next_rows:
-            return
-        self._send([worker.STEP, list(accepts),
-                    *self._fill_message(next_rows, (row for row, _ in next_rows), num_rows)])
+        if accepts or next_rows:
+            self._send([worker.STEP, list(accepts),
+                        *self._fill_message(next_rows, (row for row, _ in next_rows), num_rows)])
         if next_rows:
             self._fills.append(dict(next_rows))
+        return [rid for rid, _ in accepts]
+
+    def _reasons(self, request_id: str, tokens: list[int]) -> bool:
+        """Whether these tokens are the request's reasoning (its grammar begins after the one
+        that ends it)."""
+        end = self._reasoning.get(request_id)
+        if end is None:
+            return False
+        if end in tokens:
+            del self._reasoning[request_id]
+        return True
 
     def accepted(self) -> list[int]:
         """The statuses of the tokens of the last `advance`, in its order: ALLOWED, FORBIDDEN
@@ -238,8 +261,8 @@ class StructuredOutputManager:
         while self._fills:  # rows asked for by `advance`
             self._receive(worker.FILLED)
         filled, self._filled = self._filled, {}
-        rows = [(row, rid) for row, rid in enumerate(request_ids)
-                if rid is not None and rid in self._requests]
+        rows = [(row, rid) for row, rid in enumerate(request_ids) if rid is not None
+                and rid in self._requests and rid not in self._reasoning]
         if not rows:
             return None
         missing = [(row, rid) for row, rid in rows if filled.get(row) != rid]

@@ -13,7 +13,9 @@ class StructuredOutputsParams:
     """Exactly one of: `json`, a JSON schema (a dict or its text); `regex`; `choice`, one of
     these strings exactly; `grammar`, EBNF (GBNF) text whose start rule is `root`;
     `json_object`, any JSON object. `disable_any_whitespace` allows no whitespace between JSON
-    tokens beyond single spaces (small models otherwise tend to emit runs of it)."""
+    tokens beyond single spaces (small models otherwise tend to emit runs of it).
+    `reasoning_end_token_id`: a reasoning model's end-of-thinking token; the output is held to
+    the constraint only after it (its reasoning is free), and not at all if it never comes."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -21,6 +23,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP server: /v1/completions and /v1/chat/completions (streamed as
 server-sent events or whole), /v1/models and /v1/models/{id}, /health (readiness), /livez
 (liveness), /metrics (Prometheus), and vLLM's /version, /tokenize and /detokenize, over an
-AsyncLLM (whose engine core runs in a process of its own).
+AsyncLLM (whose engine core runs in a process of its own). OpenAI's Responses API
+(responses.py) and Anthropic's Messages API (entrypoints/anthropic/) run on the chat path and
+are routed here.
 
 Every HTTP request becomes one engine request per prompt and choice, all admitted together or
 not at all. Bad input of any kind (a body too large, malformed JSON, a field out of range, text
@@ -51,6 +53,8 @@ from liteinfer.config import EngineConfig
 from liteinfer.engine.async_llm import AsyncLLM, EngineError, Prompt, RequestStream, ServerBusyError
 from liteinfer.engine.core_process import CoreHandle, CoreProcess
 from liteinfer.engine.processor import generation_defaults
+from liteinfer.entrypoints.anthropic.protocol import ANTHROPIC_PATH, anthropic_error_body
+from liteinfer.entrypoints.openai.chat_output import ChatOutput
 from liteinfer.entrypoints.openai.cli_args import ServerArgs
 from liteinfer.entrypoints.openai.metrics import ServerMetrics
 from liteinfer.entrypoints.openai.protocol import (
@@ -61,6 +65,7 @@ from liteinfer.entrypoints.openai.protocol import (
     TokenizeRequest,
     conversation,
 )
+from liteinfer.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from liteinfer.entrypoints.openai.structured import ToolCalls
 from liteinfer.loader.overrides import ModelOverrides
 from liteinfer.logger import configure_logging, logging_level
@@ -110,9 +115,11 @@ def error_body(status: int, message: str) -> Chunk:
                       "param": None, "code": status}}
 
 
-def error_response(status: int, message: str) -> Response:
-    return Response(orjson.dumps(error_body(status, message)), status,
-                    media_type="application/json")
+def error_response(status: int, message: str, path: str = "") -> Response:
+    """An error in the shape of the API `path` belongs to (Anthropic's on its routes)."""
+    body = (anthropic_error_body if path.startswith(ANTHROPIC_PATH) else error_body)(status,
+                                                                                    message)
+    return Response(orjson.dumps(body), status, media_type="application/json")
 
 
 def json_response(body: Chunk) -> Response:
@@ -175,20 +182,45 @@ class OpenAIServing:
             prompts = body.prompts()
         except ValueError as e:
             raise RequestError(400, str(e)) from None
-        return await self._serve(body, request, "cmpl", "text_completion", prompts,
+        return await self._serve(body, request, "cmpl-", "text_completion", prompts,
                                  len(prompts), body.max_tokens, body.logprobs, None)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        def prompts() -> list[Prompt]:
-            return [self.engine.processor.apply_chat_template(
-                body.conversation(), body.add_generation_prompt, tools=body.tool_dicts())]
+        return await self._serve(body, request, "chatcmpl-", "chat.completion",
+                                 self.chat_prompts(body), 1, body.max_new_tokens,
+                                 body.num_logprobs, self.chat_output(body))
 
+    def chat_prompts(self, body: ChatCompletionRequest) -> Callable[[], list[Prompt]]:
+        """The request's prompt, rendered by the chat template (in the pool). With a reasoning
+        parser, an output constraint holds the answer that follows the reasoning."""
+        reasoning = self.args.reasoning_parser
+
+        def prompts() -> list[Prompt]:
+            def render(generation_prompt: bool) -> list[int]:
+                return self.engine.processor.apply_chat_template(
+                    body.conversation(), generation_prompt, tools=body.tool_dicts(),
+                    **(body.chat_template_kwargs or {}))
+
+            prompt = render(body.add_generation_prompt)
+            if reasoning and body.add_generation_prompt and body.output_constraint():
+                body.answer_starts_after(REASONING_PARSERS[reasoning].answer_starts_after(
+                    self.tokenizer, prompt, render(False)))
+            return [prompt]
+
+        return prompts
+
+    def chat_output(self, body: ChatCompletionRequest) -> ChatOutput:
+        """How the request's choices become messages. A tool-call parser whose marker is a
+        special token has the request keep special tokens in its text."""
         try:
             tools = ToolCalls(body.tools, body.tool_choice, self.args.tool_call_parser)
         except ValueError as e:
             raise RequestError(400, str(e)) from None
-        return await self._serve(body, request, "chatcmpl", "chat.completion", prompts, 1,
-                                 body.max_new_tokens, body.num_logprobs, tools)
+        if not tools.skip_special_tokens:
+            body.skip_special_tokens = False
+        reasoning = self.args.reasoning_parser
+        return ChatOutput(tools, REASONING_PARSERS[reasoning] if reasoning else None,
+                          body.include_reasoning)
 
     async def tokenize(self, body: TokenizeRequest) -> Chunk:
         self._check_model(body.model)
@@ -244,7 +276,26 @@ class OpenAIServing:
     async def _serve(self, body: SamplingRequest, request: Request, prefix: str, kind: str,
                      prompts: list[Prompt] | Callable[[], list[Prompt]], num_prompts: int,
                      max_tokens: int | None, logprobs: int | None,
-                     tools: ToolCalls | None) -> Response:
+                     tools: ChatOutput | None) -> Response:
+        response_id, stream = await self.start(body, prefix, prompts, num_prompts, max_tokens,
+                                               logprobs)
+        meta = {"id": response_id, "created": int(time.time()), "model": self.model_name}
+        render = ChoiceRenderer(self.tokenizer, logprobs, echo=getattr(body, "echo", False),
+                                tools=tools)
+        if body.stream:
+            return StreamingResponse(self._events(stream, render, meta, kind, body),
+                                     media_type="text/event-stream")
+        finals = await self.collect(stream, request)
+        outs = sorted(finals.values(), key=choice_index)
+        return json_response({**meta, "object": kind,
+                              "choices": [render.final(o) for o in outs],
+                              "usage": usage(outs, body.n)})
+
+    async def start(self, body: SamplingRequest, prefix: str,
+                    prompts: list[Prompt] | Callable[[], list[Prompt]], num_prompts: int,
+                    max_tokens: int | None, logprobs: int | None) -> tuple[str, RequestStream]:
+        """Admits the request's engine requests, all or none: the response's id (`prefix`
+        and 32 hex digits) and their outputs' stream."""
         self._check_model(body.model)
         self._check_admitting()
         try:
@@ -255,7 +306,7 @@ class OpenAIServing:
             raise RequestError(400, f"{num_prompts} prompts exceed the server's limit of "
                                     f"{self.args.max_prompts_per_request} per request")
         # 32 random hex digits like uuid4().hex, without the cost of building a UUID.
-        response_id = f"{prefix}-{secrets.token_hex(16)}"
+        response_id = f"{prefix}{secrets.token_hex(16)}"
         # A chat template renders in the pool; completion prompts are ready.
         rendered = await self._in_pool(prompts) if callable(prompts) else prompts
         try:
@@ -271,20 +322,10 @@ class OpenAIServing:
             raise RequestError(503, str(e)) from None
         except EngineError as e:
             raise RequestError(503, str(e)) from None
-        meta = {"id": response_id, "created": int(time.time()), "model": self.model_name}
-        render = ChoiceRenderer(self.tokenizer, logprobs, echo=getattr(body, "echo", False),
-                                tools=tools)
-        if body.stream:
-            return StreamingResponse(self._events(stream, render, meta, kind, body),
-                                     media_type="text/event-stream")
-        finals = await self._collect(stream, request)
-        outs = sorted(finals.values(), key=choice_index)
-        return json_response({**meta, "object": kind,
-                              "choices": [render.final(o) for o in outs],
-                              "usage": usage(outs, body.n)})
+        return response_id, stream
 
-    async def _collect(self, stream: RequestStream, request: Request
-                       ) -> dict[str, RequestOutput]:
+    async def collect(self, stream: RequestStream, request: Request
+                      ) -> dict[str, RequestOutput]:
         """Each request's last output."""
         finals: dict[str, RequestOutput] = {}
 
@@ -303,8 +344,7 @@ class OpenAIServing:
                     raise RequestError(499, "client disconnected")
             error = task.exception()
         finally:
-            self.metrics.forget(stream.unfinished)
-            stream.abort()  # a no-op once all have finished; else the client left
+            self.finish(stream)
         if isinstance(error, ServerShuttingDown):
             raise RequestError(503, str(error))
         if error is not None:
@@ -333,9 +373,25 @@ class OpenAIServing:
             status = 503 if isinstance(e, ServerShuttingDown) else 500
             yield sse(error_body(status, f"generation failed: {e}"))
         finally:
-            self.metrics.forget(stream.unfinished)
-            stream.abort()  # a no-op once all have finished; else the client left
+            self.finish(stream)
         yield b"data: [DONE]\n\n"
+
+    async def chat_deltas(self, stream: RequestStream, output: ChatOutput
+                          ) -> AsyncIterator[tuple[RequestOutput, Chunk, bool]]:
+        """A one-choice chat stream's outputs, each with its delta's fields and whether tool
+        calls have been sent, for the APIs that render them as their own events."""
+        try:
+            async for out in stream:
+                delta, calls = output.delta(0, out.new_text, out.outputs[0].text, out.finished)
+                yield out, delta, calls
+                self.metrics.observe(out)
+        finally:
+            self.finish(stream)
+
+    def finish(self, stream: RequestStream) -> None:
+        """Once a response is over: its requests still running are the client's that left."""
+        self.metrics.forget(stream.unfinished)
+        stream.abort()  # a no-op once all have finished; else the client left
 
 
 def sse(chunk: Chunk) -> bytes:
@@ -367,7 +423,7 @@ class ChoiceRenderer:
     prompt and its tokens' logprobs come first (in a stream's first chunk of each choice)."""
 
     def __init__(self, tokenizer: Any, logprobs: int | None, echo: bool = False,
-                 tools: ToolCalls | None = None):
+                 tools: ChatOutput | None = None):
         self.tokenizer, self.logprobs, self.echo, self.tools = tokenizer, logprobs, echo, tools
         self.chat = tools is not None
 
@@ -375,12 +431,9 @@ class ChoiceRenderer:
         c = out.outputs[0]
         if self.tools is None:
             return self._completion(out, c.text, c.token_ids, c.logprobs, first=True)
-        content, calls = self.tools.final(c.text)
-        message: Chunk = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        return self._chat(self.tools, out, "message", message, bool(calls), c.token_ids,
-                          c.logprobs)
+        fields, calls = self.tools.final(c.text)
+        return self._chat(self.tools, out, "message", {"role": "assistant", **fields}, calls,
+                          c.token_ids, c.logprobs)
 
     def delta(self, out: RequestOutput) -> Chunk:
         c, n = out.outputs[0], len(out.new_token_ids)
@@ -392,7 +445,7 @@ class ChoiceRenderer:
                                        out.finished)
         return self._chat(self.tools, out, "delta", delta, calls, out.new_token_ids, entries)
 
-    def _chat(self, tools: ToolCalls, out: RequestOutput, key: str, body: Chunk, calls: bool,
+    def _chat(self, tools: ChatOutput, out: RequestOutput, key: str, body: Chunk, calls: bool,
               token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> Chunk:
         """A chat choice: its `message` (whole) or `delta` (streamed) `body`."""
         reason = finish_reason(out)
@@ -446,17 +499,20 @@ class ChoiceRenderer:
 
 
 class APIKeyGuard:
-    """ASGI middleware: a 401 for any route but the open ones without the bearer key."""
+    """ASGI middleware: a 401 for any route but the open ones without the key, given as a
+    bearer token or (as Anthropic's clients send it) in `x-api-key`."""
 
     def __init__(self, app: Any, api_key: str, open_paths: frozenset[str]):
         self.app, self.open_paths = app, open_paths
-        self.expected = f"Bearer {api_key}".encode()
+        self.key, self.expected = api_key.encode(), f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                await error_response(401, "invalid or missing API key")(scope, receive, send)
+            headers = dict(scope["headers"])
+            if not (secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
+                    or secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+                await error_response(401, "invalid or missing API key", scope["path"])(
+                    scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -466,8 +522,14 @@ def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None,
     """The ASGI app; its lifespan binds the engine client to the serving event loop. Plain
     Starlette: requests are parsed by the protocol's models, so FastAPI's layers over it
     (dependency solving, its middlewares) would only add ~0.1 ms to every request's path."""
+    # Imported here: they build on this module.
+    from liteinfer.entrypoints.anthropic.serving import AnthropicServing
+    from liteinfer.entrypoints.openai.responses import OpenAIServingResponses
+
     args = args or ServerArgs()
     serving = OpenAIServing(engine, model_name, args, readiness)
+    responses_api = OpenAIServingResponses(serving)
+    anthropic_api = AnthropicServing(serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -480,16 +542,16 @@ def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None,
             serving.readiness.set(False)
             await engine.stop()
 
-    async def request_error(_: Request, exc: Exception) -> Response:
+    async def request_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestError)
-        return error_response(exc.status, str(exc))
+        return error_response(exc.status, str(exc), request.url.path)
 
-    async def http_error(_: Request, exc: Exception) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), request.url.path)
 
-    async def internal_error(_: Request, exc: Exception) -> Response:
-        return error_response(500, f"internal error ({type(exc).__name__})")
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return error_response(500, f"internal error ({type(exc).__name__})", request.url.path)
 
     async def body_of(request: Request, model: type[Body]) -> Body:
         return parse(model, await read_json(request, args.max_body_bytes))
@@ -521,6 +583,21 @@ def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None,
     async def chat(request: Request) -> Response:
         return await serving.chat(await body_of(request, ChatCompletionRequest), request)
 
+    async def responses(request: Request) -> Response:
+        return await responses_api.create(await read_json(request, args.max_body_bytes),
+                                          request)
+
+    async def stored_response(request: Request) -> Response:
+        return json_response(responses_api.retrieve(request.path_params["response_id"]))
+
+    async def messages(request: Request) -> Response:
+        return await anthropic_api.messages(await read_json(request, args.max_body_bytes),
+                                            request)
+
+    async def count_tokens(request: Request) -> Response:
+        return json_response(await anthropic_api.count_tokens(
+            await read_json(request, args.max_body_bytes)))
+
     async def tokenize(request: Request) -> Response:
         return json_response(await serving.tokenize(await body_of(request, TokenizeRequest)))
 
@@ -536,6 +613,10 @@ def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None,
         # Matched in order: the generation routes, where latency counts, come first.
         routes=[Route("/v1/completions", completions, methods=["POST"]),
                 Route("/v1/chat/completions", chat, methods=["POST"]),
+                Route("/v1/responses", responses, methods=["POST"]),
+                Route("/v1/responses/{response_id}", stored_response),
+                Route("/v1/messages", messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
                 Route("/health", health), Route("/livez", livez), Route("/metrics", metrics),
                 Route("/version", version), Route("/v1/models", models),
                 Route("/v1/models/{model_id:path}", model),

@@ -6,6 +6,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from liteinfer.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from liteinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
 
 @dataclass
 class ServerArgs:
@@ -21,6 +24,8 @@ class ServerArgs:
     shutdown_grace_s: float = 5.0
     # How tool calls are read from outputs under tool_choice "auto" (tool_parsers/).
     tool_call_parser: str = "llama3_json"
+    # How a reasoning model's reasoning is split from its answer (reasoning_parsers/).
+    reasoning_parser: str | None = None
     # API-server processes sharing one engine core (a process can stream only so many events).
     api_server_count: int = 1
 
@@ -53,8 +58,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait beyond a full batch; more get a 503 "
                         "(default: %(default)s)")
     p.add_argument("--tool-call-parser", default=defaults.tool_call_parser,
-                   choices=["hermes", "llama3_json"],
+                   choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from outputs (default: %(default)s)")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's reasoning from its answer "
+                        "(reasoning_content; default: none)")
     p.add_argument("--shutdown-grace", type=float, default=defaults.shutdown_grace_s,
                    help="seconds streams in flight may run after SIGTERM (default: %(default)s)")
     p.add_argument("--api-server-count", type=int, default=default_api_server_count(),
@@ -71,4 +79,5 @@ def server_args(args: argparse.Namespace) -> ServerArgs:
                       max_waiting_requests=args.max_waiting_requests,
                       shutdown_grace_s=args.shutdown_grace,
                       tool_call_parser=args.tool_call_parser,
+                      reasoning_parser=args.reasoning_parser,
                       api_server_count=args.api_server_count)

@@ -7,7 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
 from liteinfer.entrypoints.openai.structured import (
     ResponseFormat,
@@ -223,11 +230,15 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: str | None = None
+    include_reasoning: bool = True  # vLLM's: False drops a reasoning model's reasoning
+    # A reasoning model's end-of-thinking token, once the prompt is rendered: the output
+    # constraint holds what follows it (None: all of the output).
+    _answer_starts_after: int | None = PrivateAttr(None)
 
     def unsupported(self) -> list[str]:
         names = super().unsupported()
-        names += [name for name in ("best_of", "chat_template", "chat_template_kwargs",
-                                    "documents") if getattr(self, name) is not None]
+        names += [name for name in ("best_of", "chat_template", "documents")
+                  if getattr(self, name) is not None]
         names += [name for name in ("echo", "continue_final_message") if getattr(self, name)]
         return names
 
@@ -241,16 +252,24 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true")
 
     def output_constraint(self) -> StructuredOutputsParams | None:
-        """A forced tool call's schema (a constraint of its own beside none other)."""
+        """A forced tool call's schema (a constraint of its own beside none other), held to
+        the answer after the reasoning."""
         schema = (forced_tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
                   if self.tools and self.tool_choice is not None else None)
         constraint = super().output_constraint()
-        if schema is None:
+        if schema is not None:
+            if constraint is not None:
+                raise ValueError("a forced tool call cannot be combined with response_format "
+                                 "or structured outputs")
+            constraint = StructuredOutputsParams(json=schema)
+        if constraint is None or self._answer_starts_after is None:
             return constraint
-        if constraint is not None:
-            raise ValueError("a forced tool call cannot be combined with response_format or "
-                             "structured outputs")
-        return StructuredOutputsParams(json=schema)
+        return dataclasses.replace(constraint, reasoning_end_token_id=self._answer_starts_after)
+
+    def answer_starts_after(self, token_id: int | None) -> None:
+        """The output constraint holds what follows `token_id` (a reasoning model's end of
+        thinking)."""
+        self._answer_starts_after = token_id
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates take them."""

@@ -213,7 +213,13 @@ class ToolCalls:
             if parser_name is None:
                 raise ValueError('tool_choice "auto" needs a tool-call parser for this model')
             self._parser = TOOL_PARSERS[parser_name]
+        self._schemas = {t.function.name: _parameters(t) for t in tools or []}
         self._streams: dict[int, ToolParser] = {}
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether the output's text may leave out special tokens (a call marker may be one)."""
+        return self._parser is None or self._parser.skip_special_tokens
 
     def final(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a whole choice."""
@@ -222,7 +228,7 @@ class ToolCalls:
             return (None, calls) if calls else (text, [])
         if self._parser is None:
             return text, []
-        return self._parser().extract_tool_calls(text)
+        return self._parser(self._schemas).extract_tool_calls(text)
 
     def finish_reason(self, calls: bool, reason: str) -> str:
         """OpenAI's: "tool_calls" when the model chose to call tools (auto, required); a
@@ -246,6 +252,6 @@ class ToolCalls:
             return {"content": new_text} if new_text else {}, False
         parser = self._streams.get(choice)
         if parser is None:
-            parser = self._streams[choice] = self._parser()
+            parser = self._streams[choice] = self._parser(self._schemas)
         delta = parser.extract_tool_calls_streaming(text, finished)
         return delta, parser.saw_tool_calls

@@ -35,7 +35,12 @@ class ParsedCalls:
 
 
 class ToolParser(ABC):
-    def __init__(self) -> None:
+    # Whether the output's special tokens may be dropped from its text: not where a call
+    # marker is one (Mistral's [TOOL_CALLS]).
+    skip_special_tokens = True
+
+    def __init__(self, tools: dict[str, dict[str, Any]] | None = None) -> None:
+        self.tools = tools or {}  # each tool's parameters (a JSON schema) by name
         self._text = ""  # the output so far
         self._calls_at: int | None = None  # where the calls begin, once found
         self._malformed = False

@@ -2,6 +2,7 @@
 `<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>`."""
 from __future__ import annotations
 
+from liteinfer.entrypoints.openai.markers import find_marker, partial_marker
 from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCalls
 from liteinfer.entrypoints.openai.tool_parsers.json_calls import JsonCallsParser, skip
 
@@ -10,13 +11,10 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 class HermesToolParser(JsonCallsParser):
     def find_calls(self, text: str, start: int = 0) -> int | None:
-        at = text.find(OPEN, max(start - len(OPEN) + 1, 0))
-        return None if at < 0 else at
+        return find_marker(text, OPEN, start)
 
     def holdback(self, text: str) -> int:
-        """The longest end of `text` that begins the opening tag."""
-        return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1)
-                     if OPEN.startswith(text[-n:])), 0)
+        return partial_marker(text, OPEN)
 
     def parse_calls(self, text: str, start: int) -> ParsedCalls | None:
         calls, done = [], start  # done: the end of what is parsed

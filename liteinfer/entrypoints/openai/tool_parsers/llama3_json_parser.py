@@ -4,25 +4,17 @@ separated by ";"."""
 from __future__ import annotations
 
 from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCalls
-from liteinfer.entrypoints.openai.tool_parsers.json_calls import JsonCallsParser, skip
+from liteinfer.entrypoints.openai.tool_parsers.json_calls import (
+    JsonCallsParser,
+    WholeOutputCalls,
+    skip,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonToolParser(JsonCallsParser):
-    def find_calls(self, text: str, start: int = 0) -> int | None:
-        """Calls are the whole output or nothing: they begin where it does."""
-        pos = skip(text, 0)
-        if text.startswith(PYTHON_TAG, pos):
-            pos = skip(text, pos + len(PYTHON_TAG))
-        return 0 if text.startswith("{", pos) else None
-
-    def holdback(self, text: str) -> int:
-        """All of an output that may still become calls: whitespace and the python tag."""
-        pos = skip(text, 0)
-        end = pos + len(PYTHON_TAG)
-        held = PYTHON_TAG.startswith(text[pos:end]) and skip(text, end) >= len(text)
-        return len(text) if held else 0
+class Llama3JsonToolParser(WholeOutputCalls, JsonCallsParser):
+    tag, opening = PYTHON_TAG, "{"
 
     def parse_calls(self, text: str, start: int) -> ParsedCalls | None:
         done = skip(text, start)  # the end of what is parsed

@@ -19,7 +19,7 @@ import torch
 from liteinfer.loader import smollm2_gguf_path
 
 __all__ = ["TINY_LLAMA", "llama_cpp_permute", "llama_cpp_rope_freqs", "make_tiny_gguf",
-           "make_tiny_llama_dir", "smollm2_gguf_path", "write_tokenizer"]
+           "make_tiny_llama_dir", "make_tiny_model_dir", "smollm2_gguf_path", "write_tokenizer"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHATML_TEMPLATE = (
@@ -89,6 +89,29 @@ def make_tiny_llama_dir(tmp_path: Path, **overrides: Any) -> Path:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**kwargs)).float()
     # Shards far smaller than the model, so loaders see an index and several files.
+    model.save_pretrained(directory, max_shard_size="100KB")
+    return directory
+
+
+def make_tiny_model_dir(tmp_path: Path, model_type: str, **overrides: Any) -> Path:
+    """A seeded random fp32 transformers model of `model_type` (TINY_LLAMA's shape, then
+    `overrides`) saved with a tokenizer in `tmp_path / f"tiny-{model_type}"`. Biases and norm
+    weights are drawn at random too, so that checking them can fail."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {**TINY_LLAMA, **overrides}
+    directory = tmp_path / f"tiny-{model_type}"
+    directory.mkdir(parents=True)
+    write_tokenizer(directory, kwargs["vocab_size"], kwargs["max_position_embeddings"])
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(model_type, **kwargs)
+        model = AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias") or name.endswith("norm.weight"):
+                    param.copy_(1.0 * name.endswith("norm.weight")
+                                + 0.3 * torch.randn_like(param))
     model.save_pretrained(directory, max_shard_size="100KB")
     return directory
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -156,3 +157,76 @@ def test_a_checkpoint_missing_an_expert_is_refused(tmp_path: Path) -> None:
         save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks 1 tensors.*layers\.1\.mlp\.experts\.w13_weight"):
         build_llm(str(directory), dtype="float32", device="cpu", max_model_len=MAX_LEN)
+
+
+def _write_moe_gguf(path: Path, directory: Path) -> Path:
+    """The tiny model in `directory` as llama.cpp's converter writes it: Qwen3-MoE as
+    `qwen3moe`, Mixtral as `llama` with experts (q/k rows permuted), each layer's experts
+    stacked per projection, float32."""
+    import gguf
+
+    from fixtures import llama_cpp_permute
+
+    cfg = load_model_source(str(directory)).hf_config
+    qwen = cfg["model_type"] == "qwen3_moe"
+    arch = "qwen3moe" if qwen else "llama"
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    meta = {"block_count": cfg["num_hidden_layers"],
+            "context_length": cfg["max_position_embeddings"],
+            "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+            "attention.head_count": cfg["num_attention_heads"],
+            "attention.head_count_kv": cfg["num_key_value_heads"],
+            "attention.key_length": head_dim, "rope.dimension_count": head_dim,
+            "expert_count": cfg.get("num_experts") or cfg["num_local_experts"],
+            "expert_used_count": cfg["num_experts_per_tok"]}
+    if qwen:
+        meta["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+        writer.add_bool(f"{arch}.expert_weights_norm", cfg["norm_topk_prob"])
+    for key, value in meta.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", cfg["rope_theta"])
+    layer_names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                   "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+                   "o_proj": "attn_output", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm",
+                   "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+                   "gate": "ffn_gate_inp"}
+    global_names = {"model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in load_model_source(str(directory)).iter_weights():
+        w = tensor.numpy()
+        parts = name.split(".")
+        if ".experts." in name:  # model.layers.L.{block}.experts.E.{proj}.weight
+            kind = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}.get(
+                parts[-2], "down")
+            experts.setdefault(f"blk.{parts[2]}.ffn_{kind}_exps.weight", {})[int(parts[5])] = w
+            continue
+        if parts[-2] in heads and not qwen:
+            w = llama_cpp_permute(w, heads[parts[-2]])
+        gguf_name = (global_names[name] if name in global_names
+                     else f"blk.{parts[2]}.{layer_names[parts[-2]]}.weight")
+        writer.add_tensor(gguf_name, w)
+    for name, by_expert in experts.items():
+        writer.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe-6x3-step2", "mixtral-4x2"], indirect=True)
+def test_gguf_moe_matches_transformers(variant, tmp_path: Path) -> None:
+    """A GGUF of the model (experts stacked, dense layers without a router, Mixtral as a Llama
+    file with experts) reads as the same config and generates transformers' tokens."""
+    name, directory, prompts, reference = variant
+    path = _write_moe_gguf(tmp_path / f"{name}.gguf", directory)
+    source = load_model_source(str(path))
+    assert source.load_format == "gguf"
+    assert source.model_config.moe == VARIANTS[name][2]
+    llm = build_llm(str(path), dtype="float32", device="cpu", max_model_len=MAX_LEN)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference

@@ -28,7 +28,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 
 
 def make_tiny_family_dir(tmp_path: Path, family: str, **overrides: Any) -> Path:
-    return make_tiny_model_dir(tmp_path, family, **FAMILIES[family], **overrides)
+    return make_tiny_model_dir(tmp_path, family, **{**FAMILIES[family], **overrides})
 
 
 def greedy(n: int = MAX_NEW) -> SamplingParams:

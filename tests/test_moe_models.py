@@ -65,13 +65,9 @@ def test_config_reads_the_experts(variant) -> None:
     assert cfg.qk_norm == name.startswith("qwen3")
 
 
-@pytest.mark.parametrize("engine_args", [
-    {},
-    {"max_num_batched_tokens": 16, "block_size": 32},   # prompts prefilled in chunks
-], ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "default")
-def test_moe_matches_transformers(variant, engine_args: dict[str, Any]) -> None:
-    """All prompts at once (prompt chunks and decoding rows share steps), then again with
-    their prefixes cached."""
+def _check_against_transformers(variant, **engine_args: Any) -> None:
+    """All prompts at once (prompt pieces and decoding rows share steps), then every second
+    one again over its cached prefix."""
     _, directory, prompts, reference = variant
     llm = build_llm(str(directory), dtype="float32", device="cpu", max_model_len=MAX_LEN,
                     **engine_args)
@@ -80,6 +76,16 @@ def test_moe_matches_transformers(variant, engine_args: dict[str, Any]) -> None:
     again = llm.generate(prompts[1::2], greedy(), use_tqdm=False)
     assert all(o.num_cached_tokens >= 32 for o in again)
     assert [o.outputs[0].token_ids for o in again] == reference[1::2]
+
+
+def test_moe_matches_transformers(variant) -> None:
+    _check_against_transformers(variant)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe-6x3-step2", "mixtral-4x2"], indirect=True)
+def test_moe_with_chunked_prompts_matches_transformers(variant) -> None:
+    """Prompts prefilled 16 tokens a step, beside the decoding rows."""
+    _check_against_transformers(variant, max_num_batched_tokens=16, block_size=32)
 
 
 @pytest.mark.parametrize("variant", ["mixtral-4x2"], indirect=True)

@@ -346,7 +346,7 @@ def test_two_torchrun_nodes_match_one_process(tiny_llama_dir, tiny_llm, tmp_path
 def test_moe_experts_split_by_channel_and_two_ranks_match_one(tmp_path):
     """Each rank holds every expert with half of its channels (gate and up rows, down
     columns) and the whole router; a Qwen3-MoE model with a dense layer generates the same
-    tokens on two ranks as on one, greedy and seeded."""
+    tokens on two ranks as on one."""
     from fixtures import make_tiny_model_dir
     from liteinfer.models import model_class
 
@@ -375,11 +375,10 @@ def test_moe_experts_split_by_channel_and_two_ranks_match_one(tmp_path):
     one = build_llm(str(directory), **args)
     two = build_llm(str(directory), tensor_parallel_size=2, **args)
     try:
-        prompts, params = _mixed_requests(n=6)
-        for p in (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), params):
-            got = two.generate(prompts, p, use_tqdm=False)
-            ref = one.generate(prompts, p, use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        prompts, params = _mixed_requests(n=5)  # a greedy row among seeded ones
+        got = two.generate(prompts, params, use_tqdm=False)
+        ref = one.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     finally:
         for llm in (one, two):
             ENGINES.remove(llm)

@@ -1,62 +1,16 @@
-"""Qwen3-MoE and Mixtral on CUDA through the Triton paths (router kernel, expert GEMVs and
-grouped GEMMs, captured decode and prompt steps) against transformers on the same fp32 weights,
-and one sparse layer at the real models' shapes against the torch path (run with
-`pytest -m gpu`)."""
+"""One sparse layer of Qwen3-30B-A3B and of Mixtral-8x7B at their real shapes through the
+Triton router and experts, eager and captured, against the torch path (run with
+`pytest -m gpu`; the tiny MoE models run against transformers in test_gpu_families.py)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from fixtures import TINY_LLAMA, build_llm, make_tiny_model_dir
-from liteinfer import SamplingParams
 from liteinfer.layers.fused_moe import fused_moe_torch, route_torch
 from liteinfer.loader import load_model_source
-from reference import hf_greedy, random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-WIDTH = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-             num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=4096)
-FAMILIES = {
-    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
-                      norm_topk_prob=True, head_dim=128, mlp_only_layers=[1]),
-    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, head_dim=64),
-}
-CONFIGS = {"eager": {"enforce_eager": True}, "default": {},
-           "chunked": {"max_num_batched_tokens": 64}}
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> tuple[Path, list[list[int]], list[list[int]]]:
-    name = request.param
-    directory = make_tiny_model_dir(tmp_path_factory.mktemp(f"gpu-{name}"), name,
-                                    **WIDTH, **FAMILIES[name])
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
-    prompts = random_prompts(32, TINY_LLAMA["vocab_size"], 1, 700, seed=3)
-    reference = hf_greedy(hf, prompts, 16)
-    del hf
-    torch.cuda.empty_cache()
-    return directory, prompts, reference
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_fp32_token_for_token(family, name: str) -> None:
-    directory, prompts, reference = family
-    llm = build_llm(str(directory), dtype="float32", max_model_len=1024,
-                    **{"max_num_seqs": 48, **CONFIGS[name]})
-    outputs = llm.generate(prompts, greedy(16), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == reference
-    alone = llm.generate(prompts[:1], greedy(16), use_tqdm=False)[0].outputs[0].token_ids
-    assert alone == reference[0]
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

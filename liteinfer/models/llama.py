@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
             shards = ([s for s, _ in layer.checkpoint_shapes(param)]
                       if hasattr(layer, "checkpoint_shapes") else [None])
             expected |= {(name, s) for s in shards}
-        missing = sorted(f"{n}" if s is None else f"{n}:{s}" for n, s in expected - loaded)
+        missing = sorted(n if s is None else f"{n}:{s}" for n, s in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 

@@ -92,6 +92,9 @@ class MoeRouter(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: None = None) -> None:
+        if loaded.shape != param.shape:
+            raise ValueError(f"router checkpoint shape {tuple(loaded.shape)} != (experts, "
+                             f"hidden) {tuple(param.shape)}")
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

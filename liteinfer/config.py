@@ -34,10 +34,12 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-# The families the Llama model serves, by model_type, with their architecture names. Each differs
-# from Llama by a few named switches in ModelConfig (q/k/v biases, q/k norms, a sliding window).
+# The families liteinfer serves, by model_type, with their architecture names (models/ maps each
+# to its model class). The dense ones differ from Llama by a few named switches in ModelConfig
+# (q/k/v biases, q/k norms, a sliding window); the mixtures of experts add a MoeConfig.
 MODEL_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def _family(cfg: dict[str, Any]) -> str:
@@ -64,10 +66,42 @@ def _sliding_window(cfg: dict[str, Any], family: str) -> int | None:
     return window
 
 
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: each token's `top_k` of `num_experts` SwiGLU experts of
+    `intermediate_size` channels, weighted by the softmax of the router's logits over all experts
+    (renormalized over the chosen ones: Mixtral, and Qwen3-MoE with norm_topk_prob).
+    `sparse_layers` are the layers whose MLP is the experts; the others are dense."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[int, ...]
+
+
+def _moe_config(cfg: dict[str, Any], family: str) -> MoeConfig | None:
+    """The experts of a Qwen3-MoE or Mixtral config (transformers' readings of their keys)."""
+    layers = range(cfg["num_hidden_layers"])
+    if family == "mixtral":
+        return MoeConfig(cfg["num_local_experts"], cfg.get("num_experts_per_tok", 2),
+                         cfg["intermediate_size"], True, tuple(layers))
+    if family != "qwen3_moe":
+        return None
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in layers if experts > 0 and i not in dense and (i + 1) % step == 0)
+    if not sparse:
+        return None
+    return MoeConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                     bool(cfg.get("norm_topk_prob", False)), sparse)
+
+
 @dataclass
 class ModelConfig:
-    """The hyper-parameters liteinfer needs, read from a Hugging Face config dict: Llama's, and
-    the switches of the families built on it (MODEL_FAMILIES)."""
+    """The hyper-parameters liteinfer needs, read from a Hugging Face config dict: Llama's, the
+    switches of the families built on it and their experts (MODEL_FAMILIES)."""
 
     vocab_size: int
     hidden_size: int
@@ -89,6 +123,7 @@ class ModelConfig:
     # Mistral v0.1: each token attends to the last `sliding_window` positions only (not
     # implemented: such a model runs only with max_model_len <= sliding_window).
     sliding_window: int | None = None
+    moe: MoeConfig | None = None  # Qwen3-MoE, Mixtral: the experts, and which layers have them
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -126,8 +161,9 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             model_type=family,
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=_sliding_window(cfg, family),
+            moe=_moe_config(cfg, family),
         )
 
     @property

@@ -20,7 +20,8 @@ from liteinfer.loader import smollm2_gguf_path
 
 __all__ = ["QWEN3_ANSWER", "QWEN3_PLAIN", "QWEN3_REASONING", "QWEN3_TOKENIZER", "TINY_LLAMA",
            "llama_cpp_permute", "llama_cpp_rope_freqs", "make_scripted_qwen3_dir",
-           "make_tiny_gguf", "make_tiny_llama_dir", "smollm2_gguf_path", "write_tokenizer"]
+           "make_tiny_gguf", "make_tiny_llama_dir", "make_tiny_model_dir", "smollm2_gguf_path",
+           "write_tokenizer"]
 
 # The real Qwen3 tokenizer and chat template (no weights), beside the repository.
 QWEN3_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared/models/qwen3-30b-a3b"
@@ -148,6 +149,29 @@ def make_scripted_qwen3_dir(tmp_path: Path, scripts: list[list[int]]) -> Path:
     model.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(QWEN3_TOKENIZER / name, directory / name)
+    return directory
+
+
+def make_tiny_model_dir(tmp_path: Path, model_type: str, **overrides: Any) -> Path:
+    """A seeded random fp32 transformers model of `model_type` (TINY_LLAMA's shape, then
+    `overrides`) saved with a tokenizer in `tmp_path / f"tiny-{model_type}"`. Biases and norm
+    weights are drawn at random too, so that checking them can fail."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {**TINY_LLAMA, **overrides}
+    directory = tmp_path / f"tiny-{model_type}"
+    directory.mkdir(parents=True)
+    write_tokenizer(directory, kwargs["vocab_size"], kwargs["max_position_embeddings"])
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(model_type, **kwargs)
+        model = AutoModelForCausalLM.from_config(config).float()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias") or name.endswith("norm.weight"):
+                    param.copy_(1.0 * name.endswith("norm.weight")
+                                + 0.3 * torch.randn_like(param))
+    model.save_pretrained(directory, max_shard_size="100KB")
     return directory
 
 

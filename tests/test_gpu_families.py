@@ -1,5 +1,6 @@
-"""Qwen2, Qwen3 and Mistral on CUDA through the Triton paths (captured decode, split-K, GEMV,
-prompt graphs) against transformers on the same fp32 weights (run with `pytest -m gpu`)."""
+"""Qwen2, Qwen3, Mistral, Qwen3-MoE and Mixtral on CUDA through the Triton paths (captured
+decode, split-K, GEMV, prompt graphs; the MoE router and expert kernels) against transformers on
+the same fp32 weights (run with `pytest -m gpu`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fixtures import TINY_LLAMA, build_llm
+from fixtures import TINY_LLAMA, build_llm, make_tiny_model_dir
 from liteinfer import SamplingParams
 from reference import hf_greedy, random_prompts
 from test_model_families import make_tiny_family_dir
@@ -20,7 +21,11 @@ pytestmark = [pytest.mark.gpu,
 # are wider than the hidden size.
 WIDTH = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
              num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=4096)
-HEAD_DIMS = {"qwen2": 64, "qwen3": 128, "mistral": 64}
+HEAD_DIMS = {"qwen2": 64, "qwen3": 128, "mistral": 64, "qwen3_moe": 128, "mixtral": 64}
+# The MoE families' experts: a dense layer among Qwen3-MoE's, top-4 of 16; Mixtral's top-2 of 8.
+EXPERTS = {"qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
+                             norm_topk_prob=True, mlp_only_layers=[1]),
+           "mixtral": dict(num_local_experts=8, num_experts_per_tok=2)}
 CONFIGS = {
     # The Triton kernels eagerly: paged and split-K decode attention, packed and mixed prefill,
     # the one-sequence GEMV steps (the q/k/v bias added after the kernel).
@@ -44,8 +49,12 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
            ) -> tuple[Path, list[list[int]], list[list[int]]]:
     """(model directory, prompts, transformers' fp32 greedy continuations on CUDA)."""
     name = request.param
-    directory = make_tiny_family_dir(tmp_path_factory.mktemp(f"gpu-{name}"), name,
-                                     head_dim=HEAD_DIMS[name], **WIDTH)
+    base = tmp_path_factory.mktemp(f"gpu-{name}")
+    if name in EXPERTS:
+        directory = make_tiny_model_dir(base, name, head_dim=HEAD_DIMS[name], **WIDTH,
+                                        **EXPERTS[name])
+    else:
+        directory = make_tiny_family_dir(base, name, head_dim=HEAD_DIMS[name], **WIDTH)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
     # Batch sizes 1..32 cross CUDA-graph sizes; lengths cross many KV blocks and split counts.
     prompts = random_prompts(32, TINY_LLAMA["vocab_size"], 1, 700, seed=3)

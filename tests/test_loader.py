@@ -24,6 +24,8 @@ needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
                                 reason="GGUF support needs the gguf package")
 PACKAGED = ["llama-3.2-1b-instruct", "llama-3.2-3b-instruct", "llama-3.1-8b-instruct",
             "llama-3.1-70b-instruct"]
+# Packaged too; their configs are checked in test_moe_models.py.
+PACKAGED_MOE = ["qwen3-30b-a3b", "mixtral-8x7b-instruct"]
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +148,7 @@ def test_packaged_configs(name: str) -> None:
 
 
 def test_known_models() -> None:
-    assert known_models() == sorted(PACKAGED + ["smollm2-135m-instruct"])
+    assert known_models() == sorted(PACKAGED + PACKAGED_MOE + ["smollm2-135m-instruct"])
 
 
 # ---- bad input -------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fixtures import TINY_LLAMA, build_llm, write_tokenizer
+from fixtures import TINY_LLAMA, build_llm, make_tiny_model_dir
 from liteinfer import SamplingParams
 from liteinfer.config import ModelConfig
 from reference import hf_greedy, random_prompts
@@ -28,24 +28,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 
 
 def make_tiny_family_dir(tmp_path: Path, family: str, **overrides: Any) -> Path:
-    """A seeded random fp32 model of `family` (TINY_LLAMA's shape) saved with a tokenizer. Biases
-    and norm weights are drawn at random too, so that checking them can fail."""
-    from transformers import AutoConfig
-
-    kwargs = {**TINY_LLAMA, **FAMILIES[family], **overrides}
-    directory = tmp_path / f"tiny-{family}"
-    directory.mkdir(parents=True)
-    write_tokenizer(directory, kwargs["vocab_size"], kwargs["max_position_embeddings"])
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kwargs)).float()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("bias") or name.endswith("norm.weight"):
-                    param.copy_(1.0 * name.endswith("norm.weight")
-                                + 0.3 * torch.randn_like(param))
-    model.save_pretrained(directory, max_shard_size="100KB")
-    return directory
+    return make_tiny_model_dir(tmp_path, family, **{**FAMILIES[family], **overrides})
 
 
 def greedy(n: int = MAX_NEW) -> SamplingParams:

@@ -4,6 +4,9 @@ throughout; each rank holding its slice of every weight, the vocabulary's includ
 mirroring rank 0's requests exactly from its per-step deltas, and never scheduling."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import msgspec
 import numpy as np
 import pytest
@@ -32,11 +35,28 @@ def tied_odd_vocab_dir(tmp_path_factory):
                                tie_word_embeddings=True, initializer_range=0.2)
 
 
-def test_tied_embeddings_over_an_odd_vocabulary_match_one_rank(tied_odd_vocab_dir):
+@contextmanager
+def _one_and_two_ranks(directory) -> Iterator[tuple[LLM, LLM]]:
+    """The model on one rank and on two (fp32, CPU), shut down after the block."""
     args = dict(dtype="float32", device="cpu", max_model_len=256)
-    one = build_llm(str(tied_odd_vocab_dir), **args)
-    two = build_llm(str(tied_odd_vocab_dir), tensor_parallel_size=2, **args)
+    one = build_llm(str(directory), **args)
+    two = build_llm(str(directory), tensor_parallel_size=2, **args)
     try:
+        yield one, two
+    finally:
+        for llm in (one, two):
+            ENGINES.remove(llm)
+            llm.shutdown()
+
+
+def _assert_same_tokens(one: LLM, two: LLM, prompts, params) -> None:
+    got = two.generate(prompts, params, use_tqdm=False)
+    ref = one.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_tied_embeddings_over_an_odd_vocabulary_match_one_rank(tied_odd_vocab_dir):
+    with _one_and_two_ranks(tied_odd_vocab_dir) as (one, two):
         model = two.engine.core.runner.model
         assert model.embed_tokens.weight.shape == (192, TINY_LLAMA["hidden_size"])
         assert model.lm_head.weight is model.embed_tokens.weight
@@ -46,13 +66,7 @@ def test_tied_embeddings_over_an_odd_vocabulary_match_one_rank(tied_odd_vocab_di
                    for n in rng.integers(5, 60, size=4)]
         for p in (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                   SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)):
-            got = two.generate(prompts, p, use_tqdm=False)
-            ref = one.generate(prompts, p, use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
-    finally:
-        for llm in (one, two):
-            ENGINES.remove(llm)
-            llm.shutdown()
+            _assert_same_tokens(one, two, prompts, p)
 
 
 def _model(directory, tp_rank: int, tp_size: int, load_format: str):
@@ -341,3 +355,36 @@ def test_two_torchrun_nodes_match_one_process(tiny_llama_dir, tiny_llm, tmp_path
     ref = tiny_llm.generate(prompts[::2], SamplingParams(temperature=0.0, max_tokens=16,
                                                          ignore_eos=True), use_tqdm=False)
     assert got[0][::2] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_moe_experts_split_by_channel_and_two_ranks_match_one(tmp_path):
+    """Each rank holds every expert with half of its channels (gate and up rows, down
+    columns) and the whole router; a Qwen3-MoE model with a dense layer generates the same
+    tokens on two ranks as on one."""
+    from fixtures import make_tiny_model_dir
+    from liteinfer.models import model_class
+
+    directory = make_tiny_model_dir(tmp_path, "qwen3_moe", num_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True, mlp_only_layers=[1])
+    source = load_model_source(str(directory))
+    cls = model_class(source.model_config)
+
+    def rank_model(rank: int, size: int):
+        model = cls(source.model_config, get_backend("torch"), tp_rank=rank, tp_size=size)
+        model.load_weights(source.iter_weights())
+        return model
+
+    whole = rank_model(0, 1).layers[0].mlp
+    n = 16
+    for rank in range(2):
+        part = rank_model(rank, 2).layers[0].mlp
+        mine = slice(rank * n, (rank + 1) * n)
+        assert torch.equal(part.experts.w13_weight[:, :n], whole.experts.w13_weight[:, mine])
+        assert torch.equal(part.experts.w13_weight[:, n:],
+                           whole.experts.w13_weight[:, 2 * n:][:, mine])
+        assert torch.equal(part.experts.w2_weight, whole.experts.w2_weight[:, :, mine])
+        assert torch.equal(part.gate.weight, whole.gate.weight)
+    with _one_and_two_ranks(directory) as (one, two):
+        prompts, params = _mixed_requests(n=5)  # a greedy row among seeded ones
+        _assert_same_tokens(one, two, prompts, params)

@@ -19,6 +19,7 @@ from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.quantization import process_weights_after_loading, quant_config
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
+from liteinfer.models import model_class
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
 from liteinfer.structured_output.manager import GrammarBitmask
 from liteinfer.utils import cdiv, free_device_memory, to_device
@@ -94,8 +95,8 @@ class ModelRunner:
             with torch.device(self.device):
                 quant = quant_config(self.config.quantization, source.hf_config, load_format)
                 ops = LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
-                model = LlamaForCausalLM(self.model_config, self.backend, ops, self.tp_rank,
-                                         self.tp_size)
+                model = model_class(self.model_config)(self.model_config, self.backend, ops,
+                                                       self.tp_rank, self.tp_size)
         finally:
             torch.set_default_dtype(default_dtype)
         if load_format == "dummy":

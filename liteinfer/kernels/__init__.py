@@ -1,8 +1,8 @@
 """Triton kernels: paged KV cache writes (with fused RoPE), paged decode attention (which also
 rotates and writes the step's own K/V), packed prefill attention, one-token linear layers with
 RMSNorm and SiLU-and-mul fused in, few-row linear layers, the standalone RMSNorm and
-SiLU-and-mul, FP8 activation quantization, greedy sampling's argmax, and the L2 weight
-prefetch a kernel issues before its PDL wait.
+SiLU-and-mul, FP8 activation quantization, greedy sampling's argmax, the L2 weight
+prefetch a kernel issues before its PDL wait, and the mixture-of-experts router and experts.
 Import the submodules directly; importing this package pulls in nothing heavy."""
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""llama.cpp GGUF files: config from `llama.*` metadata, dequantized weights under Hugging Face
-names, tokenizer rebuilt by transformers from the file's own vocabulary."""
+"""llama.cpp GGUF files: config from `llama.*` metadata (`qwen3moe.*` for Qwen3-MoE; a Llama
+file with experts is Mixtral), dequantized weights under Hugging Face names, tokenizer rebuilt by
+transformers from the file's own vocabulary."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType, ReaderField, dequantize
 
+from liteinfer.config import MODEL_FAMILIES
 from liteinfer.layers.rotary import inv_frequencies
 
 _LAYER_TENSORS = {
@@ -17,7 +19,16 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Experts: llama.cpp stacks each projection of a layer's experts in one [E, out, in] tensor and
+# calls the router ffn_gate_inp. Each MoE family's Hugging Face names for them: the block that
+# holds router and experts, and each projection's name.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_MOE_NAMES = {"qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+              "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"})}
+# general.architecture -> the family it is read as (a Llama file with experts: Mixtral).
+_ARCHITECTURES = {"llama": "llama", "qwen3moe": "qwen3_moe"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                    "output": "lm_head"}
 # llama.cpp's precomputed llama3 RoPE divisors; folded into rope_scaling instead of yielded.
@@ -57,13 +68,20 @@ def _require(reader: GGUFReader, key: str) -> Any:
     return _get(reader, key)
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name, or None for tensors Llama has no place for (biases, experts)."""
+def _hf_name(gguf_name: str, family: str) -> str | None:
+    """The Hugging Face name, or None for tensors the family has no place for (biases). A
+    stacked expert tensor's name has `{}` where each expert's index goes."""
     base, _, kind = gguf_name.rpartition(".")
     if kind != "weight":
         return None
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
+        if family in _MOE_NAMES and (part == "ffn_gate_inp" or part in _EXPERT_TENSORS):
+            block, projs = _MOE_NAMES[family]
+            if part == "ffn_gate_inp":
+                return f"model.layers.{layer}.{block}.gate.weight"
+            proj = projs[_EXPERT_TENSORS[part]]
+            return f"model.layers.{layer}.{block}.experts.{{}}.{proj}.weight"
         hf_part = _LAYER_TENSORS.get(part)
         return None if hf_part is None else f"model.layers.{layer}.{hf_part}.weight"
     return f"{_GLOBAL_TENSORS[base]}.weight" if base in _GLOBAL_TENSORS else None
@@ -94,10 +112,11 @@ def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[st
     return scaling
 
 
-def _rope_scaling(reader: GGUFReader, theta: float, head_dim: int) -> dict[str, Any] | None:
-    kind = _get(reader, "llama.rope.scaling.type", "none")
+def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int
+                  ) -> dict[str, Any] | None:
+    kind = _get(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
-        return {"rope_type": "linear", "factor": _require(reader, "llama.rope.scaling.factor")}
+        return {"rope_type": "linear", "factor": _require(reader, f"{arch}.rope.scaling.factor")}
     if kind != "none":
         raise ValueError(f"unsupported GGUF RoPE scaling type {kind!r}")
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
@@ -105,48 +124,71 @@ def _rope_scaling(reader: GGUFReader, theta: float, head_dim: int) -> dict[str, 
                                                       theta, head_dim)
 
 
+def _moe_keys(reader: GGUFReader, arch: str, family: str, names: set[str], layers: int
+              ) -> dict[str, Any]:
+    """A MoE family's config keys (Hugging Face's) from the file: llama.cpp keeps no
+    mlp_only_layers, so the layers without a router are the dense ones, and renormalizes
+    Qwen3-MoE's and Mixtral's top-k weights unless expert_weights_norm says otherwise."""
+    experts = _require(reader, f"{arch}.expert_count")
+    top_k = _require(reader, f"{arch}.expert_used_count")
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    if family == "mixtral":
+        if dense:
+            raise ValueError(f"GGUF Mixtral layers {dense[:8]} have no experts")
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "mlp_only_layers": dense,
+            "moe_intermediate_size": _require(reader, f"{arch}.expert_feed_forward_length"),
+            "norm_topk_prob": bool(_get(reader, f"{arch}.expert_weights_norm", True))}
+
+
 def read_config(reader: GGUFReader) -> dict[str, Any]:
-    """A Hugging Face style Llama config.json dict from the GGUF's metadata."""
+    """A Hugging Face style config.json dict (Llama's, Mixtral's or Qwen3-MoE's) from the GGUF's
+    metadata."""
     arch = _require(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF general.architecture is {arch!r}; liteinfer serves only 'llama'")
-    if _get(reader, "llama.expert_count", 0):
-        raise ValueError("mixture-of-experts Llama GGUFs are not supported")
-    hidden = _require(reader, "llama.embedding_length")
-    heads = _require(reader, "llama.attention.head_count")
-    head_dim = _get(reader, "llama.attention.key_length", hidden // heads)
-    if _get(reader, "llama.rope.dimension_count", head_dim) != head_dim:
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF general.architecture is {arch!r}; liteinfer serves "
+                         f"{sorted(_ARCHITECTURES)}")
+    family = _ARCHITECTURES[arch]
+    if family == "llama" and _get(reader, "llama.expert_count", 0):
+        family = "mixtral"
+    hidden = _require(reader, f"{arch}.embedding_length")
+    heads = _require(reader, f"{arch}.attention.head_count")
+    head_dim = _get(reader, f"{arch}.attention.key_length", hidden // heads)
+    if _get(reader, f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ValueError("GGUF applies RoPE to part of each head; Llama rotates the whole head")
-    theta = _get(reader, "llama.rope.freq_base", 10000.0)
+    theta = _get(reader, f"{arch}.rope.freq_base", 10000.0)
+    layers = _require(reader, f"{arch}.block_count")
     names = {t.name for t in reader.tensors}
-    unknown = sorted(n for n in names - {_ROPE_FREQS} if _hf_name(n) is None)
+    unknown = sorted(n for n in names - {_ROPE_FREQS} if _hf_name(n, family) is None)
     if unknown:
-        raise ValueError(f"GGUF has tensors a Llama model does not use: {unknown[:8]}")
+        raise ValueError(f"GGUF has tensors a {family} model does not use: {unknown[:8]}")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise ValueError("GGUF has no token_embd.weight tensor")
     eos_ids = list(dict.fromkeys(i for i in (_get(reader, f"tokenizer.ggml.{k}_token_id")
                                              for k in ("eos", "eot", "eom")) if i is not None))
+    moe = _moe_keys(reader, arch, family, names, layers) if family in _MOE_NAMES else {}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [MODEL_FAMILIES[family]],
+        "model_type": family,
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": _require(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _require(reader, "llama.block_count"),
+        "intermediate_size": _require(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": _get(reader, "llama.attention.head_count_kv", heads),
+        "num_key_value_heads": _get(reader, f"{arch}.attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "rms_norm_eps": _require(reader, "llama.attention.layer_norm_rms_epsilon"),
+        "rms_norm_eps": _require(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": theta,
-        "rope_scaling": _rope_scaling(reader, theta, head_dim),
-        "vocab_size": _get(reader, "llama.vocab_size", int(embed.data.shape[0])),
+        "rope_scaling": _rope_scaling(reader, arch, theta, head_dim),
+        "vocab_size": _get(reader, f"{arch}.vocab_size", int(embed.data.shape[0])),
         "tie_word_embeddings": "output.weight" not in names,
-        "max_position_embeddings": _require(reader, "llama.context_length"),
+        "max_position_embeddings": _require(reader, f"{arch}.context_length"),
         "bos_token_id": _get(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids or None,
         "pad_token_id": _get(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",  # what iter_weights yields after dequantization
+        **moe,
     }
 
 
@@ -158,18 +200,29 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize one tensor at a time from the memory-mapped file, as float32."""
+    """Dequantize one tensor at a time from the memory-mapped file, as float32 (a stacked
+    expert tensor one expert at a time)."""
+    # llama.cpp permutes q/k rows for its Llama RoPE only (Qwen's rotates halves, as HF does).
+    permuted = cfg["model_type"] in ("llama", "mixtral")
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, cfg["model_type"])
         if name is None:
             continue
         w = dequantize(t.data, t.tensor_type)
         proj = name.split(".")[-2]
-        if proj in heads:
+        if permuted and proj in heads:
             w = _unpermute(w, heads[proj])
-        # F32 tensors come back as read-only views of the file; copy those only.
-        yield name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        if "{}" in name:
+            for expert in range(w.shape[0]):
+                yield name.format(expert), _tensor(w[expert])
+        else:
+            yield name, _tensor(w)
+
+
+def _tensor(w: np.ndarray) -> torch.Tensor:
+    # F32 tensors come back as read-only views of the file; copy those only.
+    return torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
 
 
 def chat_template(reader: GGUFReader) -> str | None:

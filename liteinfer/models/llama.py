@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -91,10 +91,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps,
-                 tp_rank: int, tp_size: int):
+                 tp_rank: int, tp_size: int, mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend, ops, tp_rank, tp_size)
-        self.mlp = LlamaMLP(cfg, ops, tp_rank, tp_size)
+        self.mlp = mlp  # called as mlp(x, norm): adds its output to the residual stream x
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
 
@@ -119,8 +119,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank,
                                                    tp_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, ops, tp_rank, tp_size)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend, ops, tp_rank, tp_size,
+                              self.make_mlp(i, ops, tp_rank, tp_size))
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
         # Every rank ends with the full logits.
         self.lm_head = ParallelLMHead(
@@ -130,6 +132,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_weights(self.embed_tokens)
         # Set by the runner once the model sits on its device (fp32, see layers/rotary.py).
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+
+    def make_mlp(self, layer: int, ops: LayerOps, tp_rank: int, tp_size: int) -> nn.Module:
+        """Layer `layer`'s MLP (a family with experts puts them here)."""
+        return LlamaMLP(self.config, ops, tp_rank, tp_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -144,20 +150,24 @@ class LlamaForCausalLM(nn.Module):
         a single row)."""
         return self.lm_head.forward_normed(hidden, self.norm)
 
+    def param_name(self, name: str) -> tuple[str, Any]:
+        """The parameter a checkpoint tensor (Hugging Face name) fills, and which shard of it
+        (None: the whole parameter)."""
+        name = name.removeprefix("model.")
+        for ckpt, (fused, shard) in self.stacked_params.items():
+            if f".{ckpt}." in name:
+                return name.replace(ckpt, fused), shard
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies (Hugging Face name, tensor) pairs from liteinfer.loader into the parameters."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
+        loaded: set[tuple[str, Any]] = set()
+        for ckpt_name, tensor in weights:
             # The loader already drops RoPE buffers and a tied model's lm_head.
-            name = name.removeprefix("model.")
-            shard = None
-            for ckpt, (fused, shard_id) in self.stacked_params.items():
-                if f".{ckpt}." in name:
-                    name, shard = name.replace(ckpt, fused), shard_id
-                    break
+            name, shard = self.param_name(ckpt_name)
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the "
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in the "
                                  f"{self.config.model_type} model")
             param = params[name]
             with torch.no_grad():
@@ -169,13 +179,14 @@ class LlamaForCausalLM(nn.Module):
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
                                          f"!= model shape {tuple(param.shape)}")
                     param.copy_(tensor)
-            loaded.add(name if shard is None else f"{name}:{shard}")
-        fused_shards = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
-        expected: set[str] = set()
-        for n in params:
-            fused = next((f for f in fused_shards if f".{f}." in n), None)
-            expected |= {f"{n}:{s}" for s in fused_shards[fused]} if fused else {n}
-        missing = sorted(expected - loaded)
+            loaded.add((name, shard))
+        expected = set()
+        for name, param in params.items():
+            layer = self.get_submodule(name.rpartition(".")[0])
+            shards = ([s for s, _ in layer.checkpoint_shapes(param)]
+                      if hasattr(layer, "checkpoint_shapes") else [None])
+            expected |= {(name, s) for s in shards}
+        missing = sorted(n if s is None else f"{n}:{s}" for n, s in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 

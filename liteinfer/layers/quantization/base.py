@@ -68,3 +68,27 @@ def _one_token(layer: nn.Module, x: Any) -> bool:
     """x is one row for the GEMV kernel; an Fp8Activation (a multi-row gate/up's output) never
     is."""
     return layer.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] == 1
+
+
+class MoEMethod(ABC):
+    """How a mixture-of-experts layer's stacked expert weights (layers/fused_moe.py's FusedMoE)
+    are stored and applied: `w13_weight` [E, 2I, H] (each expert's gate rows, then up rows) and
+    `w2_weight` [E, H, I], this rank's I channels of each expert."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int,
+                       intermediate: int) -> None:
+        layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden),
+                                        requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate),
+                                       requires_grad=False)
+        for param in (layer.w13_weight, layer.w2_weight):
+            param.weight_loader = layer.weight_loader
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turns the loaded (or dummy-initialized) experts into the form `apply` reads."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's sum over each token's chosen experts, weighted: [T, H] in x's dtype."""

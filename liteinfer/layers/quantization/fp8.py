@@ -31,7 +31,7 @@ from torch import nn
 
 from liteinfer.kernels import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from liteinfer.layers.norm_act import rms_norm_torch, silu_and_mul_torch
-from liteinfer.layers.quantization.base import LinearMethod
+from liteinfer.layers.quantization.base import LinearMethod, MoEMethod
 
 if TYPE_CHECKING:
     from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
@@ -55,6 +55,12 @@ class Fp8Config:
         eighth of its fp8 weights, the 1B's over a third) within the accuracy rule of
         tests/test_fp8.py."""
         return None if self.serialized else Fp8LinearMethod(self, use_triton)
+
+    def moe_method(self, use_triton: bool) -> MoEMethod:
+        if self.serialized:
+            raise ValueError("FP8 checkpoints of mixture-of-experts models are not supported; "
+                             "load the bf16 checkpoint with quantization='fp8'")
+        return Fp8MoEMethod(use_triton)
 
 
 class Fp8Activation(NamedTuple):
@@ -193,3 +199,43 @@ class Fp8LinearMethod(LinearMethod):
 
 def _max_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
     param.data.copy_(torch.maximum(param.data, loaded.float().reshape(1)))
+
+
+class Fp8MoEMethod(MoEMethod):
+    """e4m3 experts, each row of each expert over its own scale, quantized at load. The Triton
+    kernels (CUDA, bf16) stream the e4m3 weights and widen them in registers against the
+    activations in the model dtype, as the GEMV kernel does for dense layers; elsewhere the
+    experts are dequantized once loaded and each GEMM's input is quantized per token and back,
+    as Fp8LinearMethod does off the GPU."""
+
+    def __init__(self, use_triton: bool):
+        self.use_triton = use_triton
+        self.out_dtype = torch.get_default_dtype()  # the model dtype, as the layer is built
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        for name in ("w13", "w2"):
+            weight = getattr(layer, f"{name}_weight").data
+            q, scale = quantize_weight(weight.reshape(-1, weight.shape[-1]))
+            scale = scale.reshape(weight.shape[:2])
+            if self.use_triton and weight.is_cuda and self.out_dtype == torch.bfloat16:
+                q, scale = q.reshape(weight.shape), nn.Parameter(scale, requires_grad=False)
+            else:  # dequantized here, once
+                deq = q.float().reshape(weight.shape) * scale[..., None]
+                q, scale = deq.to(weight.dtype), None
+            setattr(layer, f"{name}_weight", nn.Parameter(q, requires_grad=False))
+            setattr(layer, f"{name}_scale", scale)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:  # e4m3 with scales, or dequantized (scales None) off CUDA bf16
+            from liteinfer.kernels.fused_moe import fused_moe
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                             layer.w13_scale, layer.w2_scale)
+        from liteinfer.layers.fused_moe import fused_moe_torch
+        return fused_moe_torch(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                               _through_e4m3)
+
+
+def _through_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x quantized per token and dequantized: the activation an FP8 GEMM multiplies."""
+    return dequantize(quantize_per_token(x), x.dtype)

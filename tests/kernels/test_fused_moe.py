@@ -1,0 +1,141 @@
+"""The mixture-of-experts kernels against float64 references: the router (logits, top-k, softmax
+weights with and without renormalization), the grouping of rows by expert, and the experts'
+SwiGLU GEMMs on both paths (one GEMV per row for a few tokens, grouped GEMMs for wide steps),
+with experts that receive no token, experts shared by many tokens, and e4m3 experts."""
+import pytest
+import torch
+
+from liteinfer.kernels.fused_moe import GEMV_MAX_ROWS, fused_moe, moe_align, moe_router
+from liteinfer.layers.quantization.fp8 import quantize_weight
+
+# (hidden, intermediate, experts, top_k): Qwen3-30B-A3B's and Mixtral-8x7B's experts on the
+# GPU, small ones with widths that are not powers of two interpreted.
+GPU_SHAPES = [(2048, 768, 128, 8), (4096, 14336, 8, 2)]
+CPU_SHAPES = [(48, 40, 6, 2), (64, 24, 8, 3)]
+GPU_TOKENS = [1, 3, 32, 300]
+CPU_TOKENS = [1, 5, 40]  # 40 x top_k rows take the grouped path
+
+
+def _router_ref(x, gate_weight, top_k, renormalize):
+    probs = (x.double() @ gate_weight.double().T).softmax(-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+def _experts_ref(x, w13, w2, topk_weights, topk_ids):
+    """float64, expert by expert over the rows that chose it."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    out = torch.zeros_like(x)
+    top_k = topk_ids.shape[1]
+    flat_ids, flat_weights = topk_ids.flatten().long(), topk_weights.flatten().double()
+    for e in flat_ids.unique().tolist():
+        rows = (flat_ids == e).nonzero().squeeze(1)
+        gate, up = (x[rows // top_k] @ w13[e].T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ w2[e].T
+        out.index_add_(0, rows // top_k, y * flat_weights[rows, None])
+    return out
+
+
+def _experts(hidden, inter, num_experts, dtype, device):
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=device) * inter ** -0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _choices(num_tokens, num_experts, top_k, device, unused=(), crowded=()):
+    """Random distinct experts per token, never one of `unused`, and `crowded` first for
+    every token (so that many tokens share those experts)."""
+    scores = torch.rand(num_tokens, num_experts, device=device)
+    scores[:, list(unused)] = -1.0
+    for rank, e in enumerate(crowded):
+        scores[:, e] = 2.0 + rank
+    ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, device=device)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_picks_the_top_k_with_their_softmax_weights(device, full, renormalize):
+    for hidden, _, num_experts, top_k in GPU_SHAPES if full else CPU_SHAPES:
+        for num_tokens in GPU_TOKENS if full else CPU_TOKENS:
+            x = torch.randn(num_tokens, hidden, device=device)
+            gate = torch.randn(num_experts, hidden, device=device) * hidden ** -0.5
+            weights, ids = moe_router(x, gate, top_k, renormalize)
+            ref_weights, ref_ids = _router_ref(x, gate, top_k, renormalize)
+            assert torch.equal(ids.long(), ref_ids)
+            torch.testing.assert_close(weights.double(), ref_weights, rtol=1e-5, atol=1e-6)
+            if renormalize:
+                torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights[:, 0]))
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_align_groups_every_row_once_in_tiles_of_one_expert(device, block_m):
+    num_experts, top_k = 7, 2
+    _, ids = _choices(23, num_experts, top_k, device, unused=(3,), crowded=(5,))
+    sorted_ids, tile_experts = moe_align(ids, num_experts, block_m)
+    rows = ids.numel()
+    flat = ids.flatten().long()
+    real = sorted_ids[sorted_ids < rows].long()
+    assert sorted(real.tolist()) == list(range(rows))
+    counts = torch.bincount(flat, minlength=num_experts)
+    for tile, e in enumerate(tile_experts.tolist()):
+        tile_rows = sorted_ids[tile * block_m:(tile + 1) * block_m].long()
+        tile_rows = tile_rows[tile_rows < rows]
+        if e < 0:
+            assert tile_rows.numel() == 0
+            continue
+        assert tile_rows.numel() > 0 and (flat[tile_rows] == e).all()
+    used = tile_experts[tile_experts >= 0].tolist()
+    assert 3 not in used
+    assert used.count(5) == -(-int(counts[5]) // block_m)
+    # Tiles in use come first, in ascending expert order.
+    assert used == sorted(used) and tile_experts.tolist()[:len(used)] == used
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_experts_match_the_reference(assert_close, device, full, needs_dot, dtype):
+    """Both paths (GEMV up to GEMV_MAX_ROWS rows, grouped above), one expert left without
+    tokens and two shared by every token."""
+    needs_dot(dtype)
+    for hidden, inter, num_experts, top_k in GPU_SHAPES if full else CPU_SHAPES:
+        w13, w2 = _experts(hidden, inter, num_experts, dtype, device)
+        for num_tokens in GPU_TOKENS if full else CPU_TOKENS:
+            x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+            crowded = (1, 0) if top_k > 2 else ()
+            weights, ids = _choices(num_tokens, num_experts, top_k, device,
+                                    unused=(num_experts - 1,), crowded=crowded)
+            out = fused_moe(x, w13, w2, weights, ids)
+            assert out.shape == x.shape and out.dtype == dtype
+            assert_close(out, _experts_ref(x, w13, w2, weights, ids))
+    assert max(GPU_TOKENS if full else CPU_TOKENS) * 2 > GEMV_MAX_ROWS  # both paths ran
+
+
+def test_e4m3_experts_match_their_dequantized_reference(assert_close, device, full):
+    """e4m3 experts with one scale per row, widened in the kernels: the reference multiplies
+    the same rounded weights."""
+    dtype = torch.bfloat16 if full else torch.float32
+    for hidden, inter, num_experts, top_k in GPU_SHAPES if full else CPU_SHAPES:
+        w13, w2 = _experts(hidden, inter, num_experts, torch.float32, device)
+        quantized = [quantize_weight(w.reshape(-1, w.shape[-1])) for w in (w13, w2)]
+        (q13, s13), (q2, s2) = [(q.reshape(w.shape), s.reshape(w.shape[:2]))
+                                for (q, s), w in zip(quantized, (w13, w2))]
+        deq13, deq2 = q13.float() * s13[..., None], q2.float() * s2[..., None]
+        for num_tokens in GPU_TOKENS if full else CPU_TOKENS:
+            x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+            weights, ids = _choices(num_tokens, num_experts, top_k, device)
+            out = fused_moe(x, q13, q2, weights, ids, s13, s2)
+            assert_close(out, _experts_ref(x, deq13, deq2, weights, ids), dtype)
+
+
+def test_router_and_experts_from_the_same_tokens(assert_close, device, full):
+    """Router and experts chained as the model runs them, tokens whose experts repeat
+    across the batch (a few distinct tokens, each several times)."""
+    hidden, inter, num_experts, top_k = (GPU_SHAPES if full else CPU_SHAPES)[0]
+    w13, w2 = _experts(hidden, inter, num_experts, torch.float32, device)
+    gate = torch.randn(num_experts, hidden, device=device) * hidden ** -0.5
+    x = torch.randn(4, hidden, device=device).repeat(10, 1)
+    weights, ids = moe_router(x, gate, top_k, True)
+    assert len({tuple(r) for r in ids.tolist()}) <= 4
+    assert_close(fused_moe(x, w13, w2, weights, ids), _experts_ref(x, w13, w2, weights, ids))

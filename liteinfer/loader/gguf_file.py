@@ -1,5 +1,7 @@
-"""llama.cpp GGUF files: config from `llama.*` metadata, dequantized weights under Hugging Face
-names, tokenizer rebuilt by transformers from the file's own vocabulary."""
+"""llama.cpp GGUF files: config from `llama.*` metadata, weights under Hugging Face names,
+tokenizer rebuilt by transformers from the file's own vocabulary. The decoder's linear weights
+stay quantized when all are of a type layers/quantization/gguf.py keeps (its
+`quantization_config`); every other tensor is dequantized to float32."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,6 +12,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType, ReaderField, dequantize
 
+from liteinfer.layers.quantization.gguf import linear_format, unpack_blocks
 from liteinfer.layers.rotary import inv_frequencies
 
 _LAYER_TENSORS = {
@@ -69,6 +72,12 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_TENSORS[base]}.weight" if base in _GLOBAL_TENSORS else None
 
 
+def _is_linear(hf_name: str | None) -> bool:
+    """A decoder layer's projection (not the embedding, a norm or the LM head)."""
+    return hf_name is not None and hf_name.startswith("model.layers.") and hf_name.endswith(
+        "_proj.weight")
+
+
 def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
     """Recover rope_scaling from llama.cpp's `rope_freqs` divisors. In the interpolated band
     smooth = (old_ctx / wavelen - low) / (high - low) is linear in 1 / wavelen, so a line fit
@@ -125,6 +134,7 @@ def read_config(reader: GGUFReader) -> dict[str, Any]:
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise ValueError("GGUF has no token_embd.weight tensor")
+    linear_types = {t.tensor_type for t in reader.tensors if _is_linear(_hf_name(t.name))}
     eos_ids = list(dict.fromkeys(i for i in (_get(reader, f"tokenizer.ggml.{k}_token_id")
                                              for k in ("eos", "eot", "eom")) if i is not None))
     return {
@@ -147,6 +157,8 @@ def read_config(reader: GGUFReader) -> dict[str, Any]:
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids or None,
         "pad_token_id": _get(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",  # what iter_weights yields after dequantization
+        **({} if (quant := linear_format(linear_types)) is None
+           else {"quantization_config": quant}),
     }
 
 
@@ -158,18 +170,26 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize one tensor at a time from the memory-mapped file, as float32."""
+    """One tensor at a time from the memory-mapped file: float32, or for a kept linear its
+    codes, scales and mins (`qweight`, `scales`, `mins`, see layers/quantization/gguf.py)."""
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    kept = "quantization_config" in cfg
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type)
         proj = name.split(".")[-2]
-        if proj in heads:
-            w = _unpermute(w, heads[proj])
-        # F32 tensors come back as read-only views of the file; copy those only.
-        yield name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        if kept and _is_linear(name):
+            parts = zip(("qweight", "scales", "mins"), unpack_blocks(t.data, t.tensor_type),
+                        strict=True)
+        else:
+            parts = [("weight", dequantize(t.data, t.tensor_type).astype(np.float32, copy=False))]
+        for kind, w in parts:
+            if proj in heads:  # rows, whatever they hold
+                w = _unpermute(w, heads[proj])
+            # F32 tensors come back as read-only views of the file; copy those only.
+            yield f"{name.removesuffix('weight')}{kind}", torch.from_numpy(
+                np.require(w, None, ["C", "W"]))
 
 
 def chat_template(reader: GGUFReader) -> str | None:

@@ -117,9 +117,10 @@ def llama_cpp_rope_freqs(scaling: dict[str, Any], theta: float, dim: int) -> np.
 
 
 def make_tiny_gguf(path: Path, state_dict: dict[str, torch.Tensor], arch: str = "llama",
-                   tensors: dict[str, np.ndarray] | None = None, config: dict[str, Any] = TINY_LLAMA,
-                   quantize: Callable[[str, np.ndarray], tuple[np.ndarray, Any] | None] | None
-                   = None, **metadata: Any) -> Path:
+                   tensors: dict[str, np.ndarray] | None = None,
+                   config: dict[str, Any] = TINY_LLAMA,
+                   quantize: Callable[[str, np.ndarray], tuple[np.ndarray, Any] | None]
+                   | None = None, **metadata: Any) -> Path:
     """Write a TINY_LLAMA-shaped `state_dict` as llama.cpp would: GGUF tensor names, permuted
     q/k rows, float32 data, `{arch}.*` hyper-parameters (no tokenizer). `tensors` are added as
     they are; `metadata` adds or overrides `{arch}.*` keys, typed by value (int -> uint32,

@@ -250,16 +250,14 @@ def _gguf_pair(tmp_path: Path, types: Callable[[str], str]) -> tuple[Path, Path]
 
 
 @pytest.mark.parametrize("types, bits, group", [
-    ("Q4_0", 4, 32), ("Q4_1", 4, 32), ("Q8_0", 8, 32), ("Q4_K", 4, 32), ("Q5_K", 8, 32),
-    ("Q6_K", 8, 16), ("Q4_K_M", 8, 16)])
+    ({"q": "Q4_0", "k": "Q4_1", "v": "Q4_K", "o": "Q4_1", "gate": "Q4_K", "up": "Q4_0",
+      "down": "Q4_1"}, 4, 32),
+    ({"q": "Q4_K", "k": "Q8_0", "v": "Q6_K", "o": "Q5_K", "gate": "Q4_K", "up": "Q8_0",
+      "down": "Q6_K"}, 8, 16)], ids=["4-bit", "mixed"])
 def test_gguf_blocks_load_as_they_are(tmp_path, types, bits, group):
-    """Q4_K_M mixes Q4_K projections with Q6_K ones (v and down), as llama.cpp's preset does:
-    all then share Q6_K's 8 bits and 16-wide groups."""
-    def kind(name: str) -> str:
-        if types != "Q4_K_M":
-            return types
-        return "Q6_K" if name.endswith(("v_proj.weight", "down_proj.weight")) else "Q4_K"
-    blocks, dense = _gguf_pair(tmp_path, kind)
+    """Every kept type, several in one fused projection. A file's projections share the widest
+    bits and the finest group among its types (as a Q4_K_M file's Q4_K and Q6_K do)."""
+    blocks, dense = _gguf_pair(tmp_path, lambda name: types[name.split(".")[-2][:-5]])
     llm, reference = _cpu_llm(blocks), _cpu_llm(dense)
     quant = llm.engine.core.runner.model.layers[0].mlp.down_proj.quant_method.config
     assert (quant.bits, quant.group_size) == (bits, group)

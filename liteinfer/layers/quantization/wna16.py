@@ -4,8 +4,7 @@ scale and a minimum per group of `group_size` input features, activations in the
 w[n, k] = q[n, k] * scales[n, g] - mins[n, g], g = k // group_size, q unsigned. Every format
 this engine reads maps onto that without changing a value: AWQ, GPTQ and compressed-tensors
 (min = zero_point * scale), quantizing at load (`quantization="int4"`, asymmetric round to
-nearest), and llama.cpp's GGUF blocks (Q4_0: min = 8 d; Q4_1: min = -m; Q8_0: codes offset by
-128; Q4_K/Q5_K: sub-block scale and min; Q6_K: 16-wide sub-blocks), with scales and mins in fp32
+nearest in groups of 128), and llama.cpp's GGUF blocks (gguf.py), with scales and mins in fp32
 so that every GGUF product d * sub-scale is exact.
 
 Layout of a processed layer: `qweight` int32 [N, K * bits / 32] (codes along K, the first in the
@@ -21,6 +20,7 @@ exact weights the GPU multiplies, at the speed of an unquantized model.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -122,7 +122,11 @@ class QuantizeAtLoad(CheckpointFormat):
         layer.weight.weight_loader = layer.weight_loader
 
     def packed(self, layer, config):
-        return quantize_rtn(take(layer, "weight")[0], config.bits, config.group_size)
+        weight = take(layer, "weight")[0]
+        # Rows that are not whole groups of group_size (SmolLM2's 576) take the largest power
+        # of two that divides them (64 there) instead.
+        group = math.gcd(config.group_size, weight.shape[1])
+        return quantize_rtn(weight, config.bits, group)
 
 
 class PackedMinFormat(CheckpointFormat):
@@ -168,7 +172,8 @@ class WNA16LinearMethod(LinearMethod):
         self.out_dtype = torch.get_default_dtype()  # the model dtype, as the layer is built
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
-        if in_features % self.config.group_size:
+        if (in_features % self.config.group_size
+                and not isinstance(self.config.fmt, QuantizeAtLoad)):
             raise ValueError(f"{in_features} input features are not a multiple of the "
                              f"quantization group size {self.config.group_size}")
         self.config.fmt.create(layer, self.config, out_features, in_features)

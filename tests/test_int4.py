@@ -263,3 +263,22 @@ def test_gguf_blocks_load_as_they_are(tmp_path, types, bits, group):
     assert (quant.bits, quant.group_size) == (bits, group)
     assert_layers_match(llm, reference)
     assert_same_generations(llm, reference, GGUF_CONFIG["vocab_size"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_smollm2_q4_1_kept_on_the_gpu_answers_as_on_the_cpu(smollm2_llm, smollm2_path):
+    """SmolLM2's Q4_1 file, its projections kept as 4-bit codes on the GPU and multiplied by the
+    W4A16 kernels (bf16 activations), gives the fp32 CPU model's answers, close calls free to go
+    either way (test_fp8's `_answer`)."""
+    from test_fp8 import FACTS, _answer
+    llm = build_llm(str(smollm2_path), dtype="bfloat16", device="cuda", max_model_len=512)
+    down = _model(llm).layers[0].mlp.down_proj
+    assert down.weight is None and down.qweight.dtype == torch.int32 and down.qweight.is_cuda
+    prompts = [smollm2_llm.apply_chat_template([{"role": "user", "content": q}]) for q in FACTS]
+    references = smollm2_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32,
+                                                              logprobs=2), use_tqdm=False)
+    for prompt, ref, facts in zip(prompts, references, FACTS.values(), strict=True):
+        text = llm.tokenizer.decode(_answer(llm, prompt, ref.outputs[0]),
+                                    skip_special_tokens=True)
+        assert all(fact in text for fact in facts), (ref.outputs[0].text, text)

@@ -24,7 +24,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("bits, group", [(4, 128), (4, 32), (8, 32), (8, 16)])
-@pytest.mark.parametrize("rows", [1, 3, FEWROW_MAX, FEWROW_MAX + 5])
+@pytest.mark.parametrize("rows", [1, 3, 7, FEWROW_MAX, FEWROW_MAX + 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_matches_float64(device, full, bits, group, rows, dtype):
     n, k = (4096, 4096) if full else (40, 256)  # n not a multiple of the tile's rows

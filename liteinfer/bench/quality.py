@@ -92,13 +92,23 @@ def text_windows(tokenizer: Any, window: int, tokens: int) -> list[list[int]]:
     return [ids[i * window:(i + 1) * window] for i in range(n)]
 
 
+def engine_core(model: str, window: int, **engine_args: Any) -> Any:
+    """The model's engine core (no front end, so no tokenizer built), its KV pool one window."""
+    from liteinfer.config import EngineConfig
+    from liteinfer.engine.core import EngineCore
+
+    config = EngineConfig(max_model_len=window, max_num_seqs=1, max_num_batched_tokens=window,
+                          num_kv_blocks=-(-window // EngineConfig.block_size) + 1, **engine_args)
+    return EngineCore(model, config)
+
+
 @torch.inference_mode()
-def window_logprobs(llm: Any, ids: list[int]) -> torch.Tensor:
+def window_logprobs(core: Any, ids: list[int]) -> torch.Tensor:
     """fp32 log-probabilities of the next token at every position of ids [T, vocab]: one
-    prefill of the whole window through the engine's model, its K/V in the (idle) pool."""
+    prefill of the whole window through the core's model, its K/V in the (idle) pool."""
     from liteinfer.attention import AttentionMetadata
 
-    runner = llm.engine.core.runner
+    runner = core.runner
     device, n = runner.device, len(ids)
     blocks = -(-n // runner.block_size)
     meta = AttentionMetadata(
@@ -143,37 +153,35 @@ def measure(model: str = DEFAULT_MODEL, quantizations: tuple[Quantization, ...] 
     """One row per quantization (and the reference's, first): its perplexity and, against the
     reference, KL divergence and top-1 agreement. `engine_args` go to every engine (device,
     dtype)."""
-    from liteinfer import LLM
     from liteinfer.loader import load_model_source
 
-    engine_args = {"max_model_len": window, **engine_args}
-    reference_llm = LLM(model, **engine_args)
-    if reference_llm.tokenizer is None:
+    source = load_model_source(model)
+    if source.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer to read {TEXT} with")
-    windows = text_windows(reference_llm.tokenizer, window, tokens)
+    windows = text_windows(source.tokenizer, window, tokens)
     half = window // 2
     targets = [torch.tensor(w[half + 1:]) for w in windows]  # the next token of each position
     reference, ref_scores = [], Scores()
+    core = engine_core(model, window, **engine_args)
     for ids, target in zip(windows, targets, strict=True):
-        lp = window_logprobs(reference_llm, ids)[half:-1]
+        lp = window_logprobs(core, ids)[half:-1]
         reference.append(lp)
         ref_scores.add(lp, target, None)
-    reference_llm.shutdown()
+    core.shutdown()
     rows = [{"quantization": "none", **ref_scores.row()}]
     with tempfile.TemporaryDirectory() as tmp:
         for q in quantizations:
             path = model
             if q.gguf_type is not None:
-                source = load_model_source(model)
                 if source.load_format != "gguf":
                     raise ValueError(f"{q.name}: {model} is not a GGUF file to rewrite")
                 path = str(write_gguf(source.path, Path(tmp) / f"{q.gguf_type}.gguf",
                                       q.gguf_type))
-            llm = LLM(path, **engine_args, **q.engine_args)
+            core = engine_core(path, window, **engine_args, **q.engine_args)
             scores = Scores()
             for ids, target, ref in zip(windows, targets, reference, strict=True):
-                scores.add(window_logprobs(llm, ids)[half:-1], target, ref)
-            llm.shutdown()
+                scores.add(window_logprobs(core, ids)[half:-1], target, ref)
+            core.shutdown()
             rows.append({"quantization": q.name, **scores.row()})
     return rows
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from fixtures import TINY_LLAMA, build_llm, make_tiny_gguf
 from liteinfer import LLM, SamplingParams
-from reference import random_prompts
+from reference import assert_same_greedy_outputs, random_prompts
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The tiny model's rows are 64 and 128 wide.
@@ -160,13 +160,8 @@ def assert_layers_match(llm: LLM, reference: LLM) -> None:
 
 def assert_same_generations(llm: LLM, reference: LLM, vocab: int) -> None:
     prompts = random_prompts(4, vocab, 3, 20, seed=5)
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    refs = reference.generate(prompts, GREEDY, use_tqdm=False)
-    for out, ref in zip(outs, refs, strict=True):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
-            assert got.keys() == want.keys()
-            assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in want)
+    assert_same_greedy_outputs(llm.generate(prompts, GREEDY, use_tqdm=False),
+                               reference.generate(prompts, GREEDY, use_tqdm=False), 1e-4)
 
 
 def _cpu_llm(path: Path, **kwargs) -> LLM:

@@ -33,8 +33,6 @@ from liteinfer.layers.quantization.base import LinearMethod
 if TYPE_CHECKING:
     from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
 
-Loader = Callable[..., None]
-
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned codes [N, K] (K a multiple of 32 / bits) as int32 words [N, K * bits / 32]."""

@@ -17,7 +17,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton")
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8")
 # The fewest prompt tokens a captured prompt step is sized for (scheduler.prompt_piece_sizes);
 # mixed_prompt_tokens is at least this.
@@ -287,8 +287,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Ranks the model is split over, one process (and on CUDA one GPU) each.
     tensor_parallel_size: int = 1
-    # "fp8": e4m3 linear layers (a bf16/fp16 checkpoint is quantized at load; a checkpoint's own
-    # FP8 quantization_config is used whatever this says). The LM head stays in the model dtype.
+    # "fp8": e4m3 linear layers; "int4": 4-bit codes in groups of 128 (round to nearest). A
+    # bf16/fp16 checkpoint (or a GGUF's blocks) is quantized at load; a checkpoint's own
+    # quantization_config (FP8, AWQ, GPTQ, pack-quantized) is used whatever this says.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"          # auto: the model dtype; fp8: e4m3 K/V, twice the tokens
     seed: int = 0                         # dummy weights' seed (and sampling's in the CLI)

@@ -14,7 +14,11 @@ the machine's torch) and a directory holding the model's config.json (dummy weig
 
     python scripts/bench_vllm.py MODEL_DIR --out vllm_rows.jsonl [--runs mixed2048:16:32 ...]
                                  [--latency 128:256:3 ...]
-                                 [--quantization fp8] [--kv-cache-dtype fp8]
+                                 [--quantization fp8 | --awq] [--kv-cache-dtype fp8]
+
+`--awq` runs vLLM's AWQ-Marlin kernels on dummy 4-bit weights: a copy of MODEL_DIR's config.json
+with an AutoAWQ `quantization_config` (4-bit, groups of 128, GEMM layout) in a temporary
+directory; its rows are labelled quantization "int4", beside liteinfer's `quantization="int4"`.
 
 A throughput run is ISL:OSL:WIDTH[:PROMPTS] (200 prompts unless given), a latency run (one
 request at a time) ISL:OSL:PROMPTS; with neither, every run of the report's tables.
@@ -73,6 +77,21 @@ class VLLMEngine:
         return outs
 
 
+def awq_config_dir(model_dir: str) -> str:
+    """A temporary directory holding model_dir's config.json with an AutoAWQ 4-bit
+    quantization_config, named as model_dir so that its rows keep the model's name."""
+    import tempfile
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                     "zero_point": True, "version": "gemm"}
+    directory = os.path.join(tempfile.mkdtemp(), os.path.basename(os.path.normpath(model_dir)))
+    os.makedirs(directory)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return directory
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir")
@@ -83,6 +102,8 @@ def main() -> None:
                    help="latency runs")
     p.add_argument("--max-num-batched-tokens", type=int, help="default: vLLM's")
     p.add_argument("--quantization", help="vLLM's quantization (e.g. fp8); default: none")
+    p.add_argument("--awq", action="store_true",
+                   help="dummy AWQ 4-bit weights through vLLM's awq_marlin (rows: int4)")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's (e.g. fp8); default: auto")
     p.add_argument("--real-weights", action="store_true",
                    help="load the directory's weights and tokenizer (default: dummy weights)")
@@ -93,6 +114,10 @@ def main() -> None:
     p.add_argument("--osl", type=int, default=256)
     p.add_argument("--speculative-config", type=json.loads, help="vLLM's, as JSON")
     args = p.parse_args()
+    label = args.quantization
+    if args.awq:
+        args.model_dir, args.quantization, label = awq_config_dir(args.model_dir), "awq_marlin", \
+            "int4"
     with open(os.path.join(args.model_dir, "config.json"), encoding="utf-8") as f:
         vocab = json.load(f)["vocab_size"]
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -120,7 +145,7 @@ def main() -> None:
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               speculative_config=args.speculative_config)
     engine = VLLMEngine(llm.llm_engine, VLLMParams, TokensPrompt)
-    engine_args = {k: v for k, v in (("quantization", args.quantization),
+    engine_args = {k: v for k, v in (("quantization", label),
                                      ("kv_cache_dtype", args.kv_cache_dtype)) if v not in
                    (None, "auto")}
     env = {"engine": "vllm", "version": vllm.__version__, "torch": torch.__version__,

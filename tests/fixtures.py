@@ -6,7 +6,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -199,14 +199,18 @@ def llama_cpp_rope_freqs(scaling: dict[str, Any], theta: float, dim: int) -> np.
 
 
 def make_tiny_gguf(path: Path, state_dict: dict[str, torch.Tensor], arch: str = "llama",
-                   tensors: dict[str, np.ndarray] | None = None, **metadata: Any) -> Path:
+                   tensors: dict[str, np.ndarray] | None = None,
+                   config: dict[str, Any] = TINY_LLAMA,
+                   quantize: Callable[[str, np.ndarray], tuple[np.ndarray, Any] | None]
+                   | None = None, **metadata: Any) -> Path:
     """Write a TINY_LLAMA-shaped `state_dict` as llama.cpp would: GGUF tensor names, permuted
     q/k rows, float32 data, `{arch}.*` hyper-parameters (no tokenizer). `tensors` are added as
     they are; `metadata` adds or overrides `{arch}.*` keys, typed by value (int -> uint32,
-    float -> float32, str -> string)."""
+    float -> float32, str -> string). `config` is the state dict's shape (TINY_LLAMA's keys);
+    `quantize(hf_name, rows as written)` may return a tensor's (blocks, GGML type) instead."""
     import gguf
 
-    c = TINY_LLAMA
+    c = config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c["num_hidden_layers"])
     heads = {"q_proj": c["num_attention_heads"], "k_proj": c["num_key_value_heads"]}
     writer = gguf.GGUFWriter(str(path), arch)
@@ -229,7 +233,12 @@ def make_tiny_gguf(path: Path, state_dict: dict[str, torch.Tensor], arch: str = 
         proj = name.split(".")[-2]
         if proj in heads:
             w = llama_cpp_permute(w, heads[proj])
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), w)
+        blocks = None if quantize is None else quantize(name, w)
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        if blocks is None:
+            writer.add_tensor(gguf_name, w)
+        else:
+            writer.add_tensor(gguf_name, blocks[0], raw_dtype=blocks[1])
     for name, w in (tensors or {}).items():
         writer.add_tensor(name, w)
     writer.write_header_to_file()

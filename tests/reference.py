@@ -27,3 +27,13 @@ def random_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int) ->
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def assert_same_greedy_outputs(outs, refs, tolerance: float) -> None:
+    """Two engines' greedy RequestOutputs: the same tokens, and the same top logprobs within
+    tolerance."""
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < tolerance for t in want)

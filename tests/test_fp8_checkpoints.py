@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from fixtures import build_llm
 from liteinfer import LLM, SamplingParams
 from liteinfer.layers.quantization import Fp8Config
-from reference import random_prompts
+from reference import assert_same_greedy_outputs, random_prompts
 
 E4M3 = torch.float8_e4m3fn
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -88,13 +88,8 @@ def test_channel_dynamic_checkpoint_runs_as_quantized_at_load(tiny_llama_dir, tm
     monkeypatch.setattr(Fp8Config, "lm_head_method", lambda self, use_triton: None)
     at_load = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                         quantization="fp8")
-    outs = loaded.generate(prompts, GREEDY, use_tqdm=False)
-    refs = at_load.generate(prompts, GREEDY, use_tqdm=False)
-    for out, ref in zip(outs, refs, strict=True):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        for got, want in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
-            assert got.keys() == want.keys()
-            assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in want)
+    assert_same_greedy_outputs(loaded.generate(prompts, GREEDY, use_tqdm=False),
+                               at_load.generate(prompts, GREEDY, use_tqdm=False), 1e-5)
 
 
 def _fake_quantized_hf(ckpt: Path, src: Path) -> torch.nn.Module:

@@ -336,12 +336,28 @@ def test_smollm2_config(smollm2: Any) -> None:
 @needs_gguf
 def test_smollm2_weights_match_transformers(smollm2: Any,
                                             smollm2_reference: dict[str, torch.Tensor]) -> None:
-    ours = {name: t for name, t in smollm2.iter_weights() if name in smollm2_reference}
+    """The Q4_1 projections come as their codes, scales and mins (kept quantized), which hold
+    the weights transformers dequantizes; every other tensor as float32."""
+    assert smollm2.hf_config["quantization_config"] == {
+        "quant_method": "gguf", "bits": 4, "group_size": 32, "types": ["Q4_1"]}
+    ours: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in smollm2.iter_weights():
+        module, _, kind = name.rpartition(".")
+        if kind in ("qweight", "scales", "mins"):
+            parts.setdefault(f"{module}.weight", {})[kind] = t
+        elif name in smollm2_reference:
+            assert t.dtype == torch.float32
+            ours[name] = t
+    for name, p in parts.items():
+        assert p["qweight"].dtype == torch.uint8 and p["scales"].dtype == torch.float32
+        if name in smollm2_reference:
+            ours[name] = (p["qweight"] * p["scales"].repeat_interleave(32, 1)
+                          - p["mins"].repeat_interleave(32, 1))
     assert ours.keys() == smollm2_reference.keys()
     assert {"model.embed_tokens.weight", "model.norm.weight",
             "model.layers.1.self_attn.k_proj.weight"} <= ours.keys()
     for name, ref in smollm2_reference.items():
-        assert ours[name].dtype == torch.float32
         torch.testing.assert_close(ours[name], ref, msg=name)
 
 

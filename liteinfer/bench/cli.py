@@ -1,5 +1,6 @@
 """`liteinfer-bench run` (measure and append rows), `liteinfer-bench serve` (the same against a
-running server) and `liteinfer-bench report` (render the page); also `python -m liteinfer.bench`."""
+running server), `liteinfer-bench report` (render the page) and `liteinfer-bench quality`
+(what each quantization costs); also `python -m liteinfer.bench`."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from liteinfer.bench import registry, runner
+from liteinfer.bench.quality import add_quality_parser
 from liteinfer.bench.registry import LITEINFER, TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
 from liteinfer.bench.report_html import render_html
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_spec_parser(sub)
     add_report_parser(sub)
+    add_quality_parser(sub)
     return parser
 
 

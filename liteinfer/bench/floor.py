@@ -2,10 +2,10 @@
 copy bandwidth, against the row's measured step time (its ITL p50).
 
 A decode step reads every weight it multiplies by once (the layers' projections and norms, and
-the LM head, e4m3 under fp8 as liteinfer quantizes it) and each row's whole KV cache; the
-embedding table only at the step's own tokens, so not at all for an untied model's count. The
-rows' contexts are taken at the run's mean, ISL + OSL / 2. Biases and fp8 scales, under 0.1% of
-the bytes, are left out.
+the LM head, e4m3 under fp8 as liteinfer quantizes it, bf16 under int4) and each row's whole KV
+cache; the embedding table only at the step's own tokens, so not at all for an untied model's
+count. The rows' contexts are taken at the run's mean, ISL + OSL / 2. Biases and fp8 scales,
+under 0.1% of the bytes, are left out; int4's fp32 scale and min per group of 128 are counted.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from liteinfer.loader import load_model_source
 # Bytes/s that a device-to-device copy reaches on each GPU (NOTES.md, "The floors").
 COPY_BANDWIDTH = {"NVIDIA H200": 4.3e12}
 BF16, FP8 = 2, 1
+INT4 = 0.5 + 8 / 128  # a code, and its group's fp32 scale and min
 
 
 @cache
@@ -29,16 +30,18 @@ def packaged_model_config(model: str) -> ModelConfig | None:
         return None
 
 
-def weight_bytes(config: ModelConfig, fp8_weights: bool = False) -> int:
-    """The weights one decode step reads."""
+def weight_bytes(config: ModelConfig, quantization: str | None = None) -> int:
+    """The weights one decode step reads, under `EngineConfig.quantization`."""
     hidden, head_dim = config.hidden_size, config.head_dim
     q = config.num_attention_heads * head_dim
     kv = config.num_key_value_heads * head_dim
     projections = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size
     norms = 2 * hidden * config.num_hidden_layers + hidden
     lm_head = config.vocab_size * hidden
-    return ((config.num_hidden_layers * projections + lm_head) * (FP8 if fp8_weights else BF16)
-            + norms * BF16)
+    if quantization == "int4":
+        return round(config.num_hidden_layers * projections * INT4 + (lm_head + norms) * BF16)
+    return ((config.num_hidden_layers * projections + lm_head)
+            * (FP8 if quantization == "fp8" else BF16) + norms * BF16)
 
 
 def kv_bytes_per_token(config: ModelConfig, fp8_kv: bool = False) -> int:
@@ -56,7 +59,7 @@ def floor_share(row: dict[str, Any]) -> float | None:
         return None
     args = row.get("engine_args") or {}
     context = int(row["isl"]) + row["osl"] / 2
-    nbytes = (weight_bytes(config, args.get("quantization") == "fp8")
+    nbytes = (weight_bytes(config, args.get("quantization"))
               + row["width"] * context * kv_bytes_per_token(config,
                                                             args.get("kv_cache_dtype") == "fp8"))
     return nbytes / bandwidth / (itl_ms / 1e3)

@@ -146,10 +146,10 @@ DEFAULT_PRECISION = "bf16"
 
 
 def precision_of(row: Row) -> str:
-    """The weights' and the KV cache's precision a row ran at, from its engine args: 'bf16',
-    'fp8' (quantization='fp8'), either with ' + fp8 KV' (kv_cache_dtype='fp8')."""
+    """The weights' and the KV cache's precision a row ran at, from its engine args: 'bf16', or
+    its quantization ('fp8', 'int4'), either with ' + fp8 KV' (kv_cache_dtype='fp8')."""
     args = row.get("engine_args") or {}
-    weights = "fp8" if args.get("quantization") == "fp8" else DEFAULT_PRECISION
+    weights = args.get("quantization") or DEFAULT_PRECISION
     return weights + (" + fp8 KV" if args.get("kv_cache_dtype") == "fp8" else "")
 
 

@@ -1,6 +1,8 @@
 """llama.cpp GGUF files: config from `llama.*` metadata (`qwen3moe.*` for Qwen3-MoE; a Llama
-file with experts is Mixtral), dequantized weights under Hugging Face names, tokenizer rebuilt by
-transformers from the file's own vocabulary."""
+file with experts is Mixtral), weights under Hugging Face names, tokenizer rebuilt by
+transformers from the file's own vocabulary. The decoder's linear weights stay quantized when
+all are of a type layers/quantization/gguf.py keeps (its `quantization_config`); every other
+tensor, stacked experts included, is dequantized to float32."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ import torch
 from gguf import GGUFReader, GGUFValueType, ReaderField, dequantize
 
 from liteinfer.config import MODEL_FAMILIES
+from liteinfer.layers.quantization.gguf import linear_format, unpack_blocks
 from liteinfer.layers.rotary import inv_frequencies
 
 _LAYER_TENSORS = {
@@ -85,6 +88,13 @@ def _hf_name(gguf_name: str, family: str) -> str | None:
         hf_part = _LAYER_TENSORS.get(part)
         return None if hf_part is None else f"model.layers.{layer}.{hf_part}.weight"
     return f"{_GLOBAL_TENSORS[base]}.weight" if base in _GLOBAL_TENSORS else None
+
+
+def _is_linear(hf_name: str | None) -> bool:
+    """A decoder layer's projection (not the embedding, a norm, the LM head or stacked experts,
+    which the fused MoE layer reads in float or e4m3)."""
+    return (hf_name is not None and hf_name.startswith("model.layers.")
+            and hf_name.endswith("_proj.weight") and "{}" not in hf_name)
 
 
 def _llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
@@ -165,6 +175,8 @@ def read_config(reader: GGUFReader) -> dict[str, Any]:
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise ValueError("GGUF has no token_embd.weight tensor")
+    linear_types = {t.tensor_type for t in reader.tensors
+                    if _is_linear(_hf_name(t.name, family))}
     eos_ids = list(dict.fromkeys(i for i in (_get(reader, f"tokenizer.ggml.{k}_token_id")
                                              for k in ("eos", "eot", "eom")) if i is not None))
     moe = _moe_keys(reader, arch, family, names, layers) if family in _MOE_NAMES else {}
@@ -189,6 +201,8 @@ def read_config(reader: GGUFReader) -> dict[str, Any]:
         "pad_token_id": _get(reader, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",  # what iter_weights yields after dequantization
         **moe,
+        **({} if (quant := linear_format(linear_types)) is None
+           else {"quantization_config": quant}),
     }
 
 
@@ -200,29 +214,37 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_weights(reader: GGUFReader, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize one tensor at a time from the memory-mapped file, as float32 (a stacked
-    expert tensor one expert at a time)."""
+    """One tensor at a time from the memory-mapped file: float32 (a stacked expert tensor one
+    expert at a time), or for a kept linear its codes, scales and mins (`qweight`, `scales`,
+    `mins`, see layers/quantization/gguf.py)."""
     # llama.cpp permutes q/k rows for its Llama RoPE only (Qwen's rotates halves, as HF does).
     permuted = cfg["model_type"] in ("llama", "mixtral")
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    kept = "quantization_config" in cfg
     for t in reader.tensors:
         name = _hf_name(t.name, cfg["model_type"])
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type)
         proj = name.split(".")[-2]
-        if permuted and proj in heads:
-            w = _unpermute(w, heads[proj])
-        if "{}" in name:
-            for expert in range(w.shape[0]):
-                yield name.format(expert), _tensor(w[expert])
+        if kept and _is_linear(name):
+            parts = zip(("qweight", "scales", "mins"), unpack_blocks(t.data, t.tensor_type),
+                        strict=True)
         else:
-            yield name, _tensor(w)
+            parts = [("weight", dequantize(t.data, t.tensor_type).astype(np.float32, copy=False))]
+        for kind, w in parts:
+            if permuted and proj in heads:  # rows, whatever they hold
+                w = _unpermute(w, heads[proj])
+            full = f"{name.removesuffix('weight')}{kind}"
+            if "{}" in name:
+                for expert in range(w.shape[0]):
+                    yield full.format(expert), _tensor(w[expert])
+            else:
+                yield full, _tensor(w)
 
 
 def _tensor(w: np.ndarray) -> torch.Tensor:
     # F32 tensors come back as read-only views of the file; copy those only.
-    return torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+    return torch.from_numpy(np.require(w, None, ["C", "W"]))
 
 
 def chat_template(reader: GGUFReader) -> str | None:

@@ -23,7 +23,8 @@ def test_weight_and_kv_bytes_of_the_llama_configs():
     head, norms = 128256 * 2048, 33 * 2048
     assert weight_bytes(one_b) == 2 * (16 * layer + head + norms)
     assert weight_bytes(one_b) == pytest.approx(2.47e9, rel=0.002)  # NOTES.md's floor
-    assert weight_bytes(one_b, fp8_weights=True) == 16 * layer + head + 2 * norms
+    assert weight_bytes(one_b, "fp8") == 16 * layer + head + 2 * norms
+    assert weight_bytes(one_b, "int4") == round(16 * layer * (0.5 + 8 / 128)) + 2 * (head + norms)
     assert kv_bytes_per_token(one_b) == 2 * 16 * 8 * 64 * 2
     assert kv_bytes_per_token(one_b, fp8_kv=True) == 2 * 16 * 8 * 64
     eight_b = packaged_model_config(EIGHT_B)
@@ -48,7 +49,7 @@ def test_floor_share_is_the_floor_step_time_over_the_itl():
     assert floor_share(row(width=128, itl_p50=1.62)) == pytest.approx(wide)
     fp8 = row(engine_args={"quantization": "fp8", "kv_cache_dtype": "fp8"})
     assert floor_share(fp8) == pytest.approx(
-        (weight_bytes(one_b, True) + 256 * kv_bytes_per_token(one_b, True)) / 4.3e12 / 0.888e-3)
+        (weight_bytes(one_b, "fp8") + 256 * kv_bytes_per_token(one_b, True)) / 4.3e12 / 0.888e-3)
 
 
 @pytest.mark.parametrize("unknown", [{"gpu": "NVIDIA A100"}, {"model": "my-model"},

@@ -7,8 +7,30 @@ from typing import Any
 from torch import nn
 
 from liteinfer.layers.quantization.fp8 import Fp8Config
+from liteinfer.layers.quantization.gguf import GGUFConfig
+from liteinfer.layers.quantization.wna16 import WNA16Config
 
-QuantConfig = Fp8Config
+QuantConfig = Fp8Config | WNA16Config | GGUFConfig
+
+
+def _at_load(quantization: str) -> Fp8Config | WNA16Config:
+    """Weights in the model dtype, quantized once loaded."""
+    return Fp8Config() if quantization == "fp8" else WNA16Config()
+
+
+def _checkpoint_config(checkpoint: dict[str, Any]) -> Fp8Config | WNA16Config:
+    method = checkpoint.get("quant_method")
+    if method == "compressed-tensors":
+        from liteinfer.layers.quantization.compressed_tensors import compressed_tensors_config
+        return compressed_tensors_config(checkpoint)
+    if method == "awq":
+        from liteinfer.layers.quantization.awq import awq_config
+        return awq_config(checkpoint)
+    if method == "gptq":
+        from liteinfer.layers.quantization.gptq import gptq_config
+        return gptq_config(checkpoint)
+    raise ValueError(f"checkpoint quantization {method!r} is not supported (compressed-tensors "
+                     "FP8 or pack-quantized, awq, gptq)")
 
 
 def quant_config(quantization: str | None, hf_config: dict[str, Any],
@@ -16,16 +38,24 @@ def quant_config(quantization: str | None, hf_config: dict[str, Any],
     """The quantization of a model's linear layers: the checkpoint's when its config has a
     `quantization_config`, else `quantization` (a validated `EngineConfig.quantization`) applied
     at load (None: the model dtype). Dummy weights are drawn in the model dtype, so they are
-    quantized at load either way."""
+    quantized at load either way, as `quantization` says or else as the checkpoint's method
+    (FP8, or 4-bit groups for the integer formats). A GGUF file's blocks stay quantized
+    unless `quantization` asks for another format (gguf.py)."""
     checkpoint = hf_config.get("quantization_config")
-    if checkpoint is None or load_format == "dummy":
-        return None if quantization is None and checkpoint is None else Fp8Config()
-    method = checkpoint.get("quant_method")
-    if method != "compressed-tensors":
-        raise ValueError(f"checkpoint quantization {method!r} is not supported (FP8 "
-                         "compressed-tensors checkpoints are)")
-    from liteinfer.layers.quantization.compressed_tensors import fp8_config
-    return fp8_config(checkpoint)
+    if checkpoint is not None and checkpoint.get("quant_method") == "gguf":
+        if load_format == "dummy":
+            return None if quantization is None else _at_load(quantization)
+        return GGUFConfig.from_config(checkpoint, None if quantization is None
+                                      else _at_load(quantization))
+    if checkpoint is None:
+        return None if quantization is None else _at_load(quantization)
+    config = _checkpoint_config(checkpoint)
+    if load_format != "dummy":
+        return config
+    if quantization is not None:
+        return _at_load(quantization)
+    return Fp8Config() if isinstance(config, Fp8Config) else WNA16Config(config.bits,
+                                                                         config.group_size)
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

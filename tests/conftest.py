@@ -14,6 +14,7 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CP
 import pytest
 
 from fixtures import (
+    API_KEY,
     ENGINES,
     QWEN3_ANSWER,
     QWEN3_PLAIN,
@@ -25,8 +26,6 @@ from fixtures import (
     serve,
     smollm2_gguf_path,
 )
-
-API_KEY = "test-key"  # the key of the servers below
 
 
 @pytest.fixture(autouse=True)

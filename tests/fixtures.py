@@ -18,10 +18,13 @@ import torch
 # command when it is missing.
 from liteinfer.loader import smollm2_gguf_path
 
-__all__ = ["QWEN3_ANSWER", "QWEN3_PLAIN", "QWEN3_REASONING", "QWEN3_TOKENIZER", "TINY_LLAMA",
+__all__ = ["API_KEY", "QWEN3_ANSWER", "QWEN3_PLAIN", "QWEN3_REASONING", "QWEN3_TOKENIZER",
+           "TINY_LLAMA",
            "llama_cpp_permute", "llama_cpp_rope_freqs", "make_scripted_qwen3_dir",
            "make_tiny_gguf", "make_tiny_llama_dir", "make_tiny_model_dir", "smollm2_gguf_path",
            "write_tokenizer"]
+
+API_KEY = "test-key"  # the key of the servers conftest.py starts
 
 # The real Qwen3 tokenizer and chat template (no weights), beside the repository.
 QWEN3_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared/models/qwen3-30b-a3b"

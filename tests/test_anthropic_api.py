@@ -12,8 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import API_KEY
-from fixtures import QWEN3_ANSWER, QWEN3_PLAIN, QWEN3_REASONING
+from fixtures import API_KEY, QWEN3_ANSWER, QWEN3_PLAIN, QWEN3_REASONING
 
 SYSTEM = "You are a geography teacher."
 CONVERSATION = [{"role": "user", "content": "What is the capital of France?"},

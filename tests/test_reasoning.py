@@ -12,8 +12,7 @@ import json
 import openai
 import pytest
 
-from conftest import API_KEY
-from fixtures import QWEN3_ANSWER, QWEN3_PLAIN, QWEN3_REASONING
+from fixtures import API_KEY, QWEN3_ANSWER, QWEN3_PLAIN, QWEN3_REASONING
 from liteinfer.entrypoints.openai.chat_output import ChatOutput
 from liteinfer.entrypoints.openai.reasoning_parsers import (
     REASONING_PARSERS,

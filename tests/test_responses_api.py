@@ -13,8 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import API_KEY
-from fixtures import QWEN3_ANSWER, QWEN3_REASONING
+from fixtures import API_KEY, QWEN3_ANSWER, QWEN3_REASONING
 
 GREEDY = {"temperature": 0, "max_output_tokens": 8}
 QUESTION = "What is the capital of France?"

@@ -122,30 +122,28 @@ class SchedulerGauges(Collector):
             gauge.add_metric((self.model_name,), value)
             yield gauge
         # Counts since the engine core started, as its step messages report them.
-        for name, doc, value in (
-                ("num_preemptions", "Requests preempted (their KV recomputed later).",
-                 stats.num_preemptions),
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 stats.prefix_cache_queries),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                 stats.prefix_cache_hits)):
-            counter = CounterMetricFamily(f"liteinfer:{name}", doc, labels=("model_name",))
-            counter.add_metric((self.model_name,), value)
-            yield counter
+        counts = [
+            ("num_preemptions", "Requests preempted (their KV recomputed later).",
+             stats.num_preemptions),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             stats.prefix_cache_hits)]
         spec = stats.spec_decoding
-        if spec is None:
-            return
-        # vLLM's speculative-decoding counters, with its meanings.
-        for name, doc, value in (
+        if spec is not None:  # vLLM's speculative-decoding counters, with its meanings
+            counts += [
                 ("spec_decode_num_drafts", "Sequences' drafts verified (one per sequence and "
                  "step).", spec.num_drafts),
                 ("spec_decode_num_draft_tokens", "Draft tokens verified.",
                  spec.num_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                 spec.num_accepted_tokens)):
+                 spec.num_accepted_tokens)]
+        for name, doc, value in counts:
             counter = CounterMetricFamily(f"liteinfer:{name}", doc, labels=("model_name",))
             counter.add_metric((self.model_name,), value)
             yield counter
+        if spec is None:
+            return
         per_pos = CounterMetricFamily(
             "liteinfer:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each position of the drafts.",

@@ -261,7 +261,7 @@ def test_unknown_engine_argument(tiny_llama_dir):
     ({"mixed_prompt_tokens": 8}, "mixed_prompt_tokens must be a power of two"),
     ({"mixed_prompt_tokens": 0}, "mixed_prompt_tokens must be a power of two"),
     ({"block_size": 24}, "block_size must be a power of two"),
-    ({"quantization": "int4"}, "quantization must be one of"),
+    ({"quantization": "int3"}, "quantization must be one of"),
     ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype must be one of"),
 ])
 def test_bad_engine_arguments(tiny_llama_dir, engine_args, message):

@@ -69,6 +69,41 @@ def test_tied_embeddings_over_an_odd_vocabulary_match_one_rank(tied_odd_vocab_di
             _assert_same_tokens(one, two, prompts, p)
 
 
+# Before the tests that use `tp_llm`: one tensor-parallel engine runs in a process at a time, and
+# that one lives until the module ends.
+def test_moe_experts_split_by_channel_and_two_ranks_match_one(tmp_path):
+    """Each rank holds every expert with half of its channels (gate and up rows, down
+    columns) and the whole router; a Qwen3-MoE model with a dense layer generates the same
+    tokens on two ranks as on one."""
+    from fixtures import make_tiny_model_dir
+    from liteinfer.models import model_class
+
+    directory = make_tiny_model_dir(tmp_path, "qwen3_moe", num_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True, mlp_only_layers=[1])
+    source = load_model_source(str(directory))
+    cls = model_class(source.model_config)
+
+    def rank_model(rank: int, size: int):
+        model = cls(source.model_config, get_backend("torch"), tp_rank=rank, tp_size=size)
+        model.load_weights(source.iter_weights())
+        return model
+
+    whole = rank_model(0, 1).layers[0].mlp
+    n = 16
+    for rank in range(2):
+        part = rank_model(rank, 2).layers[0].mlp
+        mine = slice(rank * n, (rank + 1) * n)
+        assert torch.equal(part.experts.w13_weight[:, :n], whole.experts.w13_weight[:, mine])
+        assert torch.equal(part.experts.w13_weight[:, n:],
+                           whole.experts.w13_weight[:, 2 * n:][:, mine])
+        assert torch.equal(part.experts.w2_weight, whole.experts.w2_weight[:, :, mine])
+        assert torch.equal(part.gate.weight, whole.gate.weight)
+    with _one_and_two_ranks(directory) as (one, two):
+        prompts, params = _mixed_requests(n=5)  # a greedy row among seeded ones
+        _assert_same_tokens(one, two, prompts, params)
+
+
 def _model(directory, tp_rank: int, tp_size: int, load_format: str):
     """A rank's shard of the model, built and filled in this process (no collective runs)."""
     source = load_model_source(str(directory), load_format)
@@ -355,36 +390,3 @@ def test_two_torchrun_nodes_match_one_process(tiny_llama_dir, tiny_llm, tmp_path
     ref = tiny_llm.generate(prompts[::2], SamplingParams(temperature=0.0, max_tokens=16,
                                                          ignore_eos=True), use_tqdm=False)
     assert got[0][::2] == [o.outputs[0].token_ids for o in ref]
-
-
-def test_moe_experts_split_by_channel_and_two_ranks_match_one(tmp_path):
-    """Each rank holds every expert with half of its channels (gate and up rows, down
-    columns) and the whole router; a Qwen3-MoE model with a dense layer generates the same
-    tokens on two ranks as on one."""
-    from fixtures import make_tiny_model_dir
-    from liteinfer.models import model_class
-
-    directory = make_tiny_model_dir(tmp_path, "qwen3_moe", num_experts=8,
-                                    num_experts_per_tok=2, moe_intermediate_size=32,
-                                    norm_topk_prob=True, mlp_only_layers=[1])
-    source = load_model_source(str(directory))
-    cls = model_class(source.model_config)
-
-    def rank_model(rank: int, size: int):
-        model = cls(source.model_config, get_backend("torch"), tp_rank=rank, tp_size=size)
-        model.load_weights(source.iter_weights())
-        return model
-
-    whole = rank_model(0, 1).layers[0].mlp
-    n = 16
-    for rank in range(2):
-        part = rank_model(rank, 2).layers[0].mlp
-        mine = slice(rank * n, (rank + 1) * n)
-        assert torch.equal(part.experts.w13_weight[:, :n], whole.experts.w13_weight[:, mine])
-        assert torch.equal(part.experts.w13_weight[:, n:],
-                           whole.experts.w13_weight[:, 2 * n:][:, mine])
-        assert torch.equal(part.experts.w2_weight, whole.experts.w2_weight[:, :, mine])
-        assert torch.equal(part.gate.weight, whole.gate.weight)
-    with _one_and_two_ranks(directory) as (one, two):
-        prompts, params = _mixed_requests(n=5)  # a greedy row among seeded ones
-        _assert_same_tokens(one, two, prompts, params)

@@ -214,7 +214,12 @@ class SpeculativeConfig:
       above `suffix_min_probability` (an adaptive draft length).
     - reference: benchmarks only. Proposes each request's known continuation
       (`reference_outputs`, keyed by prompt) with each token corrupted with probability
-      `corrupt_probability`, for controlled acceptance on dummy weights.
+      `corrupt_probability`, for controlled acceptance on dummy weights. With
+      `force_acceptance` a draft counts as accepted unless it was corrupted, whatever the
+      target samples: in bf16 a dummy model's greedy answer depends on the kernels that
+      compute it (a verification step rounds otherwise than a decode step), so no fixed
+      continuation is its own; forced acceptance gives the set acceptance rate exactly, with
+      the same device work. Outputs are then the drafts', not the target's.
     """
 
     method: str
@@ -226,6 +231,7 @@ class SpeculativeConfig:
     suffix_cached_requests: int = 64
     corrupt_probability: float = 0.0
     reference_outputs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    force_acceptance: bool = False
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -257,6 +263,9 @@ class SpeculativeConfig:
                              "prompt_lookup_max")
         if not 0.0 <= spec.corrupt_probability <= 1.0:
             raise ValueError("speculative_config: corrupt_probability must be in [0, 1]")
+        if spec.force_acceptance and spec.method != "reference":
+            raise ValueError("speculative_config: force_acceptance is for the benchmark-only "
+                             "'reference' method")
         if not 0.0 < spec.suffix_min_probability <= 1.0 or spec.suffix_max_depth < 1:
             raise ValueError("speculative_config: suffix_min_probability must be in (0, 1] "
                              "and suffix_max_depth positive")

@@ -90,6 +90,36 @@ def test_greedy_equals_transformers_whatever_is_accepted(tiny_family, corrupt):
         release(llm)
 
 
+@pytest.mark.parametrize("corrupt", [0.0, 0.5, 1.0])
+def test_forced_acceptance_keeps_the_drafts_before_the_first_corrupted_one(
+        tiny_llama_dir, corrupt):
+    """The benchmark-only forced acceptance: continuations the target would never choose
+    (random tokens) are kept up to the first corrupted draft, so the acceptance is the
+    corruption's whatever the weights say, and every output still ends with the target's own
+    sample after the kept drafts."""
+    prompts = random_prompts(3, 384, 4, 20, seed=11)
+    made_up = random_prompts(3, 384, MAX_NEW, MAX_NEW, seed=12)
+    config = {**reference_config(prompts, made_up, corrupt, k=3), "force_acceptance": True}
+    llm = build_llm(str(tiny_llama_dir), **ENGINE, max_num_seqs=4, speculative_config=config)
+    try:
+        outputs = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
+        stats = spec_stats(llm)
+        assert stats.num_drafts > 0
+        rate = stats.num_accepted_tokens / stats.num_draft_tokens
+        if corrupt == 0.0:
+            # The prompt's step samples the first token; each later step keeps its 3 drafts
+            # (the made-up tokens at their positions) and the target's sample after them.
+            assert rate == 1.0
+            assert all(out[1:4] == ref[1:4] and out[5:8] == ref[5:8]
+                       for out, ref in zip(outputs, made_up))
+        elif corrupt == 1.0:
+            assert stats.num_accepted_tokens == 0
+        else:
+            assert 0.1 < rate < 0.6
+    finally:
+        release(llm)
+
+
 GROUNDED_PROMPTS = [
     [{"role": "user", "content": "Repeat this sentence exactly: The quick brown fox jumps "
                                  "over the lazy dog near the bank of the river."}],
@@ -308,7 +338,9 @@ def test_bad_speculative_configs_are_clear_errors():
                           ({"method": "ngram", "num_speculative_tokens": 0}, "1..16"),
                           ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown"),
                           ({"method": "ngram", "num_speculative_tokens": 2,
-                            "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup")):
+                            "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup"),
+                          ({"method": "ngram", "num_speculative_tokens": 2,
+                            "force_acceptance": True}, "benchmark-only")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(speculative_config=config).validate()
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})

@@ -5,10 +5,12 @@ Two kinds of run:
   benchmarks/workloads/grounded.jsonl (rewrite, summarize, edit code: outputs that reuse the
   prompt), greedy, each answer ending where the model ends it (at most --osl tokens);
 - controlled acceptance on dummy weights (`--method reference`): the proposer drafts each
-  request's greedy continuation (the engine's own, found first: `calibrate`) with every draft
-  token corrupted with the probability that gives the mean accepted length asked for (draft
-  length --num-speculative-tokens). The rows name the proposer, which exists for benchmarks
-  only.
+  request's continuation from the run without speculation, with every draft token corrupted
+  with the probability that gives the mean accepted length asked for (draft length
+  --num-speculative-tokens), and the engine accepts the drafts before the first corrupted one
+  (`force_acceptance`: in bf16 a dummy model's greedy answer depends on the kernel path, so no
+  continuation stays its own). The device work is speculation's at that acceptance. The rows
+  name the proposer, which exists for benchmarks only.
 
 Each width runs without speculation (config `spec-off`) and with it (`spec-<method>`), on the
 same prompts (--latency-prompts one at a time, 2W at width W); rows record the drafts'
@@ -61,7 +63,8 @@ def _stats(llm: LLM) -> SpecDecodingStats | None:
 
 def _measure(llm: LLM, config: str, prompts: list[list[int]], osl: int, width: int,
              model: str, engine_args: dict[str, Any], ignore_eos: bool,
-             extra: dict[str, Any]) -> dict[str, Any]:
+             extra: dict[str, Any], token_ids: list[list[int]] | None = None
+             ) -> dict[str, Any]:
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     # Compilation, graphs and allocator: every batch size of the run, on other prompts.
@@ -69,7 +72,8 @@ def _measure(llm: LLM, config: str, prompts: list[list[int]], osl: int, width: i
     drive(engine, warm, [32] * len(warm), width)
     engine.reset_prefix_cache()
     before = _stats(llm)
-    traces = drive(engine, prompts, [osl] * len(prompts), width, ignore_eos=ignore_eos)
+    traces = drive(engine, prompts, [osl] * len(prompts), width, ignore_eos=ignore_eos,
+                   token_ids=token_ids)
     after = _stats(llm)
     if after is not None:
         drafts = after.num_drafts - before.num_drafts
@@ -110,20 +114,26 @@ def cmd_spec(args: argparse.Namespace) -> None:
     rows = []
 
     def measure(llm: LLM, config: str, width: int, engine_args: dict[str, Any],
-                extra: dict[str, Any]) -> None:
+                extra: dict[str, Any], token_ids: list[list[int]] | None = None) -> None:
         row = _measure(llm, config, prompts_at(prompts, width, args.latency_prompts), args.osl,
-                       width, args.model, engine_args, ignore_eos, extra)
+                       width, args.model, engine_args, ignore_eos, extra, token_ids)
         append_row(row, out)
         rows.append(row)
         print(f"{config} W={width} {extra}: ITL p50 {row['itl_p50']:.3f} ms, tok/s "
               f"{row['tok_s']:.1f}, mean accepted length "
               f"{row.get('spec_mean_acceptance_length', 1.0):.2f}", flush=True)
 
+    references: dict[tuple[int, ...], tuple[int, ...]] = {}
     for width in args.widths:
-        measure(plain, "spec-off", width, base_args, {})
+        outputs: list[list[int]] = []
+        measure(plain, "spec-off", width, base_args, {}, outputs)
+        references.update((tuple(p), tuple(o)) for p, o in zip(
+            prompts_at(prompts, width, args.latency_prompts), outputs))
     plain.shutdown()
     spec: dict[str, Any] = {"method": args.method,
                             "num_speculative_tokens": args.num_speculative_tokens}
+    if args.method == "reference":
+        spec["force_acceptance"] = True
     llm = LLM(args.model, load_format=load_format, **base_args, speculative_config=spec)
     recorded_args = {**base_args, "speculative_config": spec}
     try:
@@ -133,37 +143,15 @@ def cmd_spec(args: argparse.Namespace) -> None:
             return
         proposer = llm.engine.core.scheduler.speculator.proposer
         for width in args.widths:
-            reference = calibrate(llm, prompts_at(prompts, width, args.latency_prompts),
-                                  args.osl, width)
             for length in args.acceptance_lengths:
                 c = corrupt_probability(length, args.num_speculative_tokens)
-                proposer.set_reference(reference, c)
+                proposer.set_reference(references, c)
                 measure(llm, "spec-reference", width, recorded_args,
                         {"spec_target_acceptance_length": length,
                          "spec_corrupt_probability": c})
     finally:
         llm.shutdown()
         print(f"{len(rows)} row(s) appended to {out}")
-
-
-def calibrate(llm: LLM, prompts: list[list[int]], osl: int, width: int
-              ) -> dict[tuple[int, ...], tuple[int, ...]]:
-    """The greedy continuations the engine verifies as its own at this width. In bf16 a
-    prompt's greedy answer depends on the kernels that compute it (a verification step's
-    few-row GEMMs round otherwise than a decode step's GEMV), so the reference proposer's
-    continuations come from the speculating engine itself: its answers without drafts, then
-    its answers with those as drafts, until they stop changing (at most 3 rounds)."""
-    proposer = llm.engine.core.scheduler.speculator.proposer
-    reference: dict[tuple[int, ...], tuple[int, ...]] = {}
-    for _ in range(3):
-        proposer.set_reference(reference, 0.0)
-        outputs: list[list[int]] = []
-        drive(llm.engine, prompts, [osl] * len(prompts), width, token_ids=outputs)
-        answers = {tuple(p): tuple(o) for p, o in zip(prompts, outputs)}
-        if answers == reference:
-            break
-        reference = answers
-    return reference
 
 
 def add_spec_parser(subparsers: Any) -> None:

@@ -237,13 +237,13 @@ class Scheduler:
                 continue
             tokens = sampled.token_ids[rows]
             accepted = 0
-            while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
-                accepted += 1
             if drafts:
+                accepted = self.speculator.accepted_length(seq.request_id, drafts, tokens)
                 seq.num_computed_tokens -= len(drafts) - accepted
                 self.speculator.record(len(drafts), accepted)
             new_tokens, new_logprobs = [], []
-            for token, logprobs in zip(tokens[:accepted + 1], sampled.logprobs[rows]):
+            kept = drafts[:accepted] + tokens[accepted:accepted + 1]
+            for token, logprobs in zip(kept, sampled.logprobs[rows]):
                 seq.append_token(token)
                 new_tokens.append(token)
                 new_logprobs.append(logprobs)

@@ -40,6 +40,8 @@ class Speculator:
 
     def __init__(self, spec: SpeculativeConfig, vocab_size: int):
         self.proposer = build_proposer(spec, vocab_size)
+        # Benchmarks only: the reference proposer decides acceptance (config.py says why).
+        self.forced = self.proposer if spec.force_acceptance else None
         self.policy = DraftLengthPolicy(spec.num_speculative_tokens, KNEE_TOKENS, SYNC_COST)
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens)
@@ -65,6 +67,15 @@ class Speculator:
         for pos in range(num_accepted):
             stats.num_accepted_tokens_per_pos[pos] += 1
         self.policy.record(num_drafted, num_accepted)
+
+    def accepted_length(self, request_id: str, drafts: list[int], sampled: list[int]) -> int:
+        """How many of the drafts the target agrees with: its samples at their positions."""
+        if self.forced is not None:
+            return self.forced.forced_accepted_length(request_id, len(drafts))
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        return accepted
 
     def finish(self, request_id: str) -> None:
         self.proposer.finish(request_id)

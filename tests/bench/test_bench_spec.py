@@ -36,7 +36,7 @@ def test_controlled_acceptance_rows(tiny_llama_dir, tmp_path):
         ("spec-off", 1), ("spec-off", 2), ("spec-reference", 1), ("spec-reference", 2)]
     spec = rows[2]
     assert spec["spec_num_drafts"] > 0
-    # fp32 on the CPU: the calibrated continuations are the engine's own, so acceptance is what
-    # the corruption leaves (to within the few drafts of a short run).
+    # Forced acceptance: the acceptance is what the corruption leaves (to within the few
+    # drafts of a short run).
     assert 2.2 < spec["spec_mean_acceptance_length"] < 3.8
     assert all(r["all_forced"] for r in rows)

@@ -5,6 +5,7 @@ parallelism and the server with the official client."""
 from __future__ import annotations
 
 import math
+import random
 from itertools import product
 
 import httpx
@@ -313,7 +314,7 @@ def test_draft_length_follows_batch_width_and_acceptance():
         policy.record(4, 0)
     assert policy.draft_length(1) == 0
     for _ in range(PROBE_INTERVAL):
-        policy.step_scheduled(drafted=False, asked=True)
+        policy.step_scheduled(drafted=False, asked=False)
     assert policy.draft_length(1) == 1  # measured again now and then
 
 
@@ -324,12 +325,48 @@ def test_steps_without_drafts_overlap_between_retries():
     wanted = []
     for _ in range(2 * RETRY_INTERVAL):
         wanted.append(policy.wants_host_tokens(1))
-        policy.step_scheduled(drafted=False, asked=True)
+        # As the scheduler does: it asks only where the tokens are on the host.
+        policy.step_scheduled(drafted=False, asked=wanted[-1])
     assert wanted.count(True) == 2 and wanted[RETRY_INTERVAL - 1]
     policy.step_scheduled(drafted=True, asked=True)
     assert policy.wants_host_tokens(1) and not policy.wants_host_tokens(128)
     policy.step_scheduled(drafted=False, asked=False)  # all prefilling: nothing to retry yet
     assert policy.wants_host_tokens(1)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_speculation_turned_off_comes_back_when_acceptance_rises(batch):
+    """Low acceptance turns drafting off; the probes every PROBE_INTERVAL steps measure it
+    again, and a higher acceptance turns it back on to full length."""
+    policy = DraftLengthPolicy(max_drafts=4, knee_tokens=128, sync_cost=0.1)
+    for _ in range(200):
+        policy.record(4, 0)
+    assert policy.draft_length(batch) == 0
+    lengths = []
+    for _ in range(20 * PROBE_INTERVAL):
+        k = policy.draft_length(batch) if policy.wants_host_tokens(batch) else 0
+        lengths.append(k)
+        for _ in range(batch if k else 0):
+            policy.record(k, k)  # every draft right now
+        policy.step_scheduled(drafted=k > 0, asked=k > 0)
+    assert 0 not in lengths[-PROBE_INTERVAL:] and lengths[-1] == 4
+
+
+def test_acceptance_estimate_is_the_geometric_rate():
+    """Accepted counts drawn from the geometric law of a per-token rate give that rate back
+    (an average of per-step ratios would say about half of it)."""
+    rng = random.Random(0)
+    for rate in (0.34, 0.63):
+        policy = DraftLengthPolicy(max_drafts=4, knee_tokens=128, sync_cost=0.1)
+        estimates = []
+        for i in range(4000):
+            accepted = 0
+            while accepted < 4 and rng.random() < rate:
+                accepted += 1
+            policy.record(4, accepted)
+            if i >= 1000:
+                estimates.append(policy.acceptance)
+        assert sum(estimates) / len(estimates) == pytest.approx(rate, abs=0.04)
 
 
 def test_bad_speculative_configs_are_clear_errors():

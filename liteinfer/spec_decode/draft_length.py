@@ -28,12 +28,22 @@ class DraftLengthPolicy:
         self.max_drafts = max_drafts
         self.knee_tokens = knee_tokens
         self.sync_cost = sync_cost
-        self.acceptance = PRIOR_ACCEPTANCE
+        # The geometric estimate accepted / (accepted + rejections), as a ratio of two moving
+        # averages (an average of per-step ratios would be biased low).
+        self.mean_accepted = PRIOR_ACCEPTANCE
+        self.mean_trials = 1.0
         self.steps_without_drafts = 0
+        # Steps left before the proposers are asked again, after a step they found nothing in.
+        self.retry_in = 0
 
     def _cost(self, tokens: int) -> float:
         """A step's time relative to one bound by reading the weights."""
         return max(1.0, tokens / self.knee_tokens)
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated per-token acceptance rate."""
+        return self.mean_accepted / self.mean_trials
 
     def _gain(self, batch: int, k: int) -> float:
         """Tokens per unit of step time with k drafts per sequence."""
@@ -54,24 +64,26 @@ class DraftLengthPolicy:
     def wants_host_tokens(self, batch: int) -> bool:
         """Whether the next step should be scheduled with every token on the host (the step
         before it read first), so that drafts can follow them."""
-        return (self.draft_length(batch) > 0
-                and self.steps_without_drafts % RETRY_INTERVAL == 0)
+        return self.retry_in == 0 and self.draft_length(batch) > 0
 
     def step_scheduled(self, drafted: bool, asked: bool) -> None:
         """drafted: some sequence verifies drafts in the step; asked: drafts were asked for a
         sequence with every token on the host. A step read ahead in which nobody could be
         asked (all prefilling) is no failed retry: the next step stays read ahead."""
         if drafted:
-            self.steps_without_drafts = 0
-        elif asked or self.steps_without_drafts % RETRY_INTERVAL:
-            self.steps_without_drafts += 1
+            self.steps_without_drafts = self.retry_in = 0
+            return
+        self.steps_without_drafts += 1
+        if asked:
+            self.retry_in = RETRY_INTERVAL - 1
+        elif self.retry_in:
+            self.retry_in -= 1
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """One sequence's verification: `num_accepted` of its `num_drafted` drafts kept. The
         accepted count is geometric in the per-token rate a: each draft is kept with
         probability a until the first rejection, whose estimate is accepted / (accepted +
-        rejections)."""
+        rejections), here over a moving window of sequences."""
         trials = num_accepted + (num_accepted < num_drafted)
-        if trials:
-            rate = num_accepted / trials
-            self.acceptance += ACCEPTANCE_SMOOTHING * (rate - self.acceptance)
+        self.mean_accepted += ACCEPTANCE_SMOOTHING * (num_accepted - self.mean_accepted)
+        self.mean_trials += ACCEPTANCE_SMOOTHING * (trials - self.mean_trials)

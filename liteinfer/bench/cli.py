@@ -35,6 +35,7 @@ from liteinfer.bench.store import (
     stored_rows,
 )
 from liteinfer.bench.tables import build_page, mismatches, ratio
+from liteinfer.bench.timeline import format_account, read_timeline
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 from liteinfer.config import EngineConfig, parse_overrides
 
@@ -91,6 +92,10 @@ def add_run_parser(subparsers: Any) -> None:
                    help="results .jsonl file to append to, or a directory for <date>-<gpu>.jsonl "
                         "(default: benchmarks/results/). Rows record the engine's git commit; "
                         "set LITEINFER_COMMIT where the tree has no .git")
+    p.add_argument("--timeline", type=Path, metavar="PATH",
+                   help="record each measured run step by step (bench/timeline.py): a .jsonl "
+                        "file for one run, or a directory for one file per run; prints where "
+                        "each run's wall time went")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs, run nothing")
     p.set_defaults(func=cmd_run)
 
@@ -155,11 +160,26 @@ def check_device(runs: list[Run], overrides: dict[str, Any]) -> None:
                          f"attention_backend to auto (torch there)")
 
 
+def timeline_path(timeline: Path, run: Run, planned: int) -> Path:
+    """`timeline` itself for a single run named as a .jsonl file, else a file per run in the
+    directory `timeline`."""
+    if timeline.suffix == ".jsonl":
+        if planned > 1:
+            raise ValueError(f"--timeline {timeline} names one file for {planned} runs; name a "
+                             f"directory")
+        return timeline
+    return timeline / (f"{run.config}-{run.kind}-{run.shape.label.replace('/', '-')}"
+                       f"-w{run.width}.jsonl")
+
+
 def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
-                   overrides: dict[str, Any], out: Path, run_id: str | None = None) -> list[Row]:
+                   overrides: dict[str, Any], out: Path, run_id: str | None = None,
+                   timelines: dict[Run, Path] | None = None) -> list[Row]:
     """Loads the model once for all runs of one config; each row is saved as soon as it exists
-    (with `run_id`, the serving run it is the offline baseline of)."""
+    (with `run_id`, the serving run it is the offline baseline of). `timelines`: where to
+    record each run's steps."""
     rows = []
+    timelines = timelines or {}
     if config.engine == TRANSFORMERS:
         from liteinfer.bench.hf_baseline import HFBaseline, measure_hf  # imports transformers
 
@@ -172,7 +192,11 @@ def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
                   flush=True)
     try:
         for run in runs:
-            row = measure_one(handle, run, model, args)
+            if run in timelines:
+                row = measure_one(handle, run, model, args, timelines[run])
+                print(format_account(read_timeline(timelines[run])), flush=True)
+            else:
+                row = measure_one(handle, run, model, args)
             if run_id is not None:
                 row["run_id"] = run_id
             append_row(row, out)
@@ -213,12 +237,18 @@ def cmd_run(args: argparse.Namespace) -> None:
         return
     overrides = parse_overrides(args.overrides)
     check_device(runs, overrides)
+    timelines = {}
+    if args.timeline is not None:
+        if hf := sorted({r.config for r in runs if registry.get(r.config).engine == TRANSFORMERS}):
+            raise ValueError(f"{', '.join(hf)} runs transformers, which records no timeline")
+        timelines = {r: timeline_path(args.timeline, r, len(runs)) for r in runs}
     out = results_file(args.out, environment()["gpu"], now_iso())
     rows: list[Row] = []
     failed: list[str] = []
     for name, group in itertools.groupby(runs, key=lambda r: r.config):
         try:
-            rows += _measure_group(registry.get(name), list(group), args.model, overrides, out)
+            rows += _measure_group(registry.get(name), list(group), args.model, overrides, out,
+                                   timelines=timelines)
         except Exception:  # one broken config must not cost the rest of a long matrix
             traceback.print_exc()
             failed.append(name)

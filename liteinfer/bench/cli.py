@@ -1,6 +1,7 @@
 """`liteinfer-bench run` (measure and append rows), `liteinfer-bench serve` (the same against a
-running server), `liteinfer-bench report` (render the page) and `liteinfer-bench quality`
-(what each quantization costs); also `python -m liteinfer.bench`."""
+running server), `liteinfer-bench report` (render the page), `liteinfer-bench timeline` (where a
+recorded run's time went) and `liteinfer-bench quality` (what each quantization costs); also
+`python -m liteinfer.bench`."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ from liteinfer.bench import registry, runner
 from liteinfer.bench.quality import add_quality_parser
 from liteinfer.bench.registry import LITEINFER, TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
-from liteinfer.bench.report_html import render_html
+from liteinfer.bench.report_html import render_html, render_timelines_html
 from liteinfer.bench.serve import add_serve_parser
 from liteinfer.bench.spec import add_spec_parser
 from liteinfer.bench.store import (
@@ -35,7 +36,7 @@ from liteinfer.bench.store import (
     stored_rows,
 )
 from liteinfer.bench.tables import build_page, mismatches, ratio
-from liteinfer.bench.timeline import format_account, read_timeline
+from liteinfer.bench.timeline import format_account, format_comparison, read_timeline
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 from liteinfer.config import EngineConfig, parse_overrides
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_spec_parser(sub)
     add_report_parser(sub)
+    add_timeline_parser(sub)
     add_quality_parser(sub)
     return parser
 
@@ -110,7 +112,21 @@ def add_report_parser(subparsers: Any) -> None:
     p.add_argument("--html", type=Path, default=Path("benchmarks/report.html"),
                    help="default: %(default)s")
     p.add_argument("--model", help="model whose rows to show (default: the newest row's)")
+    p.add_argument("--timeline", type=Path, action="append", default=[], metavar="PATH",
+                   help="a run timeline (run --timeline, scripts/bench_vllm.py --timeline) to "
+                        "show step by step; repeat it to set runs side by side")
     p.set_defaults(func=cmd_report)
+
+
+def add_timeline_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "timeline", help="where a recorded run's wall time went, or two runs side by side",
+        description="Accounts a run timeline's wall time by kind of step (full-width decode, "
+                    "mixed, prompt-only, below full width, tail, host gaps); with two, sets "
+                    "them side by side (e.g. liteinfer's run against vLLM's of the workload).")
+    p.add_argument("timelines", type=Path, nargs="+", metavar="PATH", help="one or two files")
+    p.add_argument("--html", type=Path, help="also write their plots and accounts to this page")
+    p.set_defaults(func=cmd_timeline)
 
 
 def plan(args: argparse.Namespace) -> list[Run]:
@@ -260,7 +276,20 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 def cmd_report(args: argparse.Namespace) -> None:
     page = build_page(load_rows(args.results, args.reference), args.model)
+    page.timelines = [read_timeline(p) for p in args.timeline]
     for path, text in ((args.md, render_markdown(page)), (args.html, render_html(page))):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         print(f"wrote {path}")
+
+
+def cmd_timeline(args: argparse.Namespace) -> None:
+    if len(args.timelines) > 2:
+        raise ValueError("give one timeline, or two to compare")
+    timelines = [read_timeline(p) for p in args.timelines]
+    print(format_account(timelines[0]) if len(timelines) == 1 else
+          format_comparison(*timelines))
+    if args.html is not None:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(render_timelines_html(timelines), encoding="utf-8")
+        print(f"wrote {args.html}")

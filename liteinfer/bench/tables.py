@@ -10,6 +10,7 @@ from liteinfer.bench import registry
 from liteinfer.bench.floor import floor_share
 from liteinfer.bench.registry import LITEINFER, REMOVED, VLLM, BenchConfig
 from liteinfer.bench.store import DEFAULT_PRECISION, Row, build_of, latest, precision_of, shape_of
+from liteinfer.bench.timeline import Timeline
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 
 KINDS = ("latency", "throughput")
@@ -194,6 +195,7 @@ class Page:
     tables: list[Table]
     pivots: list[Pivot]
     serving: list[ServingTable] = field(default_factory=list)
+    timelines: list[Timeline] = field(default_factory=list)  # runs shown step by step
 
 
 def _is_primary(kind: str, config: BenchConfig, width: int) -> bool:

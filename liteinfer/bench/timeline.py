@@ -80,6 +80,44 @@ def from_records(records: list[StepRecord], start: float, end: float,
     return Timeline({**header, "type": HEADER, "wall_s": end - start}, steps)
 
 
+class OutputSteps:
+    """The steps of an engine seen from its driver only (vLLM's `LLMEngine.step()`): per call,
+    its host wall time and the tokens its outputs carry. A request's first token counts its
+    prompt's tokens (its prefill ended in that step) and its later tokens one decode token each;
+    `running` and `waiting` come from the engine's scheduler stats where it reports them, else
+    the rows are the requests the step gave tokens."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self._prompt_len: dict[str, int] = {}
+
+    def add_request(self, request_id: str, prompt_len: int) -> None:
+        self._prompt_len[request_id] = prompt_len
+
+    def record(self, start: float, ready: float, new_tokens: list[tuple[str, int]],
+               running: int | None = None, waiting: int | None = None) -> None:
+        """One step() call from `start` to `ready` (perf_counter seconds); `new_tokens`: per
+        request with output, how many tokens it gained."""
+        prompt = decode = 0
+        for rid, n in new_tokens:
+            first = self._prompt_len.pop(rid, None)
+            if first is not None and n:
+                prompt += first
+                n -= 1
+            decode += n
+        self.steps.append(step_dict(
+            step=len(self.steps), start=start, ready=ready,
+            rows=running if running is not None else len(new_tokens), prompt_tokens=prompt,
+            decode_tokens=decode, draft_tokens=0,
+            output_tokens=sum(n for _, n in new_tokens), waiting=waiting))
+
+    def timeline(self, start: float, end: float, header: dict[str, Any]) -> Timeline:
+        """The run from `start` (its first submission) to `end` (its last token)."""
+        steps = [{**s, "start": s["start"] - start, "ready": s["ready"] - start}
+                 for s in self.steps]
+        return Timeline({**header, "type": HEADER, "wall_s": end - start}, steps)
+
+
 def write_timeline(timeline: Timeline, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

@@ -28,14 +28,13 @@ from liteinfer.bench.store import (
     Row,
     append_row,
     environment,
-    latest,
     load_rows,
     now_iso,
     results_file,
     row_key,
     stored_rows,
 )
-from liteinfer.bench.tables import build_page, mismatches, ratio
+from liteinfer.bench.tables import build_page, mismatches, ratio, vllm_counterpart
 from liteinfer.bench.timeline import format_account, format_comparison, read_timeline
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 from liteinfer.config import EngineConfig, parse_overrides
@@ -225,13 +224,17 @@ def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
 
 
 def summary(rows: list[Row], reference: Path = REFERENCE_DIR) -> str:
-    """A fixed-width table of this invocation's rows, with the vLLM row of the same width."""
-    refs = {row_key(r): r for r in latest(load_rows(None, reference))}
+    """A fixed-width table of this invocation's rows, against the vLLM row of the same width
+    measured on the same machine, if any."""
+    refs: dict[tuple[Any, ...], list[Row]] = {}
+    for r in load_rows(None, reference):
+        refs.setdefault(row_key(r), []).append(r)
     head = ("config", "kind", "ISL/OSL", "W", "n", "ITL p50", "TTFT p50", "E2E p50", "tok/s",
             "vs vLLM")
     lines = [head]
     for r in rows:
-        vllm = refs.get((r["model"], registry.vllm_config_for(r["width"]), *row_key(r)[2:]))
+        vllm = vllm_counterpart(r, refs.get((r["model"], registry.vllm_config_for(r["width"]),
+                                             *row_key(r)[2:]), []))
         vs = "—"
         if vllm is not None and (v := ratio(r["kind"], r, vllm)) is not None:
             vs = f"{v:.2f}x" + ("~" if mismatches(r, vllm, same_engine=False) else "")

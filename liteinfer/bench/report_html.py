@@ -65,6 +65,9 @@ def _anchor(t: Table) -> str:
 
 def _ratio(cell: Cell, note_id: str) -> str:
     if cell.value is None:
+        if cell.note:  # why there is no ratio (rows of other machines)
+            return (f'<td class="num none"><a class="approx" href="#{note_id}-{cell.note}">—'
+                    f"<sup>{cell.note}</sup></a></td>")
         return '<td class="num none">—</td>'
     tone = "good" if cell.value > 1.005 else "bad" if cell.value < 0.995 else ""
     text = f"{cell.value:.2f}x"

@@ -23,10 +23,10 @@ directory; its rows are labelled quantization "int4", beside liteinfer's `quanti
 A throughput run is ISL:OSL:WIDTH[:PROMPTS] (200 prompts unless given), a latency run (one
 request at a time) ISL:OSL:PROMPTS; with neither, every run of the report's tables.
 
-`--timeline DIR` records every measured run step by step beside its row
-(DIR/<kind>-<shape>-w<W>.jsonl, which `liteinfer-bench timeline` reads): per `step()` call its host
-wall time, the requests running and waiting (vLLM's scheduler stats: vLLM's stat logging is turned
-on for it) and the tokens its outputs carry, so that
+`--timeline DIR` records every measured run step by step beside its row, in
+DIR/<kind>-<isl>-<osl>-w<W>.jsonl (`liteinfer-bench timeline` reads it): per `step()` call its
+host wall time, the requests running and waiting (vLLM's scheduler stats: vLLM's stat logging is
+turned on for it) and the tokens its outputs carry, so that
 `liteinfer-bench timeline OURS.jsonl VLLM.jsonl` sets the two runs side by side.
 
 Speculative decoding against `liteinfer-bench spec` on real weights: the prompts that command
@@ -251,8 +251,8 @@ def main() -> None:
                    "prompts": n}
             traces = measure_run(
                 engine, prompts, [shape.osl] * n, width,
-                args.timeline and args.timeline / f"{kind}-{shape.label.replace('/', '-')}"
-                                                  f"-w{width}.jsonl", {**env, "run": run})
+                args.timeline and args.timeline / f"{kind}-{shape.isl}-{shape.osl}-w{width}.jsonl",
+                {**env, "run": run})
             row = {**env, "kind": kind, "isl": shape.isl, "osl": shape.osl, "prompts": n,
                    "width": width, "seed": SEED, **summarize(traces, shape.osl), "at": time.time()}
             out.write(json.dumps(row) + "\n")

@@ -183,8 +183,7 @@ def timeline_path(timeline: Path, run: Run, planned: int) -> Path:
             raise ValueError(f"--timeline {timeline} names one file for {planned} runs; name a "
                              f"directory")
         return timeline
-    return timeline / (f"{run.config}-{run.kind}-{run.shape.label.replace('/', '-')}"
-                       f"-w{run.width}.jsonl")
+    return timeline / f"{run.config}-{run.kind}-{run.shape.isl}-{run.shape.osl}-w{run.width}.jsonl"
 
 
 def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,

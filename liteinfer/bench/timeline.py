@@ -55,6 +55,10 @@ class Timeline:
         return f"{h['engine']} {build} · {h.get('gpu', '?')}"
 
 
+def _header(header: dict[str, Any], start: float, end: float) -> dict[str, Any]:
+    return {**header, "type": HEADER, "wall_s": end - start}
+
+
 def step_dict(**values: Any) -> dict[str, Any]:
     """A step line: every key of STEP_KEYS, None where not given; a ValueError on others."""
     unknown = set(values) - set(STEP_KEYS)
@@ -115,7 +119,7 @@ class OutputSteps:
         """The run from `start` (its first submission) to `end` (its last token)."""
         steps = [{**s, "start": s["start"] - start, "ready": s["ready"] - start}
                  for s in self.steps]
-        return Timeline({**header, "type": HEADER, "wall_s": end - start}, steps)
+        return Timeline(_header(header, start, end), steps)
 
 
 def write_timeline(timeline: Timeline, path: Path) -> None:

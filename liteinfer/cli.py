@@ -234,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     # Listed for --help; main() hands `bench ...` to the harness, which parses its own arguments
     # and is imported only then.
-    sub.add_parser("bench", add_help=False, help="benchmarks: run, serve, report, quality "
-                                                 "(the same as liteinfer-bench)")
+    sub.add_parser("bench", add_help=False, help="benchmarks: run, serve, report, timeline, "
+                                                 "quality (the same as liteinfer-bench)")
     return parser
 
 

@@ -23,6 +23,12 @@ directory; its rows are labelled quantization "int4", beside liteinfer's `quanti
 A throughput run is ISL:OSL:WIDTH[:PROMPTS] (200 prompts unless given), a latency run (one
 request at a time) ISL:OSL:PROMPTS; with neither, every run of the report's tables.
 
+`--timeline DIR` records every measured run step by step beside its row, in
+DIR/<kind>-<isl>-<osl>-w<W>.jsonl (`liteinfer-bench timeline` reads it): per `step()` call its
+host wall time, the requests running and waiting (vLLM's scheduler stats: vLLM's stat logging is
+turned on for it) and the tokens its outputs carry, so that
+`liteinfer-bench timeline OURS.jsonl VLLM.jsonl` sets the two runs side by side.
+
 Speculative decoding against `liteinfer-bench spec` on real weights: the prompts that command
 wrote (`--tokens-out`), each answer ending where the model ends it, at each width:
 
@@ -34,12 +40,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from liteinfer.bench.metrics import summarize
 from liteinfer.bench.registry import DEFAULT, full_matrix
 from liteinfer.bench.runner import drive, warm_up, workload
+from liteinfer.bench.store import now_iso
+from liteinfer.bench.timeline import OutputSteps, write_timeline
 from liteinfer.bench.workloads import SEED, Shape
 from liteinfer.sampling_params import SamplingParams
 from liteinfer.utils import model_label
@@ -52,15 +63,44 @@ class StepOutput:
     finished: bool
 
 
-class VLLMEngine:
-    """vLLM's LLMEngine behind the three calls `drive` makes of liteinfer's engine."""
+class SchedulerStatsTap:
+    """The scheduler stats of the engine core's latest outputs (None while vLLM logs no
+    stats), read where `LLMEngine.step()` fetches them: its core client's `get_output`."""
 
-    def __init__(self, engine, params_cls, prompt_cls):
+    def __init__(self, engine) -> None:
+        self.latest: Any = None
+        client = engine.engine_core
+        get_output = client.get_output
+
+        def tapped(*args, **kwargs):
+            outputs = get_output(*args, **kwargs)
+            self.latest = getattr(outputs, "scheduler_stats", None)
+            return outputs
+
+        client.get_output = tapped
+
+    def counts(self) -> tuple[int | None, int | None]:
+        """(running, waiting) requests, or Nones."""
+        stats = self.latest
+        if stats is None:
+            return None, None
+        return stats.num_running_reqs, stats.num_waiting_reqs
+
+
+class VLLMEngine:
+    """vLLM's LLMEngine behind the three calls `drive` makes of liteinfer's engine; while
+    `recording` is set, each step() call adds a step to it."""
+
+    def __init__(self, engine, params_cls, prompt_cls, stats: SchedulerStatsTap | None = None):
         self.engine, self.params_cls, self.prompt_cls = engine, params_cls, prompt_cls
         self.seen: dict[str, int] = {}  # tokens already reported per request
+        self.stats = stats
+        self.recording: OutputSteps | None = None
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
         self.seen[rid] = 0
+        if self.recording is not None:
+            self.recording.add_request(rid, len(prompt))
         self.engine.add_request(rid, self.prompt_cls(prompt_token_ids=prompt), self.params_cls(
             temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
             detokenize=False))
@@ -69,12 +109,33 @@ class VLLMEngine:
         return self.engine.has_unfinished_requests()
 
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        raw = self.engine.step()
+        ready = time.perf_counter()
         outs = []
-        for o in self.engine.step():
+        for o in raw:
             ids = o.outputs[0].token_ids  # cumulative
             outs.append(StepOutput(o.request_id, list(ids[self.seen[o.request_id]:]), o.finished))
             self.seen[o.request_id] = len(ids)
+        if self.recording is not None:
+            running, waiting = self.stats.counts() if self.stats else (None, None)
+            self.recording.record(start, ready, [(o.request_id, len(o.new_token_ids))
+                                                 for o in outs], running, waiting)
         return outs
+
+
+def measure_run(engine: VLLMEngine, prompts: list[list[int]], max_tokens: list[int], width: int,
+                timeline: Path | None, header: dict[str, Any], ignore_eos: bool = True) -> list:
+    """The traces of one measured run (`drive`); with `timeline`, its steps written there."""
+    if timeline is not None:
+        engine.recording = OutputSteps()
+    traces = drive(engine, prompts, max_tokens, width, ignore_eos=ignore_eos)
+    if timeline is not None:
+        start, end = min(t.submit for t in traces), max(t.tokens[-1] for t in traces if t.tokens)
+        write_timeline(engine.recording.timeline(start, end, {**header, "date": now_iso()}),
+                       timeline)
+        engine.recording = None
+    return traces
 
 
 def awq_config_dir(model_dir: str) -> str:
@@ -113,6 +174,8 @@ def main() -> None:
     p.add_argument("--widths", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--osl", type=int, default=256)
     p.add_argument("--speculative-config", type=json.loads, help="vLLM's, as JSON")
+    p.add_argument("--timeline", type=Path, metavar="DIR",
+                   help="record each measured run step by step in DIR (liteinfer-bench timeline)")
     args = p.parse_args()
     label = args.quantization
     if args.awq:
@@ -143,13 +206,16 @@ def main() -> None:
               dtype="bfloat16", max_model_len=4096 if args.real_weights else 16384,
               max_num_seqs=128, seed=0, max_num_batched_tokens=args.max_num_batched_tokens,
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-              speculative_config=args.speculative_config)
-    engine = VLLMEngine(llm.llm_engine, VLLMParams, TokensPrompt)
+              speculative_config=args.speculative_config,
+              disable_log_stats=args.timeline is None)
+    stats = SchedulerStatsTap(llm.llm_engine) if args.timeline is not None else None
+    engine = VLLMEngine(llm.llm_engine, VLLMParams, TokensPrompt, stats)
     engine_args = {k: v for k, v in (("quantization", label),
                                      ("kv_cache_dtype", args.kv_cache_dtype)) if v not in
                    (None, "auto")}
     env = {"engine": "vllm", "version": vllm.__version__, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(0), "model": model_label(args.model_dir),
+           "gpu": torch.cuda.get_device_name(0), "host": socket.gethostname(),
+           "model": model_label(args.model_dir),
            "engine_args": engine_args, "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.speculative_config is not None:
         env["speculative_config"] = args.speculative_config
@@ -161,8 +227,12 @@ def main() -> None:
                 prompts = prompts_at[str(width)]
                 warm_up(engine, Shape.parse(128, args.osl), width, vocab)
                 assert llm.reset_prefix_cache()
-                traces = drive(engine, prompts, [args.osl] * len(prompts), width,
-                               ignore_eos=False)
+                traces = measure_run(
+                    engine, prompts, [args.osl] * len(prompts), width,
+                    args.timeline and args.timeline / f"spec-w{width}.jsonl",
+                    {**env, "run": {"kind": "latency" if width == 1 else "throughput",
+                                    "isl": len(prompts[0]), "osl": args.osl, "width": width,
+                                    "prompts": len(prompts)}}, ignore_eos=False)
                 row = {**env, "kind": "latency" if width == 1 else "throughput",
                        "isl": len(prompts[0]), "osl": args.osl, "prompts": len(prompts),
                        "width": width, "workload": os.path.basename(args.prompts_file),
@@ -177,7 +247,12 @@ def main() -> None:
             warm_up(engine, shape, width, vocab)
             prompts, _ = workload(shape, n, SEED, vocab)
             assert llm.reset_prefix_cache()
-            traces = drive(engine, prompts, [shape.osl] * n, width)
+            run = {"kind": kind, "isl": shape.isl, "osl": shape.osl, "width": width,
+                   "prompts": n}
+            traces = measure_run(
+                engine, prompts, [shape.osl] * n, width,
+                args.timeline and args.timeline / f"{kind}-{shape.isl}-{shape.osl}-w{width}.jsonl",
+                {**env, "run": run})
             row = {**env, "kind": kind, "isl": shape.isl, "osl": shape.osl, "prompts": n,
                    "width": width, "seed": SEED, **summarize(traces, shape.osl), "at": time.time()}
             out.write(json.dumps(row) + "\n")

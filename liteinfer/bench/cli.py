@@ -1,6 +1,7 @@
 """`liteinfer-bench run` (measure and append rows), `liteinfer-bench serve` (the same against a
-running server), `liteinfer-bench report` (render the page) and `liteinfer-bench quality`
-(what each quantization costs); also `python -m liteinfer.bench`."""
+running server), `liteinfer-bench report` (render the page), `liteinfer-bench timeline` (where a
+recorded run's time went) and `liteinfer-bench quality` (what each quantization costs); also
+`python -m liteinfer.bench`."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ from liteinfer.bench import registry, runner
 from liteinfer.bench.quality import add_quality_parser
 from liteinfer.bench.registry import LITEINFER, TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
-from liteinfer.bench.report_html import render_html
+from liteinfer.bench.report_html import render_html, render_timelines_html
 from liteinfer.bench.serve import add_serve_parser
 from liteinfer.bench.spec import add_spec_parser
 from liteinfer.bench.store import (
@@ -27,14 +28,14 @@ from liteinfer.bench.store import (
     Row,
     append_row,
     environment,
-    latest,
     load_rows,
     now_iso,
     results_file,
     row_key,
     stored_rows,
 )
-from liteinfer.bench.tables import build_page, mismatches, ratio
+from liteinfer.bench.tables import build_page, mismatches, ratio, vllm_counterpart
+from liteinfer.bench.timeline import format_account, format_comparison, read_timeline
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 from liteinfer.config import EngineConfig, parse_overrides
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_spec_parser(sub)
     add_report_parser(sub)
+    add_timeline_parser(sub)
     add_quality_parser(sub)
     return parser
 
@@ -91,6 +93,10 @@ def add_run_parser(subparsers: Any) -> None:
                    help="results .jsonl file to append to, or a directory for <date>-<gpu>.jsonl "
                         "(default: benchmarks/results/). Rows record the engine's git commit; "
                         "set LITEINFER_COMMIT where the tree has no .git")
+    p.add_argument("--timeline", type=Path, metavar="PATH",
+                   help="record each measured run step by step (bench/timeline.py): a .jsonl "
+                        "file for one run, or a directory for one file per run; prints where "
+                        "each run's wall time went")
     p.add_argument("--dry-run", action="store_true", help="print the planned runs, run nothing")
     p.set_defaults(func=cmd_run)
 
@@ -105,7 +111,21 @@ def add_report_parser(subparsers: Any) -> None:
     p.add_argument("--html", type=Path, default=Path("benchmarks/report.html"),
                    help="default: %(default)s")
     p.add_argument("--model", help="model whose rows to show (default: the newest row's)")
+    p.add_argument("--timeline", type=Path, action="append", default=[], metavar="PATH",
+                   help="a run timeline (run --timeline, scripts/bench_vllm.py --timeline) to "
+                        "show step by step; repeat it to set runs side by side")
     p.set_defaults(func=cmd_report)
+
+
+def add_timeline_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "timeline", help="where a recorded run's wall time went, or two runs side by side",
+        description="Accounts a run timeline's wall time by kind of step (full-width decode, "
+                    "mixed, prompt-only, below full width, tail, host gaps); with two, sets "
+                    "them side by side (e.g. liteinfer's run against vLLM's of the workload).")
+    p.add_argument("timelines", type=Path, nargs="+", metavar="PATH", help="one or two files")
+    p.add_argument("--html", type=Path, help="also write their plots and accounts to this page")
+    p.set_defaults(func=cmd_timeline)
 
 
 def plan(args: argparse.Namespace) -> list[Run]:
@@ -155,11 +175,25 @@ def check_device(runs: list[Run], overrides: dict[str, Any]) -> None:
                          f"attention_backend to auto (torch there)")
 
 
+def timeline_path(timeline: Path, run: Run, planned: int) -> Path:
+    """`timeline` itself for a single run named as a .jsonl file, else a file per run in the
+    directory `timeline`."""
+    if timeline.suffix == ".jsonl":
+        if planned > 1:
+            raise ValueError(f"--timeline {timeline} names one file for {planned} runs; name a "
+                             f"directory")
+        return timeline
+    return timeline / f"{run.config}-{run.kind}-{run.shape.isl}-{run.shape.osl}-w{run.width}.jsonl"
+
+
 def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
-                   overrides: dict[str, Any], out: Path, run_id: str | None = None) -> list[Row]:
+                   overrides: dict[str, Any], out: Path, run_id: str | None = None,
+                   timelines: dict[Run, Path] | None = None) -> list[Row]:
     """Loads the model once for all runs of one config; each row is saved as soon as it exists
-    (with `run_id`, the serving run it is the offline baseline of)."""
+    (with `run_id`, the serving run it is the offline baseline of). `timelines`: where to
+    record each run's steps."""
     rows = []
+    timelines = timelines or {}
     if config.engine == TRANSFORMERS:
         from liteinfer.bench.hf_baseline import HFBaseline, measure_hf  # imports transformers
 
@@ -172,7 +206,11 @@ def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
                   flush=True)
     try:
         for run in runs:
-            row = measure_one(handle, run, model, args)
+            if run in timelines:
+                row = measure_one(handle, run, model, args, timelines[run])
+                print(format_account(read_timeline(timelines[run])), flush=True)
+            else:
+                row = measure_one(handle, run, model, args)
             if run_id is not None:
                 row["run_id"] = run_id
             append_row(row, out)
@@ -185,13 +223,17 @@ def _measure_group(config: registry.BenchConfig, runs: list[Run], model: str,
 
 
 def summary(rows: list[Row], reference: Path = REFERENCE_DIR) -> str:
-    """A fixed-width table of this invocation's rows, with the vLLM row of the same width."""
-    refs = {row_key(r): r for r in latest(load_rows(None, reference))}
+    """A fixed-width table of this invocation's rows, against the vLLM row of the same width
+    measured on the same machine, if any."""
+    refs: dict[tuple[Any, ...], list[Row]] = {}
+    for r in load_rows(None, reference):
+        refs.setdefault(row_key(r), []).append(r)
     head = ("config", "kind", "ISL/OSL", "W", "n", "ITL p50", "TTFT p50", "E2E p50", "tok/s",
             "vs vLLM")
     lines = [head]
     for r in rows:
-        vllm = refs.get((r["model"], registry.vllm_config_for(r["width"]), *row_key(r)[2:]))
+        vllm = vllm_counterpart(r, refs.get((r["model"], registry.vllm_config_for(r["width"]),
+                                             *row_key(r)[2:]), []))
         vs = "—"
         if vllm is not None and (v := ratio(r["kind"], r, vllm)) is not None:
             vs = f"{v:.2f}x" + ("~" if mismatches(r, vllm, same_engine=False) else "")
@@ -213,12 +255,18 @@ def cmd_run(args: argparse.Namespace) -> None:
         return
     overrides = parse_overrides(args.overrides)
     check_device(runs, overrides)
+    timelines = {}
+    if args.timeline is not None:
+        if hf := sorted({r.config for r in runs if registry.get(r.config).engine == TRANSFORMERS}):
+            raise ValueError(f"{', '.join(hf)} runs transformers, which records no timeline")
+        timelines = {r: timeline_path(args.timeline, r, len(runs)) for r in runs}
     out = results_file(args.out, environment()["gpu"], now_iso())
     rows: list[Row] = []
     failed: list[str] = []
     for name, group in itertools.groupby(runs, key=lambda r: r.config):
         try:
-            rows += _measure_group(registry.get(name), list(group), args.model, overrides, out)
+            rows += _measure_group(registry.get(name), list(group), args.model, overrides, out,
+                                   timelines=timelines)
         except Exception:  # one broken config must not cost the rest of a long matrix
             traceback.print_exc()
             failed.append(name)
@@ -230,7 +278,20 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 def cmd_report(args: argparse.Namespace) -> None:
     page = build_page(load_rows(args.results, args.reference), args.model)
+    page.timelines = [read_timeline(p) for p in args.timeline]
     for path, text in ((args.md, render_markdown(page)), (args.html, render_html(page))):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         print(f"wrote {path}")
+
+
+def cmd_timeline(args: argparse.Namespace) -> None:
+    if len(args.timelines) > 2:
+        raise ValueError("give one timeline, or two to compare")
+    timelines = [read_timeline(p) for p in args.timelines]
+    print(format_account(timelines[0]) if len(timelines) == 1 else
+          format_comparison(*timelines))
+    if args.html is not None:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(render_timelines_html(timelines), encoding="utf-8")
+        print(f"wrote {args.html}")

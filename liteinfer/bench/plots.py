@@ -1,4 +1,5 @@
-"""Inline SVG for the HTML report: log-log line charts and the standing bars of the tables."""
+"""Inline SVG for the HTML report: line charts (log-log, or linear over a run's steps) and the
+standing bars of the tables."""
 from __future__ import annotations
 
 import math
@@ -32,6 +33,13 @@ def _log_ticks(lo: float, hi: float) -> list[float]:
     return inside or [lo, hi]
 
 
+def _linear_ticks(lo: float, hi: float) -> list[float]:
+    """At most about 8 ticks across [lo, hi] at a 1-2-5 step."""
+    raw = (hi - lo) / 8
+    step = min(m * 10.0 ** math.ceil(math.log10(raw / m)) for m in (1, 2, 5))
+    return [i * step for i in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
+
+
 def _num(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:,.3g}"
 
@@ -42,27 +50,53 @@ def _span(values: list[float]) -> tuple[float, float]:
     return lo / pad, hi * pad
 
 
-def line_chart(title: str, x_label: str, y_label: str, series: list[Series]) -> str:
+@dataclass
+class _Axis:
+    """A log axis padded around its values, or a linear one from 0 to just above the largest."""
+
+    lo: float
+    hi: float
+    log: bool
+
+    @classmethod
+    def over(cls, values: list[float], log: bool) -> _Axis:
+        if log:
+            return cls(*_span(values), log=True)
+        return cls(0.0, max(max(values) * 1.05, 1e-9), log=False)
+
+    def fraction(self, v: float) -> float:
+        if self.log:
+            return math.log(v / self.lo) / math.log(self.hi / self.lo)
+        return (v - self.lo) / (self.hi - self.lo)
+
+    def ticks(self) -> list[float]:
+        return _log_ticks(self.lo, self.hi) if self.log else _linear_ticks(self.lo, self.hi)
+
+
+def line_chart(title: str, x_label: str, y_label: str, series: list[Series],
+               log: bool = True) -> str:
+    """Log-log with a marker per point and a grid line per x value (few points, such as batch
+    widths); `log=False`: linear axes from 0, lines only (many points, such as a run's steps)."""
     xs = sorted({x for s in series for x, _ in s.points})
-    x_lo, x_hi = _span(xs)
-    y_lo, y_hi = _span([y for s in series for _, y in s.points])
+    x_axis = _Axis.over(xs, log)
+    y_axis = _Axis.over([y for s in series for _, y in s.points], log)
     plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
 
     def px(x: float) -> float:
-        return _LEFT + plot_w * math.log(x / x_lo) / math.log(x_hi / x_lo)
+        return _LEFT + plot_w * x_axis.fraction(x)
 
     def py(y: float) -> float:
-        return _TOP + plot_h * (1 - math.log(y / y_lo) / math.log(y_hi / y_lo))
+        return _TOP + plot_h * (1 - y_axis.fraction(y))
 
     out = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {_H}" '
            f'role="img" aria-label="{escape(title)}">',
            f'<text class="title" x="{_LEFT}" y="20">{escape(title)}</text>',
            f'<rect class="frame" x="{_LEFT}" y="{_TOP}" width="{plot_w}" height="{plot_h}"/>']
-    for y in _log_ticks(y_lo, y_hi):
+    for y in y_axis.ticks():
         out.append(f'<line class="grid" x1="{_LEFT}" x2="{_LEFT + plot_w}" y1="{py(y):.1f}" '
                    f'y2="{py(y):.1f}"/><text class="tick" x="{_LEFT - 6}" y="{py(y) + 4:.1f}" '
                    f'text-anchor="end">{_num(y)}</text>')
-    for x in xs:
+    for x in xs if log else x_axis.ticks():
         out.append(f'<line class="grid" x1="{px(x):.1f}" x2="{px(x):.1f}" y1="{_TOP}" '
                    f'y2="{_TOP + plot_h}"/><text class="tick" x="{px(x):.1f}" '
                    f'y="{_TOP + plot_h + 16}" text-anchor="middle">{_num(x)}</text>')
@@ -76,7 +110,7 @@ def line_chart(title: str, x_label: str, y_label: str, series: list[Series]) -> 
         out.append(f'<g class="series" data-name="{escape(s.name)}">')
         if len(s.points) > 1:
             out.append(f'<polyline points="{coords}" stroke="{s.color}"{dash}/>')
-        for x, y in s.points:
+        for x, y in s.points if log else []:
             out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5" fill="{s.color}">'
                        f'<title>{escape(s.name)}: {_num(x)} → {_num(y)}</title></circle>')
         ly = _TOP + 6 + 16 * i

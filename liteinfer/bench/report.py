@@ -12,6 +12,7 @@ from liteinfer.bench.tables import (
     ServingTable,
     Table,
 )
+from liteinfer.bench.timeline import format_account
 
 _SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
 
@@ -77,4 +78,8 @@ def render_markdown(page: Page) -> str:
         out += _pivot(p)
     for s in page.serving:
         out += _serving(s)
+    if page.timelines:
+        out += ["## run timelines", ""]
+        for t in page.timelines:
+            out += ["```", format_account(t), "```", ""]
     return "\n".join(out).rstrip() + "\n"

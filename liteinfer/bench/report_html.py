@@ -21,6 +21,7 @@ from liteinfer.bench.tables import (
     Table,
     standing,
 )
+from liteinfer.bench.timeline import CATEGORIES, Timeline, account
 from liteinfer.bench.workloads import MIXED
 
 _CSS = """
@@ -64,6 +65,9 @@ def _anchor(t: Table) -> str:
 
 def _ratio(cell: Cell, note_id: str) -> str:
     if cell.value is None:
+        if cell.note:  # why there is no ratio (rows of other machines)
+            return (f'<td class="num none"><a class="approx" href="#{note_id}-{cell.note}">—'
+                    f"<sup>{cell.note}</sup></a></td>")
         return '<td class="num none">—</td>'
     tone = "good" if cell.value > 1.005 else "bad" if cell.value < 0.995 else ""
     text = f"{cell.value:.2f}x"
@@ -163,13 +167,57 @@ def _charts(page: Page) -> str:
     return '<section class="charts">' + "\n".join(charts) + "</section>" if charts else ""
 
 
+def _timeline(timelines: list[Timeline]) -> str:
+    """Batch width and tokens per step over each run's time, and where its wall time went."""
+    colors = [REFERENCE_COLOR if t.header["engine"] == VLLM else PALETTE[i % len(PALETTE)]
+              for i, t in enumerate(timelines)]
+    charts = []
+    for key, what in (("rows", "batch width (sequences in the step)"),
+                      ("tokens", "tokens per step (prompt + decode + draft)")):
+        series = []
+        for t, color in zip(timelines, colors, strict=True):
+            points = [(s["ready"], s["rows"] if key == "rows" else
+                       sum(s[k] or 0 for k in ("prompt_tokens", "decode_tokens", "draft_tokens")))
+                      for s in t.steps if s["ready"] is not None]
+            if points:
+                series.append(Series(t.label, points, color, dashed=t.header["engine"] == VLLM))
+        if series:
+            charts.append(line_chart(f"{what} over the run", "time since the first request (s)",
+                                     what, series, log=False))
+    head = "".join(f"<th>{escape(h)}</th>" for h in ("where the time went", *(
+        f"{t.label}: s (share)" for t in timelines)))
+    accounts = [account(t) for t in timelines]
+    lines = []
+    for name in CATEGORIES:
+        cells = "".join(f'<td class="num">{a.buckets[name].seconds:.3f} '
+                        f"({a.buckets[name].seconds / a.wall_s:.1%})</td>" for a in accounts)
+        lines.append(f'<tr><th scope="row">{escape(name)}</th>{cells}</tr>')
+    runs = "".join(f"<li>{escape(t.label)}: {escape(str(t.header['run']))}, wall "
+                   f"{t.wall_s:.3f} s, {len(t.steps)} steps</li>" for t in timelines)
+    return ('<section class="timeline"><h2>run timelines</h2>'
+            f'<ul class="intro">{runs}</ul><div class="charts">{"".join(charts)}</div>'
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(lines)}</tbody></table>"
+            "</section>")
+
+
+def _document(title: str, body: list[str]) -> str:
+    return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+            f"<title>{escape(title)}</title><style>{_CSS}</style>"
+            "</head><body><main>\n" + "\n".join(b for b in body if b) + "\n</main></body></html>\n")
+
+
 def render_html(page: Page) -> str:
     header = "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>"
                      for k, v in page.header)
     body = ["<h1>liteinfer benchmarks</h1>", f'<p class="intro">{escape(INTRO)}</p>',
             f'<dl class="header">{header}</dl>', _charts(page)]
     body += [_table(t) for t in page.tables] + [_pivot(p) for p in page.pivots]
-    return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>liteinfer benchmarks · {escape(page.model)}</title><style>{_CSS}</style>"
-            "</head><body><main>\n" + "\n".join(b for b in body if b) + "\n</main></body></html>\n")
+    if page.timelines:
+        body.append(_timeline(page.timelines))
+    return _document(f"liteinfer benchmarks · {page.model}", body)
+
+
+def render_timelines_html(timelines: list[Timeline]) -> str:
+    """A page of run timelines alone (`liteinfer-bench timeline --html`)."""
+    return _document("liteinfer run timelines", ["<h1>run timelines</h1>", _timeline(timelines)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -11,6 +12,7 @@ from tqdm import tqdm
 from liteinfer.bench.metrics import Trace, summarize
 from liteinfer.bench.registry import LITEINFER, Run, get
 from liteinfer.bench.store import Row, environment, now_iso
+from liteinfer.bench.timeline import from_records, write_timeline
 from liteinfer.bench.workloads import (
     SEED,
     WARMUP_SEED,
@@ -122,18 +124,33 @@ def warm_up(engine: Any, shape: Shape, width: int, vocab_size: int) -> int:
     return n_warm
 
 
-def measure(llm: Any, run: Run, model: str, engine_args: dict[str, Any]) -> Row:
-    """Warms up on other prompts of the same shape, then measures `run`."""
+def measure(llm: Any, run: Run, model: str, engine_args: dict[str, Any],
+            timeline: Path | None = None) -> Row:
+    """Warms up on other prompts of the same shape, then measures `run`; with `timeline`, the
+    engine records the measured run's steps there (bench/timeline.py)."""
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     n_warm = warm_up(engine, run.shape, run.width, vocab)
     prompts, fold = workload(run.shape, run.prompts, SEED, vocab)
     # No measured prompt finds the KV of an earlier run's prompts (or the warm-up's).
     engine.reset_prefix_cache()
+    if timeline is not None:
+        engine.core.start_recording()
     with progress(run) as bar:
         traces = drive(engine, prompts, [run.shape.osl] * len(prompts), run.width, bar)
+    extra: dict[str, Any] = {}
+    if timeline is not None:
+        records = engine.core.stop_recording()
+        # The row's wall: from the first submission to the last token (metrics.summarize).
+        start, end = min(t.submit for t in traces), max(t.tokens[-1] for t in traces if t.tokens)
+        header = {"engine": LITEINFER, **environment(), "date": now_iso(),
+                  "model": model_label(model), "engine_args": engine_args,
+                  "run": {"config": run.config, "kind": run.kind, "isl": run.shape.isl,
+                          "osl": run.shape.osl, "width": run.width, "prompts": len(prompts)}}
+        write_timeline(from_records(records, start, end, header), timeline)
+        extra["timeline"] = str(timeline)
     return make_row(run, LITEINFER, traces, prompts, fold, model, engine_args=engine_args,
-                    warmup_requests=n_warm)
+                    warmup_requests=n_warm, **extra)
 
 
 def run_latency(llm: Any, config: str, shape: Shape, prompts: int, model: str,

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+import socket
 import subprocess
 from collections.abc import Callable, Hashable
 from datetime import UTC, datetime
@@ -56,7 +57,9 @@ def _version(package: str) -> str | None:
 @functools.cache
 def environment() -> Row:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return {"commit": engine_commit(), "gpu": gpu, "torch": torch.__version__,
+    # host: the machine, so that the report divides only rows measured on the same one.
+    return {"commit": engine_commit(), "gpu": gpu, "host": socket.gethostname(),
+            "torch": torch.__version__,
             "triton": _version("triton"), "transformers": _version("transformers")}
 
 

@@ -10,6 +10,7 @@ from liteinfer.bench import registry
 from liteinfer.bench.floor import floor_share
 from liteinfer.bench.registry import LITEINFER, REMOVED, VLLM, BenchConfig
 from liteinfer.bench.store import DEFAULT_PRECISION, Row, build_of, latest, precision_of, shape_of
+from liteinfer.bench.timeline import Timeline
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 
 KINDS = ("latency", "throughput")
@@ -21,7 +22,8 @@ HEADLINE_METRIC = {"latency": "itl_p50", "throughput": "tok_s"}
 RATIOS = ("vs base", "vs first", "vs vLLM")
 FLOOR = "of floor"  # the row's share of its physical floor (bench/floor.py)
 INTRO = ("Each config is scored against the one it improves on (vs base), against the start of "
-         "its lineage (vs first), and against vLLM at the same batch width (vs vLLM). Above 1.00x "
+         "its lineage (vs first), and against vLLM at the same batch width measured on the same "
+         "machine (vs vLLM: a vLLM row of another GPU or host is never divided). Above 1.00x "
          "is better. Each row names the config it improves on; vLLM rows are references, not "
          "competitors. Bars show standing on the headline metric of each table. A ratio marked ~ "
          "compares rows not measured under the same conditions; the note under its table says why. "
@@ -49,6 +51,20 @@ def standing(kind: str, value: float, values: list[float]) -> float:
 def short_build(build: str) -> str:
     head, dirty, _ = build.partition("-dirty")
     return (head[:10] if len(head) == 40 else head) + (dirty and "-dirty")
+
+
+def same_machine(a: Row, b: Row) -> bool:
+    """Whether two rows were measured on one machine: the same GPU and host. Rows from before
+    hosts were recorded cannot tell, and count as measured apart."""
+    return a.get("gpu") == b.get("gpu") and a.get("host") is not None and (
+        a.get("host") == b.get("host"))
+
+
+def vllm_counterpart(row: Row, candidates: list[Row]) -> Row | None:
+    """The newest of the vLLM rows `candidates` (same config and width as `row`'s vLLM
+    reference) measured on `row`'s machine."""
+    same = [r for r in candidates if same_machine(row, r)]
+    return max(same, key=lambda r: r["timestamp"]) if same else None
 
 
 def mismatches(a: Row, b: Row, same_engine: bool) -> list[str]:
@@ -194,6 +210,7 @@ class Page:
     tables: list[Table]
     pivots: list[Pivot]
     serving: list[ServingTable] = field(default_factory=list)
+    timelines: list[Timeline] = field(default_factory=list)  # runs shown step by step
 
 
 def _is_primary(kind: str, config: BenchConfig, width: int) -> bool:
@@ -216,10 +233,21 @@ def _notes(config: BenchConfig) -> list[str]:
 
 
 class _TableBuilder:
-    def __init__(self, kind: str, shape: Shape, model: str, precision: str, rows: list[Row]):
+    """`rows`: the newest row per (config, width); `vllm_rows`: every vLLM row of the table's
+    kind, shape and precision, from which each line's own machine's is taken."""
+
+    def __init__(self, kind: str, shape: Shape, model: str, precision: str, rows: list[Row],
+                 vllm_rows: list[Row]):
         self.kind = kind
         self.rows = {(r["config"], r["width"]): r for r in rows}
+        self.vllm_rows = vllm_rows
         self.table = Table(kind, shape, model, [], precision=precision)
+
+    def note(self, text: str) -> int:
+        """The number of the table's footnote `text` (added if new)."""
+        if text not in self.table.footnotes:
+            self.table.footnotes.append(text)
+        return self.table.footnotes.index(text) + 1
 
     def counterpart(self, name: str, config: BenchConfig, width: int) -> Row | None:
         """`name`'s row to compare with: a row at a config's own width meets the other config's
@@ -237,11 +265,23 @@ class _TableBuilder:
         why = mismatches(row, other, same_engine)
         if why and cell.value is not None:
             other_label = row_label(self.kind, registry.get(other["config"]), other["width"])
-            note = f"{line_label} vs {other_label}: {'; '.join(why)}"
-            if note not in self.table.footnotes:
-                self.table.footnotes.append(note)
-            cell.note = self.table.footnotes.index(note) + 1
+            cell.note = self.note(f"{line_label} vs {other_label}: {'; '.join(why)}")
         return cell
+
+    def vllm_cell(self, line_label: str, row: Row, vllm_name: str) -> Cell:
+        """Against the vLLM row of the same width measured on the same machine; none (with a
+        note) where vLLM's rows come from other machines."""
+        candidates = [r for r in self.vllm_rows
+                      if r["config"] == vllm_name and r["width"] == row["width"]]
+        vllm = vllm_counterpart(row, candidates)
+        if vllm is not None:
+            return self.cell(line_label, row, vllm, False)
+        if not candidates:
+            return Cell(None)
+        gpus = ", ".join(sorted({str(r.get("gpu")) for r in candidates}))
+        return Cell(None, self.note(
+            f"no vs vLLM ratio: no vLLM row of W={row['width']} was measured on this row's "
+            f"machine (the same GPU and host; vLLM's rows: {gpus})"))
 
     def line(self, config: BenchConfig, row: Row) -> Line:
         width = row["width"]
@@ -250,10 +290,9 @@ class _TableBuilder:
         ancestors = reversed(registry.lineage(config.name))  # earliest first
         first = next((r for a in ancestors if (r := self.counterpart(a, config, width))), None)
         vllm_name = registry.vllm_config_for(width)
-        vllm = (self.rows.get((vllm_name, width))
-                if config.engine != VLLM and vllm_name is not None else None)
-        ratios = [self.cell(label, row, base, True), self.cell(label, row, first, True),
-                  self.cell(label, row, vllm, False)]
+        vs_vllm = (self.vllm_cell(label, row, vllm_name)
+                   if config.engine != VLLM and vllm_name is not None else Cell(None))
+        ratios = [self.cell(label, row, base, True), self.cell(label, row, first, True), vs_vllm]
         return Line(config, row, label, _notes(config), ratios, floor_share(row))
 
     def build(self) -> Table:
@@ -299,8 +338,9 @@ def build_page(rows: list[Row], model: str | None = None) -> Page:
     """The newest row per (config, kind, shape, width) of one model, laid out as the page; the
     offline rows of a serving run (its baseline, on fewer prompts) only in its own table."""
     served = [r for r in rows if r["kind"] == SERVE]
-    rows = latest([r for r in rows if r["kind"] != SERVE and "run_id" not in r
-                   and r["config"] in registry.BY_NAME])
+    offline = [r for r in rows if r["kind"] != SERVE and "run_id" not in r
+               and r["config"] in registry.BY_NAME]
+    rows = latest(offline)
     if model is None:
         own = [r for r in rows if r.get("engine") == LITEINFER]
         model = max(own, key=lambda r: r["timestamp"])["model"] if own else MODEL
@@ -315,7 +355,11 @@ def build_page(rows: list[Row], model: str | None = None) -> Page:
             of_kind = [r for r in rows if r["kind"] == kind and precision_of(r) == precision]
             for shape in sorted({shape_of(r) for r in of_kind}, key=lambda s: s.sort_key):
                 of_table = [r for r in of_kind if shape_of(r) == shape]
-                tables.append(_TableBuilder(kind, shape, model, precision, of_table).build())
+                vllm_rows = [r for r in offline if r["engine"] == VLLM and r["kind"] == kind
+                             and r.get("model") == model and shape_of(r) == shape
+                             and precision_of(r) == precision]
+                tables.append(_TableBuilder(kind, shape, model, precision, of_table,
+                                            vllm_rows).build())
     kinds = {t.kind for t in tables if t.precision == DEFAULT_PRECISION}
     pivots = [_pivot(k, tables) for k in ("throughput", "latency") if k in kinds]
     shapes = [t.shape for t in tables]

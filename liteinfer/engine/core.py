@@ -16,6 +16,7 @@ import torch
 from liteinfer.config import EngineConfig, ModelConfig, parse_dtype
 from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.cuda_graph import StagedDecode
+from liteinfer.engine.instrumentation import StepRecord, StepRecorder
 from liteinfer.engine.messages import (
     EngineCoreInfo,
     EngineCoreOutput,
@@ -48,6 +49,7 @@ class InFlight:
     scheduled: SchedulerOutput
     output: ModelRunnerOutput | None  # None: its sampling waits for its grammars (`forward`)
     forward: StepForward | None = None
+    record: StepRecord | None = None  # while the core records steps (`start_recording`)
 
 
 @dataclass
@@ -155,6 +157,7 @@ class EngineCore:
             config.max_num_seqs)
         # Constrained requests whose grammar is still compiling; queued once it is ready.
         self.compiling: list[Sequence] = []
+        self.recorder: StepRecorder | None = None
         freeze_heap()
 
     @property
@@ -206,6 +209,20 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         """Empties the prefix cache, e.g. between benchmark runs."""
         self.block_manager.reset_prefix_cache()
+
+    def start_recording(self, profile_ranges: bool = False) -> None:
+        """Records every step from now on (engine/instrumentation.py); `profile_ranges` also
+        names each step's phases for the torch profiler."""
+        self.recorder = StepRecorder(self.runner.describe, self.runner.device.type == "cuda",
+                                     profile_ranges)
+
+    def stop_recording(self) -> list[StepRecord]:
+        """The steps recorded since `start_recording` (their device times read); recording
+        stops. A step launched but not yet read has no `ready` time."""
+        if self.recorder is None:
+            raise ValueError("the core is not recording steps")
+        recorder, self.recorder = self.recorder, None
+        return recorder.finish()
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks, or leaves torchrun's group (nothing to do on
@@ -282,6 +299,8 @@ class EngineCore:
     def _schedule(self) -> tuple[SchedulerOutput | None, list[EngineCoreOutput]]:
         """The next step (None if there is nothing to run), and the outputs of the requests
         that failed if scheduling raised."""
+        if self.recorder is not None:
+            self.recorder.scheduling()
         try:
             return self.scheduler.schedule(), []
         except Exception as e:  # the requests fail, the core goes on
@@ -304,7 +323,10 @@ class EngineCore:
         """Launches the scheduled step (self.inflight); outputs only of requests that failed.
         A step that samples for constrained requests is launched unsampled."""
         scheduled, staged = ahead.scheduled, ahead.staged
+        recorder = self.recorder
         try:
+            if recorder is not None:
+                recorder.launching()
             if self.workers is not None:
                 self.workers.execute_model(scheduled)
             if self._samples_constrained(scheduled):
@@ -315,6 +337,8 @@ class EngineCore:
             raise
         except Exception as e:  # the step's requests fail, the core goes on
             return self._fail(scheduled.seqs, e)
+        if recorder is not None:
+            inflight.record = recorder.launched(scheduled, len(self.scheduler.waiting))
         self.scheduler.mark_launched(scheduled)
         self.inflight = inflight
         return []
@@ -338,6 +362,8 @@ class EngineCore:
             except GrammarWorkerDied as e:  # the constrained requests fail, the others go on
                 failed, bitmask = self._fail_constrained(e), None
             inflight.output = self.runner.sample(scheduled, inflight.forward, bitmask)
+            if inflight.record is not None and self.recorder is not None:
+                self.recorder.sampled(inflight.record)
         except Exception as e:  # as in _launch
             return failed + self._fail(
                 scheduled.seqs + (ahead.scheduled.seqs if ahead else []), e)
@@ -347,6 +373,9 @@ class EngineCore:
     def _resolve(self, inflight: InFlight) -> list[EngineCoreOutput]:
         """The step's outputs."""
         failed: list[EngineCoreOutput] = []
+        recorder = self.recorder if inflight.record is not None else None
+        if recorder is not None:
+            recorder.resolving()
         try:
             advancing = self._advance_grammars(inflight)
             outputs = self.scheduler.update_from_output(inflight.scheduled, inflight.output)
@@ -356,6 +385,8 @@ class EngineCore:
                 failed = self._fail_constrained(e)
         except Exception as e:  # as in _launch
             return self._fail(inflight.scheduled.seqs, e)
+        if recorder is not None:
+            recorder.ready(inflight.record, outputs)
         return outputs + failed
 
     def _advance_grammars(self, inflight: InFlight) -> list[str]:

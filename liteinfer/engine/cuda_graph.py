@@ -109,8 +109,9 @@ class CUDAGraphRunner:
         ids = sm.with_pending(self.input_ids[:bs], self.pending_rows[:bs])
         return sm.model.compute_logits(sm.model(ids, self.positions[:bs], meta))
 
-    def run(self, batch: SchedulerOutput) -> torch.Tensor:
-        return self.replay(self.stage(batch))
+    def size_for(self, num_rows: int) -> int:
+        """The captured batch size a step of `num_rows` sequences replays."""
+        return next(s for s in self.sizes if s >= num_rows)
 
     def stage(self, batch: SchedulerOutput) -> StagedDecode:
         """Sends the step's inputs to the device buffer (behind the work already queued, which
@@ -119,7 +120,7 @@ class CUDAGraphRunner:
         # one-sequence decode step has ~0.9 ms of GPU time to hide all of its host work in.
         seqs = batch.seqs
         n = len(seqs)
-        bs = next(s for s in self.sizes if s >= n)
+        bs = self.size_for(n)
         block_size = self.block_size
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         pos = lens - 1

@@ -7,6 +7,7 @@ import torch
 from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
+from liteinfer.engine.instrumentation import DECODE_GRAPH, EAGER, PROMPT_GRAPH, StepRun
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
 from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
@@ -226,11 +227,10 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logits of the rows that sample ([rows, vocab], None if none do) and the final
         hidden states of the rows scoring prompt tokens (None if none do)."""
-        if not batch.is_prefill and self.graphs is not None:
+        if self._replays_decode(batch):
             return self.graphs.replay(staged or self.graphs.stage(batch)), None
         prompt_hidden = None
-        if (self.prompt_graphs is not None and not batch.prompt_logprob_spans
-                and self.prompt_graphs.fits(batch)):
+        if self._replays_prompt(batch):
             hidden, rows = self.prompt_graphs.run(batch)
         else:
             input_ids, positions, meta, rows, prompt_rows = self.prepare(batch)
@@ -238,6 +238,21 @@ class ModelRunner:
             if prompt_rows is not None:
                 prompt_hidden = hidden[prompt_rows]
         return (self.model.compute_logits(hidden[rows]) if rows.numel() else None), prompt_hidden
+
+    def _replays_decode(self, batch: SchedulerOutput) -> bool:
+        return not batch.is_prefill and self.graphs is not None
+
+    def _replays_prompt(self, batch: SchedulerOutput) -> bool:
+        return (self.prompt_graphs is not None and not batch.prompt_logprob_spans
+                and self.prompt_graphs.fits(batch))
+
+    def describe(self, batch: SchedulerOutput) -> StepRun:
+        """How `forward` runs the step: eagerly or as which captured graph (instrumentation)."""
+        if self._replays_decode(batch):
+            return StepRun(DECODE_GRAPH, (self.graphs.size_for(len(batch.seqs)),))
+        if self._replays_prompt(batch):
+            return StepRun(PROMPT_GRAPH, self.prompt_graphs.layout.bucket(batch))
+        return StepRun(EAGER)
 
     def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor
                          ) -> list[list[TokenLogprobs]]:

@@ -77,12 +77,15 @@ class PromptStepLayout:
     def _sizes_for(self, num_decodes: int) -> list[int]:
         return self.prompt_sizes[padded_decodes(num_decodes, self.max_num_seqs)]
 
+    def bucket(self, batch: SchedulerOutput) -> tuple[int, int]:
+        """The step's bucket: (decoding rows, prompt tokens), each padded."""
+        d = batch.num_decodes
+        p_size = next(s for s in self._sizes_for(d) if s >= sum(batch.num_tokens) - d)
+        return padded_decodes(d, self.max_num_seqs), p_size
+
     def build(self, batch: SchedulerOutput) -> tuple[StepInputs, int, int]:
         """The step's inputs and its bucket (decoding rows, prompt tokens)."""
-        step = build_step_inputs(batch, self.block_size, self.width)
-        d = step.num_decodes
-        p_size = next(s for s in self._sizes_for(d) if s >= len(step.input_ids) - d)
-        return step, padded_decodes(d, self.max_num_seqs), p_size
+        return (build_step_inputs(batch, self.block_size, self.width), *self.bucket(batch))
 
     def reset(self, buffer: torch.Tensor) -> None:
         """Inputs of an empty step: no KV written or read, no query tile mapped."""

@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 def row(config, kind="latency", isl=128, osl=256, width=1, **extra):
     base = {"config": config, "kind": kind, "isl": isl, "osl": osl, "width": width, "prompts": 50,
             "model": "m", "engine": "liteinfer", "fingerprint": "f" * 64, "gpu": "G",
-            "commit": "c" * 40, "timestamp": "2026-01-01T00:00:00+00:00", "itl_p50": 10.0,
-            "tok_s": 100.0}
+            "host": "h", "commit": "c" * 40, "timestamp": "2026-01-01T00:00:00+00:00",
+            "itl_p50": 10.0, "tok_s": 100.0}
     return {**base, **extra}
 
 
@@ -103,8 +103,29 @@ def test_approximate_ratios_say_why():
     assert splitk.ratios[0].note == splitk.ratios[1].note == 2  # one note serves both ratios
     assert t.mixed_prompts
     long = table(page, "latency", 15360, 128)
-    assert texts(line(long, "liteinfer-graphs-16k")) == ["—", "—", "1.00x~"]
-    assert long.footnotes == ["liteinfer-graphs-16k vs vllm: different GPUs (H vs G)"]
+    assert texts(line(long, "liteinfer-graphs-16k")) == ["—", "—", "—"]
+    assert line(long, "liteinfer-graphs-16k").ratios[2].note == 1
+    assert long.footnotes == ["no vs vLLM ratio: no vLLM row of W=1 was measured on this row's "
+                              "machine (the same GPU and host; vLLM's rows: G)"]
+
+
+def test_vs_vllm_divides_only_rows_of_one_machine():
+    """A vLLM row is the reference of liteinfer's rows on its own machine (GPU and host) only:
+    the newest vLLM row of another machine never is, nor a row that recorded no host."""
+    vllm = {"engine": "vllm", "commit": None, "version": "0.26.0"}
+    rows = [row("prompt-graphs", "throughput", width=32, tok_s=1200.0, host="a",
+                timestamp="2026-03-01T00:00:00+00:00"),
+            row("vllm-continuous", "throughput", width=32, tok_s=1000.0, host="a", **vllm),
+            row("vllm-continuous", "throughput", width=32, tok_s=400.0, host="b", **vllm,
+                timestamp="2026-04-01T00:00:00+00:00"),
+            row("prompt-graphs", "throughput", width=128, tok_s=3000.0, host=None),
+            row("vllm-b128", "throughput", width=128, tok_s=2000.0, host="a", **vllm)]
+    t = table(build_page(rows), "throughput")
+    assert texts(line(t, "liteinfer-prompt-graphs"))[2] == "1.20x"  # host a's, not b's
+    assert line(t, "vllm-continuous").row["host"] == "b"  # the table shows the newest row
+    w128 = line(t, "liteinfer-prompt-graphs · W=128")
+    assert texts(w128)[2] == "—" and t.footnotes[w128.ratios[2].note - 1].startswith(
+        "no vs vLLM ratio: no vLLM row of W=128")
 
 
 def test_throughput_widths():
@@ -243,7 +264,8 @@ def test_each_precision_gets_its_own_tables_compared_with_vllm_at_that_precision
 def test_vllm_rows_of_another_model_and_precision_stay_theirs(tmp_path):
     """bench_vllm.py's rows name their model and quantization: an 8B fp8 vLLM row is set beside
     liteinfer's 8B fp8 row, not mapped onto the default model's bf16 tables."""
-    raw = {"engine": "vllm", "version": "0.26.0", "gpu": "G", "model": "llama-3.1-8b-instruct",
+    raw = {"engine": "vllm", "version": "0.26.0", "gpu": "G", "host": "h",
+           "model": "llama-3.1-8b-instruct",
            "engine_args": {"quantization": "fp8"}, "kind": "latency", "isl": 128, "osl": 256,
            "prompts": 50, "width": 1, "seed": 1234, "itl_p50": 3.5, "tok_s": 280.0, "at": 1.0e9}
     (tmp_path / "vllm-fp8.jsonl").write_text(json.dumps(raw) + "\n")

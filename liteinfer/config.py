@@ -333,12 +333,7 @@ class EngineConfig:
         if m < MIN_PROMPT_PIECE or m & (m - 1):
             raise ValueError(f"mixed_prompt_tokens must be a power of two >= "
                              f"{MIN_PROMPT_PIECE}, got {m}")
-        if SpeculativeConfig.from_dict(self.speculative_config) is not None and \
-                self.tensor_parallel_size > 1:
-            # A gloo run with drafts gave one request a token fewer than one rank: refused
-            # until that is understood.
-            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
-                             "supported yet")
+        SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

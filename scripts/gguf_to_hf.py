@@ -22,6 +22,11 @@ def main() -> None:
     kwargs = {"gguf_file": args.gguf.name}
     model = AutoModelForCausalLM.from_pretrained(args.gguf.parent, dtype=getattr(
         torch, args.dtype), **kwargs)
+    # The weights are dequantized already; transformers still marks the model as GGUF-quantized
+    # and refuses to save it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.save_pretrained(args.out)
     AutoTokenizer.from_pretrained(args.gguf.parent, **kwargs).save_pretrained(args.out)
     print(f"wrote {args.out}")

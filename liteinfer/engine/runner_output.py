@@ -10,6 +10,42 @@ from liteinfer.engine.sampler import SampledTokens, SamplerOutput
 
 
 @dataclass
+class DraftPlan:
+    """A step's proposals, planned on the host before its launch (the scheduler advances the
+    sequences' counters right after): per proposing sequence, in `seq_indices` order, its
+    sampled rows, the drafts it verifies, the position its first verified token takes, and
+    its block table."""
+
+    num_tokens: int           # k: drafts proposed per sequence
+    seq_indices: list[int]    # the step's sequences that propose (sampling, with room)
+    sample_rows: torch.Tensor  # [S, K + 1] int64: rows of the step's samples (last repeated)
+    drafts: torch.Tensor       # [S, K] int64: the drafts verified, -1 past a sequence's own
+    base: torch.Tensor         # [S] int64: the position of the first sampled token
+    block_tables: torch.Tensor  # [S, table width] int32
+
+
+class ProposedDrafts:
+    """Draft tokens proposed on the device, per proposing sequence of the step (`seq_indices`,
+    indices into its sequences); their copy to the host starts at once."""
+
+    def __init__(self, token_ids: torch.Tensor, seq_indices: list[int]):
+        self.seq_indices = seq_indices
+        if token_ids.device.type == "cpu":
+            self._host, self._event = token_ids, None
+        else:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> dict[int, list[int]]:
+        """Each proposing sequence's drafts, by its index in the step."""
+        if self._event is not None:
+            self._event.synchronize()
+        return dict(zip(self.seq_indices, self._host.tolist()))
+
+
+@dataclass
 class ModelRunnerOutput:
     """One step's results. The sampled tokens stay on the device (they feed the next step
     there) until `wait()`; the prompt logprobs the step scored are on the host already, one
@@ -17,6 +53,9 @@ class ModelRunnerOutput:
 
     sampled: SampledTokens | None  # None: no sequence reached its last token
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    # Drafts a model proposed after the step (draft_model, eagle3), as vLLM v1's runner
+    # output carries them; None: none proposed.
+    drafts: ProposedDrafts | None = None
 
     def wait(self) -> SamplerOutput:
         return self.sampled.result() if self.sampled is not None else SamplerOutput([], [])
@@ -29,3 +68,5 @@ class StepForward:
 
     logits: torch.Tensor | None
     prompt_logprobs: list[list[TokenLogprobs]]
+    # The draft model's proposals to make once the step is sampled (None: none).
+    draft_plan: DraftPlan | None = None

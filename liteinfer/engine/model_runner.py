@@ -2,12 +2,21 @@
 sampler, and the logprobs of prompt tokens that asked for them."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+from torch import nn
 
 from liteinfer.attention import allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
-from liteinfer.engine.draft_runner import DraftModelRunner, load_draft_source
+from liteinfer.engine.draft_runner import (
+    DraftModelRunner,
+    Eagle3Runner,
+    eagle3_settings,
+    load_draft_source,
+)
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
 from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
@@ -19,6 +28,7 @@ from liteinfer.layers.quantization import process_weights_after_loading, quant_c
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models import model_class
+from liteinfer.models.eagle3 import Eagle3LlamaForCausalLM
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
 from liteinfer.structured_output.manager import GrammarBitmask
 from liteinfer.utils import cdiv, free_device_memory
@@ -54,10 +64,13 @@ class ModelRunner:
         # pool holds as many blocks as the target's, which share one budget.
         spec = config.speculative
         draft = None
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.drafts_on_device:
             draft_config, draft_source = load_draft_source(spec, model_config, load_format,
                                                            max_model_len, config)
-            draft = self._load_model(draft_config, draft_source, draft_source.load_format)
+            if spec.method == "eagle3":
+                draft = self._load_eagle3_head(draft_config, draft_source)
+            else:
+                draft = self._load_model(draft_config, draft_source, draft_source.load_format)
         self.kv_cache = self._allocate_kv_cache(draft)
         sms = num_sms(self.device)
         workspace = None
@@ -71,11 +84,19 @@ class ModelRunner:
                                     model_config.head_dim, sms,
                                     workspace, self.device)
         self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)
-        self.drafter = None if draft is None else DraftModelRunner(
-            draft, self._bind_kv_pool(draft), self.step_model.sampled_tokens, config,
-            self.max_blocks_per_seq, self.device)
+        self.drafter: DraftModelRunner | None = None
+        if isinstance(draft, Eagle3LlamaForCausalLM):
+            self.drafter = Eagle3Runner(draft, self.model, self._bind_kv_pool(draft),
+                                        self.step_model.sampled_tokens, config,
+                                        self.max_blocks_per_seq, self.device)
+        elif draft is not None:
+            self.drafter = DraftModelRunner(draft, self._bind_kv_pool(draft),
+                                            self.step_model.sampled_tokens, config,
+                                            self.max_blocks_per_seq, self.device)
         self.graphs = self.prompt_graphs = None
-        if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
+        # The captured steps do not keep the hidden states an EAGLE-3 head reads.
+        if (self.device.type == "cuda" and self.use_triton and not config.enforce_eager
+                and not isinstance(self.drafter, Eagle3Runner)):
             from liteinfer.engine.prompt_graph import PromptGraphRunner, PromptStepLayout
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
             layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
@@ -95,9 +116,23 @@ class ModelRunner:
         self.graphs = self.prompt_graphs = None
         free_device_memory()
 
+    def _load_eagle3_head(self, cfg: ModelConfig, source: ModelSource
+                          ) -> Eagle3LlamaForCausalLM:
+        """The head, reading the target's token embedding unless it has its own, and the
+        target set to keep the hidden states it reads."""
+        draft_vocab, aux_layers = eagle3_settings(source.hf_config, self.model_config)
+        head = self._load_model(cfg, source, source.load_format, lambda ops: (
+            Eagle3LlamaForCausalLM(cfg, draft_vocab, self.model_config.hidden_size,
+                                   self.backend, ops)))
+        if not head.has_own_embedding:
+            head.share_embedding(self.model)
+        self.model.aux_hidden_state_layers = aux_layers
+        return head
+
     @torch.inference_mode()
-    def _load_model(self, cfg: ModelConfig, source: ModelSource, load_format: str
-                    ) -> LlamaForCausalLM:
+    def _load_model(self, cfg: ModelConfig, source: ModelSource, load_format: str,
+                    build: Callable[[LayerOps], nn.Module] | None = None) -> Any:
+        """`build`: the model from its layer ops (default: the family's class of `cfg`)."""
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -106,7 +141,8 @@ class ModelRunner:
             with torch.device(self.device):
                 quant = quant_config(self.config.quantization, source.hf_config, load_format)
                 ops = LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
-                model = model_class(cfg)(cfg, self.backend, ops, self.tp_rank, self.tp_size)
+                model = build(ops) if build is not None else model_class(cfg)(
+                    cfg, self.backend, ops, self.tp_rank, self.tp_size)
         finally:
             torch.set_default_dtype(default_dtype)
         if load_format == "dummy":
@@ -196,7 +232,7 @@ class ModelRunner:
         logprobs); `sample` follows, at once or once the constrained rows' bitmask is known.
         `staged`: the step's inputs, sent already (`stage`)."""
         # The draft model reads the step's pending tokens before the step's samples replace them.
-        plan = None if self.drafter is None else self.drafter.catch_up(batch)
+        plan = None if self.drafter is None else self.drafter.before_step(batch)
         logits, prompt_hidden = self._forward(batch, staged)
         prompt_logprobs = ([] if prompt_hidden is None else
                            self._prompt_logprobs(batch, prompt_hidden))
@@ -213,7 +249,7 @@ class ModelRunner:
         self.step_model.keep_sampled(sampled.token_ids)
         drafts = None
         if forward.draft_plan is not None:
-            drafts = self.drafter.propose(forward.draft_plan, sampled.token_ids)
+            drafts = self.drafter.after_sampling(forward.draft_plan, sampled.token_ids)
         return ModelRunnerOutput(sampled, forward.prompt_logprobs, drafts)
 
     def _forward(self, batch: SchedulerOutput, staged: StagedDecode | None

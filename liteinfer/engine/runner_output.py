@@ -5,12 +5,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from liteinfer.attention import AttentionMetadata
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.sampler import SampledTokens, SamplerOutput
 
 
 @dataclass
-class DraftPlan:
+class ProposalPlan:
     """A step's proposals, planned on the host before its launch (the scheduler advances the
     sequences' counters right after): per proposing sequence, in `seq_indices` order, its
     sampled rows, the drafts it verifies, the position its first verified token takes, and
@@ -22,6 +23,25 @@ class DraftPlan:
     drafts: torch.Tensor       # [S, K] int64: the drafts verified, -1 past a sequence's own
     base: torch.Tensor         # [S] int64: the position of the first sampled token
     block_tables: torch.Tensor  # [S, table width] int32
+
+
+@dataclass
+class HeadCatchUp:
+    """An EAGLE-3 head's pass over a step's tokens, once the step is sampled: at each token's
+    position it reads the token after it (`next_ids`, the step's samples at `sample_rows`)."""
+
+    next_ids: torch.Tensor     # [T] int64, 0 at the sampled rows
+    positions: torch.Tensor    # [T] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [R] int64: the step's token rows that sample, in sample order
+
+
+@dataclass
+class DraftPlan:
+    """What the drafter does once the step is sampled."""
+
+    proposals: ProposalPlan | None
+    catch_up: HeadCatchUp | None = None
 
 
 class ProposedDrafts:

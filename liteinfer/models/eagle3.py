@@ -98,6 +98,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(draft_vocab_size, cfg.hidden_size)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.has_own_embedding = False  # whether the checkpoint brought `embed_tokens`
 
     def share_embedding(self, target: LlamaForCausalLM) -> None:
         """Reads tokens with the target's embedding (checkpoints without one of their own)."""
@@ -119,9 +120,8 @@ class Eagle3LlamaForCausalLM(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Fills the head from checkpoint tensors (names as published); returns the names
-        loaded, so the runner knows whether the embedding came with them."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fills the head from checkpoint tensors (names as published)."""
         params: dict[str, Any] = dict(self.named_parameters())
         params["d2t"] = self.d2t
         loaded = set()
@@ -150,7 +150,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         missing = sorted({n for n in params if n != "embed_tokens.weight"} - loaded)
         if missing:
             raise ValueError(f"the EAGLE-3 checkpoint lacks {missing[:3]}")
-        return loaded
+        self.has_own_embedding = "embed_tokens.weight" in loaded
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:

@@ -110,8 +110,8 @@ class DraftTimer:
     def __init__(self, runner: Any):
         self.spans: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
         drafter = runner.drafter
-        drafter.catch_up = self._timed("catch_up", drafter.catch_up)
-        drafter.propose = self._timed("propose", drafter.propose)
+        drafter.before_step = self._timed("catch_up", drafter.before_step)
+        drafter.after_sampling = self._timed("propose", drafter.after_sampling)
         runner.execute = self._timed("step", runner.execute)
         self.cuda = runner.device.type == "cuda"
 

@@ -244,6 +244,9 @@ class ModelRunner:
         """Samples the launched step's rows (`grammar_bitmask` masks the constrained ones)
         before any later step is launched: the logits may sit in a captured graph's output."""
         if forward.logits is None:
+            if forward.draft_plan is not None:  # an EAGLE-3 head catches up all the same
+                self.drafter.after_sampling(forward.draft_plan, torch.empty(
+                    0, dtype=torch.int64, device=self.device))
             return ModelRunnerOutput(None, forward.prompt_logprobs)
         sampled = self.sampler.sample(forward.logits, batch.sampling_seqs, grammar_bitmask)
         self.step_model.keep_sampled(sampled.token_ids)

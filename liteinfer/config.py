@@ -197,7 +197,9 @@ class ModelConfig:
                 f"max_model_len <= {self.sliding_window} (full attention is the same there)")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "reference")
+SPECULATIVE_METHODS = ("ngram", "suffix", "reference", "draft_model", "eagle3")
+# Methods whose drafts a model proposes on the device, in the model runner.
+MODEL_METHODS = ("draft_model", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,11 @@ class SpeculativeConfig:
     - suffix: the continuation most often seen after the sequence's longest matching suffix,
       in its own tokens and in earlier requests', as long as its estimated probability stays
       above `suffix_min_probability` (an adaptive draft length).
+    - draft_model: a smaller model with the target's vocabulary (`model`: a path or a name the
+      loader knows) proposes greedily, beside the target in the model runner, with a KV pool
+      of its own indexed by the target's block tables.
+    - eagle3: an EAGLE-3 head (`model`: its checkpoint directory) proposes greedily from the
+      target's hidden states of three layers (models/eagle3.py).
     - reference: benchmarks only. Proposes each request's known continuation
       (`reference_outputs`, keyed by prompt) with each token corrupted with probability
       `corrupt_probability`, for controlled acceptance on dummy weights. With
@@ -224,6 +231,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
+    model: str | None = None  # draft_model, eagle3: the draft
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     suffix_max_depth: int = 8
@@ -245,6 +253,11 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known: "
                              f"{sorted(known)}")
+        config = dict(config)
+        if config.get("method") is None and config.get("model") is not None:
+            # As vLLM: a draft named as an EAGLE-3 head is one, any other is a draft model.
+            name = str(config["model"]).lower()
+            config["method"] = "eagle3" if "eagle3" in name else "draft_model"
         method = config.get("method")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of "
@@ -261,6 +274,9 @@ class SpeculativeConfig:
         if not 1 <= spec.prompt_lookup_min <= spec.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
                              "prompt_lookup_max")
+        if (spec.method in MODEL_METHODS) != (spec.model is not None):
+            raise ValueError(f"speculative_config: `model` names the draft of "
+                             f"{' and '.join(MODEL_METHODS)}, and only of them")
         if not 0.0 <= spec.corrupt_probability <= 1.0:
             raise ValueError("speculative_config: corrupt_probability must be in [0, 1]")
         if spec.force_acceptance and spec.method != "reference":
@@ -270,6 +286,11 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: suffix_min_probability must be in (0, 1] "
                              "and suffix_max_depth positive")
         return spec
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether a model proposes the drafts in the model runner (else a host proposer)."""
+        return self.method in MODEL_METHODS
 
 
 @dataclass

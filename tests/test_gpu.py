@@ -83,6 +83,22 @@ def test_fp32_token_for_token(model_dir, prompts, fp32_reference, name):
     assert alone == fp32_reference[0]
 
 
+@pytest.mark.parametrize("name", ["eager", "default", "chunked"])
+def test_draft_model_token_for_token(model_dir, prompts, fp32_reference, name):
+    """The model drafting for itself through the Triton kernels (its catch-up's packed
+    prefill, its proposals' split-K decode), beside eager and captured target steps:
+    transformers' tokens, and nearly every draft accepted."""
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 4}
+    llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024,
+                    speculative_config=spec, **{"max_num_seqs": 48, **CONFIGS[name]})
+    outputs = llm.generate(prompts[:8], greedy(20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == fp32_reference[:8]
+    alone = llm.generate(prompts[8:9], greedy(20), use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == fp32_reference[8]
+    stats = llm.engine.core.scheduler.stats().spec_decoding
+    assert stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens
+
+
 @pytest.mark.parametrize("name", ["eager", "default", "prompt-graphs-narrow", "chunked"])
 @pytest.mark.parametrize("corrupt", [0.0, 0.5])
 def test_speculative_decoding_token_for_token(model_dir, prompts, fp32_reference, name, corrupt):

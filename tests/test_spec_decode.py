@@ -203,10 +203,16 @@ def peaked_llama_dir(tmp_path_factory):
 
 
 def test_rejection_sampling_reproduces_the_target_distribution(peaked_llama_dir):
+    """The drafts are the greedy continuation, so some are accepted and some rejected at
+    every position."""
+    check_target_distribution(peaked_llama_dir, lambda prompt, path: reference_config(
+        [prompt], [path], 0.0, k=2))
+
+
+def check_target_distribution(peaked_llama_dir, speculative_config) -> None:
     """The joint distribution of three sampled tokens (temperature 0.8, top-k 3) with drafts
     verified, against the exact one from transformers' logits: a chi-square test over the 27
-    outcomes of 3,000 samples. The drafts are the greedy continuation, so some are accepted
-    and some rejected at every position."""
+    outcomes of 3,000 samples. `speculative_config(prompt, greedy path)`: the engine's."""
     prompt = random_prompts(1, 384, 12, 12, seed=3)[0]
     temperature, top_k, n = 0.8, 3, 3000
     model = AutoModelForCausalLM.from_pretrained(peaked_llama_dir, torch_dtype=torch.float64)
@@ -228,7 +234,7 @@ def test_rejection_sampling_reproduces_the_target_distribution(peaked_llama_dir)
         greedy_path.append(max(d, key=d.get))
 
     llm = build_llm(str(peaked_llama_dir), **ENGINE, max_num_seqs=16,
-                    speculative_config=reference_config([prompt], [greedy_path], 0.0, k=2))
+                    speculative_config=speculative_config(prompt, greedy_path))
     try:
         torch.manual_seed(0)  # unseeded requests draw from the default generator
         params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3,

@@ -10,7 +10,11 @@ Two kinds of run:
   --num-speculative-tokens), and the engine accepts the drafts before the first corrupted one
   (`force_acceptance`: in bf16 a dummy model's greedy answer depends on the kernel path, so no
   continuation stays its own). The device work is speculation's at that acceptance. The rows
-  name the proposer, which exists for benchmarks only.
+  name the proposer, which exists for benchmarks only;
+- a draft model (`--method draft_model --draft-model NAME`), e.g. the 1B config drafting for
+  the 8B one on dummy weights, where drafts are never accepted: drafting is forced on (the
+  acceptance the draft length follows is held at 1) and the rows record what the draft costs
+  a step, its catch-up over the step's tokens and its proposals, beside the whole step.
 
 Each width runs without speculation (config `spec-off`) and with it (`spec-<method>`), on the
 same prompts (--latency-prompts one at a time, 2W at width W); rows record the drafts'
@@ -21,8 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from liteinfer.bench.registry import LITEINFER, Run
 from liteinfer.bench.runner import BENCH_MAX_MODEL_LEN, drive, make_row, workload
@@ -63,7 +72,8 @@ def _stats(llm: LLM) -> SpecDecodingStats | None:
 
 def _measure(llm: LLM, config: str, prompts: list[list[int]], osl: int, width: int,
              model: str, engine_args: dict[str, Any], ignore_eos: bool,
-             extra: dict[str, Any], token_ids: list[list[int]] | None = None
+             extra: dict[str, Any], token_ids: list[list[int]] | None = None,
+             after_warm_up: Callable[[], Any] | None = None
              ) -> dict[str, Any]:
     engine = llm.engine
     vocab = engine.model_config.vocab_size
@@ -71,6 +81,8 @@ def _measure(llm: LLM, config: str, prompts: list[list[int]], osl: int, width: i
     warm, _ = workload(Shape.parse(128, 32), max(2, width), WARMUP_SEED, vocab)
     drive(engine, warm, [32] * len(warm), width)
     engine.reset_prefix_cache()
+    if after_warm_up is not None:
+        after_warm_up()
     before = _stats(llm)
     traces = drive(engine, prompts, [osl] * len(prompts), width, ignore_eos=ignore_eos,
                    token_ids=token_ids)
@@ -88,6 +100,51 @@ def _measure(llm: LLM, config: str, prompts: list[list[int]], osl: int, width: i
                     **extra)
 
 
+class DraftTimer:
+    """Device time of the draft model's catch-up and proposals and of whole steps (the target's
+    forward and sampling with the draft's work inside), from CUDA events around the runner's
+    calls (host time on CPU)."""
+
+    PARTS = ("catch_up", "propose", "step")
+
+    def __init__(self, runner: Any):
+        self.spans: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
+        drafter = runner.drafter
+        drafter.before_step = self._timed("catch_up", drafter.before_step)
+        drafter.after_sampling = self._timed("propose", drafter.after_sampling)
+        runner.execute = self._timed("step", runner.execute)
+        self.cuda = runner.device.type == "cuda"
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _timed(self, part: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = self._mark()
+            out = call(*args, **kwargs)
+            self.spans[part].append((start, self._mark()))
+            return out
+        return timed
+
+    def take(self) -> dict[str, Any]:
+        """Mean milliseconds per step of each part since the last call, and the steps."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        steps = len(self.spans["step"])
+        out: dict[str, Any] = {"spec_steps": steps}
+        for part in self.PARTS:
+            spans = self.spans.pop(part, [])
+            total = sum(s.elapsed_time(e) if self.cuda else (e - s) * 1e3 for s, e in spans)
+            out[f"spec_{part}_ms"] = total / steps if steps else 0.0
+        out["spec_draft_share"] = ((out["spec_catch_up_ms"] + out["spec_propose_ms"])
+                                   / out["spec_step_ms"] if steps else 0.0)
+        return out
+
+
 def prompts_at(prompts: list[list[int]], width: int, latency_prompts: int) -> list[list[int]]:
     """The prompts a width runs: `latency_prompts` one at a time, else two waves of the width
     (the list repeated where it is shorter)."""
@@ -99,10 +156,11 @@ def cmd_spec(args: argparse.Namespace) -> None:
     base_args: dict[str, Any] = {"dtype": args.dtype, "max_model_len": args.max_model_len,
                                  "max_num_seqs": max(args.widths)}
     load_format = "dummy" if args.method == "reference" else "auto"
+    synthetic = args.method in ("reference", "draft_model")  # no tokenizer needed
     out = results_file(args.out, environment()["gpu"], now_iso())
     plain = LLM(args.model, load_format=load_format, **base_args)
     vocab = plain.engine.model_config.vocab_size
-    if args.method == "reference":
+    if synthetic:
         most = max(args.latency_prompts, 2 * max(args.widths))
         prompts, _ = workload(Shape.parse(args.isl, args.osl), most, SEED, vocab)
     else:
@@ -110,7 +168,7 @@ def cmd_spec(args: argparse.Namespace) -> None:
     if args.tokens_out is not None:
         args.tokens_out.write_text(json.dumps(
             {str(w): prompts_at(prompts, w, args.latency_prompts) for w in args.widths}))
-    ignore_eos = args.method == "reference"
+    ignore_eos = synthetic
     rows = []
 
     def measure(llm: LLM, config: str, width: int, engine_args: dict[str, Any],
@@ -134,9 +192,29 @@ def cmd_spec(args: argparse.Namespace) -> None:
                             "num_speculative_tokens": args.num_speculative_tokens}
     if args.method == "reference":
         spec["force_acceptance"] = True
+    if args.method == "draft_model":
+        spec["model"] = args.draft_model
     llm = LLM(args.model, load_format=load_format, **base_args, speculative_config=spec)
     recorded_args = {**base_args, "speculative_config": spec}
     try:
+        if args.method == "draft_model":
+            timer = DraftTimer(llm.engine.core.runner)
+            policy = llm.engine.core.scheduler.speculator.policy
+            policy.mean_accepted = policy.mean_trials = 1.0  # acceptance 1
+            policy.record = lambda *_: None
+            for width in args.widths:
+                row = _measure(llm, "spec-draft_model", prompts_at(
+                    prompts, width, args.latency_prompts), args.osl, width, args.model,
+                    recorded_args, ignore_eos, {"spec_draft_forced": True},
+                    after_warm_up=timer.take)
+                row.update(timer.take())
+                append_row(row, out)
+                rows.append(row)
+                print(f"spec-draft_model W={width}: step {row['spec_step_ms']:.3f} ms, draft "
+                      f"catch-up {row['spec_catch_up_ms']:.3f} ms + proposals "
+                      f"{row['spec_propose_ms']:.3f} ms ({row['spec_draft_share']:.0%} of the "
+                      f"step)", flush=True)
+            return
         if args.method != "reference":
             for width in args.widths:
                 measure(llm, f"spec-{args.method}", width, recorded_args, {})
@@ -159,7 +237,10 @@ def add_spec_parser(subparsers: Any) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
                    help="a model with real weights (ngram, suffix) or a config (reference)")
-    p.add_argument("--method", choices=("ngram", "suffix", "reference"), default="ngram")
+    p.add_argument("--method", choices=("ngram", "suffix", "reference", "draft_model"),
+                   default="ngram")
+    p.add_argument("--draft-model", default="llama-3.2-1b-instruct",
+                   help="draft_model: the draft (dummy weights where the model has them)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--acceptance-lengths", type=float, nargs="+", default=[1.5, 2.5, 3.5],
                    help="reference: the mean accepted lengths to measure at")

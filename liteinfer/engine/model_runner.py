@@ -2,28 +2,37 @@
 sampler, and the logprobs of prompt tokens that asked for them."""
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+from typing import Any
 
-from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend, kv_cache_dtype
+import torch
+from torch import nn
+
+from liteinfer.attention import allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
+from liteinfer.engine.draft_runner import (
+    DraftModelRunner,
+    Eagle3Runner,
+    eagle3_settings,
+    load_draft_source,
+)
 from liteinfer.engine.instrumentation import DECODE_GRAPH, EAGER, PROMPT_GRAPH, StepRun
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
 from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
 from liteinfer.engine.scheduler import SchedulerOutput
-from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
-from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.quantization import process_weights_after_loading, quant_config
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models import model_class
+from liteinfer.models.eagle3 import Eagle3LlamaForCausalLM
 from liteinfer.models.llama import LayerOps, LlamaForCausalLM
 from liteinfer.structured_output.manager import GrammarBitmask
-from liteinfer.utils import cdiv, free_device_memory, to_device
+from liteinfer.utils import cdiv, free_device_memory
 
 # Prompt rows scored at once: their fp32 logits over a 128k vocabulary take 256 MiB.
 PROMPT_LOGPROB_ROWS = 512
@@ -51,8 +60,19 @@ class ModelRunner:
         self.query_group_size = self.num_q_heads // self.num_kv_heads
         self.use_triton = config.attention_backend == "triton"
         self.backend = get_backend(config.attention_backend)
-        self.model = self._load_model(source, load_format)
-        self.kv_cache = self._allocate_kv_cache()
+        self.model = self._load_model(model_config, source, load_format)
+        # A draft model (speculative decoding) is loaded before the KV pools are sized: its
+        # pool holds as many blocks as the target's, which share one budget.
+        spec = config.speculative
+        draft = None
+        if spec is not None and spec.drafts_on_device:
+            draft_config, draft_source = load_draft_source(spec, model_config, load_format,
+                                                           max_model_len, config)
+            if spec.method == "eagle3":
+                draft = self._load_eagle3_head(draft_config, draft_source)
+            else:
+                draft = self._load_model(draft_config, draft_source, draft_source.load_format)
+        self.kv_cache = self._allocate_kv_cache(draft)
         sms = num_sms(self.device)
         workspace = None
         if self.use_triton:
@@ -65,8 +85,19 @@ class ModelRunner:
                                     model_config.head_dim, sms,
                                     workspace, self.device)
         self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)
+        self.drafter: DraftModelRunner | None = None
+        if isinstance(draft, Eagle3LlamaForCausalLM):
+            self.drafter = Eagle3Runner(draft, self.model, self._bind_kv_pool(draft),
+                                        self.step_model.sampled_tokens, config,
+                                        self.max_blocks_per_seq, self.device)
+        elif draft is not None:
+            self.drafter = DraftModelRunner(draft, self._bind_kv_pool(draft),
+                                            self.step_model.sampled_tokens, config,
+                                            self.max_blocks_per_seq, self.device)
         self.graphs = self.prompt_graphs = None
-        if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
+        # The captured steps do not keep the hidden states an EAGLE-3 head reads.
+        if (self.device.type == "cuda" and self.use_triton and not config.enforce_eager
+                and not isinstance(self.drafter, Eagle3Runner)):
             from liteinfer.engine.prompt_graph import PromptGraphRunner, PromptStepLayout
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
             layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
@@ -86,8 +117,23 @@ class ModelRunner:
         self.graphs = self.prompt_graphs = None
         free_device_memory()
 
+    def _load_eagle3_head(self, cfg: ModelConfig, source: ModelSource
+                          ) -> Eagle3LlamaForCausalLM:
+        """The head, reading the target's token embedding unless it has its own, and the
+        target set to keep the hidden states it reads."""
+        draft_vocab, aux_layers = eagle3_settings(source.hf_config, self.model_config)
+        head = self._load_model(cfg, source, source.load_format, lambda ops: (
+            Eagle3LlamaForCausalLM(cfg, draft_vocab, self.model_config.hidden_size,
+                                   self.backend, ops)))
+        if not head.has_own_embedding:
+            head.share_embedding(self.model)
+        self.model.aux_hidden_state_layers = aux_layers
+        return head
+
     @torch.inference_mode()
-    def _load_model(self, source: ModelSource, load_format: str) -> LlamaForCausalLM:
+    def _load_model(self, cfg: ModelConfig, source: ModelSource, load_format: str,
+                    build: Callable[[LayerOps], nn.Module] | None = None) -> Any:
+        """`build`: the model from its layer ops (default: the family's class of `cfg`)."""
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -96,8 +142,8 @@ class ModelRunner:
             with torch.device(self.device):
                 quant = quant_config(self.config.quantization, source.hf_config, load_format)
                 ops = LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
-                model = model_class(self.model_config)(self.model_config, self.backend, ops,
-                                                       self.tp_rank, self.tp_size)
+                model = build(ops) if build is not None else model_class(cfg)(
+                    cfg, self.backend, ops, self.tp_rank, self.tp_size)
         finally:
             torch.set_default_dtype(default_dtype)
         if load_format == "dummy":
@@ -105,16 +151,26 @@ class ModelRunner:
         else:
             model.load_weights(source.iter_weights())
         process_weights_after_loading(model)
-        cfg = self.model_config
         model.cos_sin_cache = cos_sin_cache(cfg.head_dim, self.max_model_len, cfg.rope_theta,
                                             cfg.rope_scaling, self.device)
         return model.eval()
 
-    def _allocate_kv_cache(self) -> torch.Tensor:
-        cfg = self.model_config
-        shape = (2, cfg.num_hidden_layers, self.block_size, self.num_kv_heads, cfg.head_dim)
-        dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
-        block_bytes = torch.Size(shape).numel() * dtype.itemsize
+    def _kv_block_bytes(self, model: LlamaForCausalLM) -> int:
+        cfg = model.config
+        shape = (2, cfg.num_hidden_layers, self.block_size,
+                 cfg.num_key_value_heads // self.tp_size, cfg.head_dim)
+        return torch.Size(shape).numel() * self.kv_dtype.itemsize
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
+
+    def _allocate_kv_cache(self, draft: LlamaForCausalLM | None) -> torch.Tensor:
+        """The target's KV pool; `draft`: a draft model whose pool of as many blocks shares
+        the budget (allocated by `_bind_kv_pool`)."""
+        block_bytes = self._kv_block_bytes(self.model)
+        if draft is not None:
+            block_bytes += self._kv_block_bytes(draft)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
         else:
@@ -136,10 +192,16 @@ class ModelRunner:
             num_blocks * self.block_size)
         self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
         self.num_kv_blocks = num_blocks
-        kv = allocate_kv_pool(2, cfg.num_hidden_layers, num_blocks=num_blocks,
-                              block_size=self.block_size, num_kv_heads=self.num_kv_heads,
-                              head_dim=cfg.head_dim, dtype=dtype, device=self.device)
-        for i, layer in enumerate(self.model.layers):
+        return self._bind_kv_pool(self.model)
+
+    def _bind_kv_pool(self, model: LlamaForCausalLM) -> torch.Tensor:
+        """A KV pool of `num_kv_blocks` blocks for `model`, bound to its attention layers."""
+        cfg = model.config
+        kv = allocate_kv_pool(2, cfg.num_hidden_layers, num_blocks=self.num_kv_blocks,
+                              block_size=self.block_size,
+                              num_kv_heads=cfg.num_key_value_heads // self.tp_size,
+                              head_dim=cfg.head_dim, dtype=self.kv_dtype, device=self.device)
+        for i, layer in enumerate(model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[0, i], kv[1, i]
         return kv
 
@@ -149,43 +211,6 @@ class ModelRunner:
         tokens = self.config.max_num_batched_tokens
         width = cfg.hidden_size * 4 + cfg.intermediate_size * 3
         return (tokens * width + self.config.max_num_seqs * cfg.vocab_size * 2) * 4
-
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
-                                                       AttentionMetadata, torch.Tensor,
-                                                       torch.Tensor | None]:
-        """Token ids, positions, attention metadata, the rows whose logits are sampled and the
-        rows scoring prompt tokens (`prompt_logprob_spans`; None if there are none)."""
-        step = build_step_inputs(batch, self.block_size, self.max_blocks_per_seq)
-        def as_tensor(data, dtype):
-            return to_device(data, dtype, self.device)
-        meta = AttentionMetadata(
-            is_prefill=batch.is_prefill,
-            slot_mapping=as_tensor(step.slots, torch.int64),
-            context_lens=as_tensor(step.context_lens, torch.int32),
-            block_tables=as_tensor(step.block_tables, torch.int32),
-            cu_seqlens_q=as_tensor(step.cu_seqlens, torch.int32) if batch.is_prefill else None,
-            num_decodes=step.num_decodes if batch.is_prefill else 0,
-            query_lens_host=step.query_lens.tolist(),
-            context_lens_host=step.context_lens.tolist(),
-        )
-        sm = self.step_model
-        if self.use_triton and batch.is_prefill:
-            d = step.num_decodes
-            meta.tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
-                                                   self.query_group_size)
-            meta.tile_map = as_tensor(step.attention_tile_map(
-                meta.tile_tokens, d, sm.max_decode_splits), torch.int32)
-            meta.workspace = sm.decode_workspace
-        elif self.use_triton:
-            sm.set_split_k(meta, step.num_decodes, sm.rows_may_split(step.context_lens))
-        ids = as_tensor(step.input_ids, torch.int32)
-        if step.has_pending:
-            ids = sm.with_pending(ids, as_tensor(step.pending_rows, torch.int32))
-        # A device index: indexing with a host list would copy it synchronously and stall the
-        # host until the whole step has run, instead of letting it prepare the next one.
-        prompt_rows = as_tensor(step.prompt_rows, torch.int64) if len(step.prompt_rows) else None
-        return (ids, as_tensor(step.positions, torch.int64), meta,
-                as_tensor(step.sample_rows, torch.int64), prompt_rows)
 
     def execute(self, batch: SchedulerOutput, staged: StagedDecode | None = None
                 ) -> ModelRunnerOutput:
@@ -207,10 +232,12 @@ class ModelRunner:
         """Launches the step's forward pass (and scores the prompt tokens that asked for
         logprobs); `sample` follows, at once or once the constrained rows' bitmask is known.
         `staged`: the step's inputs, sent already (`stage`)."""
+        # The draft model reads the step's pending tokens before the step's samples replace them.
+        plan = None if self.drafter is None else self.drafter.before_step(batch)
         logits, prompt_hidden = self._forward(batch, staged)
         prompt_logprobs = ([] if prompt_hidden is None else
                            self._prompt_logprobs(batch, prompt_hidden))
-        return StepForward(logits, prompt_logprobs)
+        return StepForward(logits, prompt_logprobs, plan)
 
     @torch.inference_mode()
     def sample(self, batch: SchedulerOutput, forward: StepForward,
@@ -218,10 +245,16 @@ class ModelRunner:
         """Samples the launched step's rows (`grammar_bitmask` masks the constrained ones)
         before any later step is launched: the logits may sit in a captured graph's output."""
         if forward.logits is None:
+            if forward.draft_plan is not None:  # an EAGLE-3 head catches up all the same
+                self.drafter.after_sampling(forward.draft_plan, torch.empty(
+                    0, dtype=torch.int64, device=self.device))
             return ModelRunnerOutput(None, forward.prompt_logprobs)
         sampled = self.sampler.sample(forward.logits, batch.sampling_seqs, grammar_bitmask)
         self.step_model.keep_sampled(sampled.token_ids)
-        return ModelRunnerOutput(sampled, forward.prompt_logprobs)
+        drafts = None
+        if forward.draft_plan is not None:
+            drafts = self.drafter.after_sampling(forward.draft_plan, sampled.token_ids)
+        return ModelRunnerOutput(sampled, forward.prompt_logprobs, drafts)
 
     def _forward(self, batch: SchedulerOutput, staged: StagedDecode | None
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -233,7 +266,8 @@ class ModelRunner:
         if self._replays_prompt(batch):
             hidden, rows = self.prompt_graphs.run(batch)
         else:
-            input_ids, positions, meta, rows, prompt_rows = self.prepare(batch)
+            input_ids, positions, meta, rows, prompt_rows = self.step_model.prepare(
+                batch, self.block_size, self.max_blocks_per_seq)
             hidden = self.model(input_ids, positions, meta)
             if prompt_rows is not None:
                 prompt_hidden = hidden[prompt_rows]

@@ -49,6 +49,10 @@ class SchedulerOutput:
     num_decodes: int = 0  # the leading sequences that decode one token (all, in a decode step)
     # Per sequence, the draft tokens it verifies (after its last token); empty: no drafts.
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # Drafts a model proposes on the device after the step, for each sequence that samples in
+    # it (draft_model, eagle3); 0: none. Their KV is written ahead, so the scheduler reserved
+    # room for them where it could without preempting.
+    num_lookahead_tokens: int = 0
     # Derived at creation, from the sequences' state before the step (which the scheduler
     # advances as soon as the step is launched).
     sample_mask: list[bool] = field(init=False)
@@ -162,9 +166,10 @@ class Scheduler:
             spec_decoding=self.speculator.stats if self.speculator is not None else None)
 
     def wants_drafts(self) -> bool:
-        """Whether the next step would verify drafts: then the step before it must be read
-        first (drafts follow the tokens it samples), instead of overlapping the two."""
-        return (self.speculator is not None
+        """Whether the next step would verify drafts from a host proposer: then the step before
+        it must be read first (drafts follow the tokens it samples), instead of overlapping the
+        two. A step after which a model proposes says so itself (`num_lookahead_tokens`)."""
+        return (self.speculator is not None and not self.speculator.drafts_on_device
                 and self.speculator.wants_host_tokens(len(self.running)))
 
     # ---- a step's life ------------------------------------------------------------------------
@@ -174,8 +179,10 @@ class Scheduler:
         decodes, verifies, asked = self._reserve_decodes()
         if self.speculator is not None:
             self.speculator.step_scheduled(drafted=bool(verifies), asked=asked)
-        return (self._schedule_prompts(decodes, verifies)
-                or self._decode_batch(decodes))
+        out = self._schedule_prompts(decodes, verifies) or self._decode_batch(decodes)
+        if out is not None and self.speculator is not None and self.speculator.drafts_on_device:
+            out.num_lookahead_tokens = self._reserve_lookahead(out)
+        return out
 
     def mark_launched(self, out: SchedulerOutput) -> None:
         """The step is running on the device: its tokens count as computed, and each sampling
@@ -201,7 +208,19 @@ class Scheduler:
             out.seqs[i].prompt_logprobs.extend(entries)
         sampled = runner_output.wait()
         if out.draft_token_ids:
-            return self._update_verified(out, sampled)
+            outputs = self._update_verified(out, sampled)
+        else:
+            outputs = self._update_sampled(out, sampled)
+        if runner_output.drafts is not None:
+            for i, drafts in runner_output.drafts.result().items():
+                seq = out.seqs[i]
+                if seq.status is not SequenceStatus.FINISHED:
+                    self.speculator.add_drafts(seq.request_id, len(seq.token_ids), drafts)
+        return outputs
+
+    def _update_sampled(self, out: SchedulerOutput, sampled: SamplerOutput
+                        ) -> list[EngineCoreOutput]:
+        """update_from_output for a step without drafts: one token per sampling sequence."""
         outputs = []
         cache_blocks = self.block_manager.cache_computed_blocks
         for seq, token, logprobs in zip(out.sampling_seqs, sampled.token_ids, sampled.logprobs):
@@ -382,6 +401,18 @@ class Scheduler:
             elif blocks_needed(seq, n) == 0 or self._reserve(seq, n):
                 decodes.append(seq)
         return decodes, verifies, asked
+
+    def _reserve_lookahead(self, out: SchedulerOutput) -> int:
+        """Drafts per sequence a model proposes after the step (0: none), and room for them
+        where there is some without preempting: their KV is written at the positions after
+        each sampling sequence's next token (the model runner proposes nothing for a sequence
+        without that room)."""
+        k = self.speculator.draft_length(len(self.running))
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_tokens)):
+            need = min(seq.num_computed_tokens + n + k, self.max_model_len)
+            if k and out.samples(i) and self.block_manager.can_allocate(seq, need):
+                self.block_manager.allocate(seq, need)
+        return k
 
     def _propose(self, seq: Sequence, num_drafts: int) -> list[int]:
         """Draft tokens for a sequence whose tokens are all on the host, within its length

@@ -132,6 +132,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_weights(self.embed_tokens)
         # Set by the runner once the model sits on its device (fp32, see layers/rotary.py).
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        # Layers whose input (the residual stream entering them) an EAGLE-3 head reads, and
+        # those of the last forward pass side by side ([tokens, hidden * layers]).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def make_mlp(self, layer: int, ops: LayerOps, tp_rank: int, tp_size: int) -> nn.Module:
         """Layer `layer`'s MLP (a family with experts puts them here)."""
@@ -141,8 +145,14 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """The residual stream after the last layer (the final norm runs with the LM head)."""
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:
+                aux[i] = x.clone()  # the layer adds to x in place
             layer(x, positions, self.cos_sin_cache, meta)
+        if aux:
+            self.aux_hidden_states = torch.cat(
+                [aux[i] for i in self.aux_hidden_state_layers], dim=-1)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from liteinfer.config import SpeculativeConfig
 from liteinfer.engine.messages import SpecDecodingStats
 from liteinfer.spec_decode.draft_length import DraftLengthPolicy
+from liteinfer.spec_decode.model_drafts import ModelDraftsProposer
 from liteinfer.spec_decode.ngram import NgramProposer
 from liteinfer.spec_decode.proposer import Proposer
 from liteinfer.spec_decode.reference import ReferenceProposer
@@ -26,6 +27,8 @@ SYNC_COST = 0.1
 
 
 def build_proposer(spec: SpeculativeConfig, vocab_size: int) -> Proposer:
+    if spec.drafts_on_device:
+        return ModelDraftsProposer()
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "suffix":
@@ -42,6 +45,7 @@ class Speculator:
         self.proposer = build_proposer(spec, vocab_size)
         # Benchmarks only: the reference proposer decides acceptance (config.py says why).
         self.forced = self.proposer if spec.force_acceptance else None
+        self.drafts_on_device = spec.drafts_on_device
         self.policy = DraftLengthPolicy(spec.num_speculative_tokens, KNEE_TOKENS, SYNC_COST)
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens)
@@ -58,6 +62,10 @@ class Speculator:
     def propose(self, request_id: str, prompt_len: int, token_ids: list[int],
                 max_tokens: int) -> list[int]:
         return self.proposer.propose(request_id, prompt_len, token_ids, max_tokens)
+
+    def add_drafts(self, request_id: str, num_tokens: int, drafts: list[int]) -> None:
+        """Drafts the model runner proposed to follow the request's first `num_tokens`."""
+        self.proposer.add(request_id, num_tokens, drafts)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         stats = self.stats

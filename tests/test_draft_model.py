@@ -1,0 +1,178 @@
+"""Speculative decoding with a draft model (`method: draft_model`): greedy output equal, token
+for token, to plain decoding whether the draft is the target itself (nearly every draft
+accepted) or an unrelated model (nearly none), with batches, chunked prompts, the prefix
+cache and preemption; SmolLM2 drafting for itself; seeded sampling; the sampled distribution;
+clear errors for drafts that cannot serve; the server with --speculative-config."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fixtures import build_llm, make_tiny_llama_dir, serve
+from liteinfer import SamplingParams
+from liteinfer.cli import build_parser, engine_kwargs
+from liteinfer.config import EngineConfig, SpeculativeConfig
+from liteinfer.engine.async_llm import AsyncLLM
+from reference import random_prompts
+from test_spec_decode import (
+    ENGINE,
+    GROUNDED_PROMPTS,
+    check_target_distribution,
+    greedy,
+    peaked_llama_dir,  # noqa: F401 (a fixture)
+    release,
+    spec_stats,
+    token_ids,
+)
+
+
+def draft_config(model, k: int = 4) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    """A one-layer random Llama with the tiny Llama's tokenizer, unrelated to it: its greedy
+    guesses are almost never the target's."""
+    torch.manual_seed(7)
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("other-draft"), num_hidden_layers=1,
+                               hidden_size=32, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts():
+    """Prompts that share a 40-token prefix (prefix cache hits after the first), and others."""
+    prefix = random_prompts(1, 384, 40, 40, seed=21)[0]
+    tails = random_prompts(4, 384, 3, 30, seed=22)
+    return [prefix + t for t in tails] + random_prompts(3, 384, 3, 70, seed=23)
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_greedy_equals_plain_decoding(tiny_llm, tiny_llama_dir, other_draft_dir,
+                                      shared_prefix_prompts, draft):
+    """Batched, chunked prompts over small steps, the prefix cache hit: the same tokens as
+    without speculation. The target drafting for itself has its drafts accepted (but where
+    float rounding of a different step shape flips a near tie); an unrelated draft almost
+    never."""
+    prompts = shared_prefix_prompts
+    ref = token_ids(tiny_llm.generate(prompts, greedy(), use_tqdm=False))
+    model = tiny_llama_dir if draft == "self" else other_draft_dir
+    llm = build_llm(str(tiny_llama_dir), **ENGINE, max_num_batched_tokens=32, max_num_seqs=4,
+                    speculative_config=draft_config(model))
+    try:
+        for _ in range(2):  # the second run reads its prompts from the prefix cache
+            assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == ref
+        assert llm.engine.core.block_manager.prefix_hits > 0
+        stats = spec_stats(llm)
+        assert stats.num_drafts > 0
+        rate = stats.num_accepted_tokens / stats.num_draft_tokens
+        assert rate > 0.95 if draft == "self" else rate < 0.1
+    finally:
+        release(llm)
+
+
+def test_preempted_sequences_stay_exact(tiny_llm, tiny_llama_dir):
+    """A pool so small that sequences are preempted and recomputed, and drafts often find no
+    room for their KV ahead."""
+    prompts = random_prompts(6, 384, 20, 40, seed=11)
+    ref = token_ids(tiny_llm.generate(prompts, greedy(48), use_tqdm=False))
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128,
+                    num_kv_blocks=14, speculative_config=draft_config(tiny_llama_dir))
+    try:
+        assert token_ids(llm.generate(prompts, greedy(48), use_tqdm=False)) == ref
+        assert llm.engine.core.scheduler.num_preemptions > 0
+        assert spec_stats(llm).num_accepted_tokens > 0
+    finally:
+        release(llm)
+
+
+def test_smollm2_drafting_for_itself(smollm2_llm, smollm2_path):
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    plain = [o.outputs[0].token_ids for o in
+             smollm2_llm.chat(GROUNDED_PROMPTS, params, use_tqdm=False)]
+    llm = build_llm(str(smollm2_path), dtype="float32", device="cpu", max_model_len=1024,
+                    speculative_config=draft_config(smollm2_path, k=3))
+    try:
+        assert [o.outputs[0].token_ids for o in
+                llm.chat(GROUNDED_PROMPTS, params, use_tqdm=False)] == plain
+        stats = spec_stats(llm)
+        assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens
+    finally:
+        release(llm)
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama_dir):
+    """Two engines, the same seeded requests: the same tokens. (A seeded request draws once
+    per sampled row, drafts' rows included, so its tokens depend on the draft lengths, which
+    follow the acceptance an engine has measured: hence fresh engines.)"""
+    prompts = random_prompts(3, 384, 5, 30, seed=2)
+    params = SamplingParams(temperature=0.7, seed=123, max_tokens=24, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = build_llm(str(tiny_llama_dir), **ENGINE,
+                        speculative_config=draft_config(tiny_llama_dir, k=3))
+        try:
+            runs.append(token_ids(llm.generate(prompts, params, use_tqdm=False)))
+            assert spec_stats(llm).num_accepted_tokens > 0
+        finally:
+            release(llm)
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_target_distribution(peaked_llama_dir):  # noqa: F811
+    """The chi-square test of test_spec_decode.py, with the drafts proposed by the target
+    drafting for itself (its greedy path) instead of a reference. Slow (11 minutes on two
+    shared CPU cores): its 3,000 requests each run the draft model's passes too."""
+    check_target_distribution(peaked_llama_dir,
+                              lambda prompt, path: draft_config(peaked_llama_dir, k=2))
+
+
+def test_bad_draft_configs_are_clear_errors(tiny_llama_dir, tmp_path):
+    wide = make_tiny_llama_dir(tmp_path / "wide", vocab_size=512)
+    with pytest.raises(ValueError, match="vocabulary"):
+        build_llm(str(tiny_llama_dir), **ENGINE, speculative_config=draft_config(wide))
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
+        build_llm(str(tiny_llama_dir), **ENGINE, tensor_parallel_size=2,
+                  speculative_config=draft_config(tiny_llama_dir))
+    for config, match in (({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+                          ({"method": "ngram", "model": "x", "num_speculative_tokens": 2},
+                           "model")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(speculative_config=config).validate()
+    with pytest.raises(ValueError, match="max_model_len"):
+        build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=512,
+                  speculative_config=draft_config(make_tiny_llama_dir(
+                      tmp_path / "short", max_position_embeddings=256)))
+
+
+def test_method_is_inferred_from_the_model_as_vllm_does():
+    draft = SpeculativeConfig.from_dict({"model": "some/draft", "num_speculative_tokens": 2})
+    head = SpeculativeConfig.from_dict({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+                                        "num_speculative_tokens": 2})
+    assert (draft.method, head.method) == ("draft_model", "eagle3")
+
+
+def test_server_with_speculative_config_flag(tiny_llm, tiny_llama_dir):
+    from openai import OpenAI
+
+    args = build_parser().parse_args([
+        "serve", str(tiny_llama_dir), "--speculative-config",
+        json.dumps(draft_config(tiny_llama_dir, k=3))])
+    engine = AsyncLLM.from_args(str(tiny_llama_dir), **{**ENGINE, **engine_kwargs(args)})
+    prompt = "The quick brown fox jumps over the lazy dog."
+    ref = tiny_llm.generate([prompt], greedy(30), use_tqdm=False)[0].outputs[0].text
+    try:
+        with serve(engine, "tiny") as url:
+            client = OpenAI(base_url=url + "/v1", api_key="unused")
+            whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=30,
+                                              temperature=0, extra_body={"ignore_eos": True})
+            assert whole.choices[0].text == ref
+            chunks = list(client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=30, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}))
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+    finally:
+        engine.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend, kv_cache_dtype
+from liteinfer.attention.batch_invariant import BatchInvariantBackend
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
 from liteinfer.engine.messages import TokenLogprobs
@@ -16,7 +17,12 @@ from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
-from liteinfer.layers.quantization import process_weights_after_loading, quant_config
+from liteinfer.layers.batch_invariant import BatchInvariantConfig
+from liteinfer.layers.quantization import (
+    QuantConfig,
+    process_weights_after_loading,
+    quant_config,
+)
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models import model_class
@@ -49,7 +55,8 @@ class ModelRunner:
         # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
         self.query_group_size = self.num_q_heads // self.num_kv_heads
         self.use_triton = config.attention_backend == "triton"
-        self.backend = get_backend(config.attention_backend)
+        self.backend = (BatchInvariantBackend() if config.batch_invariant
+                        else get_backend(config.attention_backend))
         self.model = self._load_model(source, load_format)
         self.kv_cache = self._allocate_kv_cache()
         sms = num_sms(self.device)
@@ -93,8 +100,8 @@ class ModelRunner:
             # Parameters are created on the device and filled tensor by tensor: the checkpoint
             # is never held twice.
             with torch.device(self.device):
-                quant = quant_config(self.config.quantization, source.hf_config, load_format)
-                ops = LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
+                ops = self._layer_ops(quant_config(self.config.quantization, source.hf_config,
+                                                   load_format))
                 model = model_class(self.model_config)(self.model_config, self.backend, ops,
                                                        self.tp_rank, self.tp_size)
         finally:
@@ -108,6 +115,15 @@ class ModelRunner:
         model.cos_sin_cache = cos_sin_cache(cfg.head_dim, self.max_model_len, cfg.rope_theta,
                                             cfg.rope_scaling, self.device)
         return model.eval()
+
+    def _layer_ops(self, quant: QuantConfig | None) -> LayerOps:
+        if not self.config.batch_invariant:
+            return LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
+        if quant is not None:
+            raise ValueError("batch_invariant does not support quantized checkpoints yet")
+        if self.model_config.moe is not None:
+            raise ValueError("batch_invariant does not support mixture-of-experts models yet")
+        return LayerOps(triton=self.use_triton, quant=BatchInvariantConfig(), invariant=True)
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         cfg = self.model_config

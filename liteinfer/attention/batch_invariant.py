@@ -1,0 +1,84 @@
+"""Batch-invariant attention in plain torch (`EngineConfig.batch_invariant` off CUDA): a query's
+output is the same bits whether it decodes, sits in a prompt chunk of any size, or shares the
+step with any other sequences.
+
+Every query reduces over its keys one KV block at a time, from the first block up to its own,
+with the online-softmax update (running max, rescaled sum and accumulator in fp32), so the order
+of the additions depends on the query's position only. Within a block the dot products over the
+head dimension and the weighted sum over the block's keys are folded pairwise by halves
+(`fold_sum`): elementwise adds, whose result does not depend on the tensor's shape, where a
+matmul's or a reduction's kernel would be chosen by the batch. Keys past a query's position
+weigh exactly zero, so the block boundaries are the same whichever step computes the query.
+"""
+from __future__ import annotations
+
+import torch
+
+from liteinfer.attention.base import AttentionBackend, AttentionMetadata
+from liteinfer.attention.torch_backend import write_kv
+from liteinfer.layers.rotary import apply_rotary_torch
+
+
+def fold_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over x's last dimension as a fixed tree of halves (zero-padded to a power of
+    two: adding zeros changes nothing)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        x = torch.nn.functional.pad(x, (0, (1 << n.bit_length()) - n))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def invariant_attention(q: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """q: [T, Hq, D] rotated queries; positions: [T]; block_tables: [T, max_blocks], each
+    query's sequence's blocks, which hold its keys up to its own position. Returns [T, Hq, D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    groups = num_heads // num_kv_heads
+    qf = q.float().view(num_tokens, num_kv_heads, groups, 1, head_dim)
+    m = torch.full((num_tokens, num_kv_heads, groups, 1), float("-inf"), device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(num_tokens, num_kv_heads, groups, head_dim, device=q.device)
+    offsets = torch.arange(block_size, device=q.device)
+    last_block = positions // block_size
+    for j in range(int(last_block.max()) + 1 if num_tokens else 0):
+        rows = (last_block >= j).nonzero()[:, 0]
+        blocks = block_tables[rows, j].long()
+        # [n, Hkv, 1, block, D]: the block's keys of each query's sequence, head-major.
+        keys = k_cache[blocks].float().transpose(1, 2).unsqueeze(2)
+        values = v_cache[blocks].float().transpose(1, 2).unsqueeze(2)
+        scores = fold_sum(qf[rows] * keys) * scale  # [n, Hkv, G, block]
+        future = (j * block_size + offsets)[None] > positions[rows, None]
+        scores.masked_fill_(future[:, None, None], float("-inf"))
+        m_old = m[rows]
+        m_new = torch.maximum(m_old, scores.amax(-1, keepdim=True))
+        alpha = torch.exp(m_old - m_new)
+        p = torch.exp(scores - m_new)
+        denom[rows] = denom[rows] * alpha + fold_sum(p)[..., None]
+        pv = fold_sum(p[..., None].transpose(-1, -2) * values.transpose(-1, -2))
+        acc[rows] = acc[rows] * alpha + pv
+        m[rows] = m_new
+    return (acc / denom).view(num_tokens, num_heads, head_dim).to(q.dtype)
+
+
+class BatchInvariantBackend(AttentionBackend):
+    """RoPE and the K/V write as the torch backend does them (elementwise, so invariant), then
+    `invariant_attention` over the pool for decode and prefill alike."""
+
+    def forward(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        q = apply_rotary_torch(q, positions, cos_sin_cache)
+        k = apply_rotary_torch(k, positions, cos_sin_cache)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            lens = torch.tensor(meta.query_lens_host, device=q.device)
+            seq_of_token = torch.repeat_interleave(
+                torch.arange(len(lens), device=q.device), lens, output_size=q.shape[0])
+        else:
+            seq_of_token = torch.arange(q.shape[0], device=q.device)
+        return invariant_attention(q, positions, meta.block_tables[seq_of_token], k_cache,
+                                   v_cache, scale)

@@ -2,13 +2,14 @@
 output is the same bits whether it decodes, sits in a prompt chunk of any size, or shares the
 step with any other sequences.
 
-Every query reduces over its keys one KV block at a time, from the first block up to its own,
-with the online-softmax update (running max, rescaled sum and accumulator in fp32), so the order
-of the additions depends on the query's position only. Within a block the dot products over the
-head dimension and the weighted sum over the block's keys are folded pairwise by halves
-(`fold_sum`): elementwise adds, whose result does not depend on the tensor's shape, where a
-matmul's or a reduction's kernel would be chosen by the batch. Keys past a query's position
-weigh exactly zero, so the block boundaries are the same whichever step computes the query.
+Every query reduces over its keys KEY_BLOCK keys at a time (whatever the pool's block size), from
+the first keys up to its own position, with the online-softmax update (running max, rescaled sum
+and accumulator in fp32), so the order of the additions depends on the query's position only.
+Within a block the dot products over the head dimension and the weighted sum over the block's
+keys are folded pairwise by halves (`fold_sum`): elementwise adds, whose result does not depend
+on the tensor's shape, where a matmul's or a reduction's kernel would be chosen by the batch.
+Keys past a query's position weigh exactly zero, so the block boundaries are the same whichever
+step computes the query.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 from liteinfer.attention.base import AttentionBackend, AttentionMetadata
 from liteinfer.attention.torch_backend import write_kv
 from liteinfer.layers.rotary import apply_rotary_torch
+
+KEY_BLOCK = 16  # keys one online-softmax update takes
 
 
 def fold_sum(x: torch.Tensor) -> torch.Tensor:
@@ -43,16 +46,20 @@ def invariant_attention(q: torch.Tensor, positions: torch.Tensor, block_tables: 
     m = torch.full((num_tokens, num_kv_heads, groups, 1), float("-inf"), device=q.device)
     denom = torch.zeros_like(m)
     acc = torch.zeros(num_tokens, num_kv_heads, groups, head_dim, device=q.device)
-    offsets = torch.arange(block_size, device=q.device)
-    last_block = positions // block_size
+    offsets = torch.arange(KEY_BLOCK, device=q.device)
+    last_block = positions // KEY_BLOCK
     for j in range(int(last_block.max()) + 1 if num_tokens else 0):
         rows = (last_block >= j).nonzero()[:, 0]
-        blocks = block_tables[rows, j].long()
-        # [n, Hkv, 1, block, D]: the block's keys of each query's sequence, head-major.
-        keys = k_cache[blocks].float().transpose(1, 2).unsqueeze(2)
-        values = v_cache[blocks].float().transpose(1, 2).unsqueeze(2)
-        scores = fold_sum(qf[rows] * keys) * scale  # [n, Hkv, G, block]
-        future = (j * block_size + offsets)[None] > positions[rows, None]
+        key_pos = j * KEY_BLOCK + offsets
+        # The pool may end before a key block does (past the sequence's end): those keys weigh
+        # zero, so any block stands in for them.
+        slot_block = (key_pos // block_size).clamp(max=block_tables.shape[1] - 1)
+        at = (block_tables[rows][:, slot_block].long(), (key_pos % block_size)[None])
+        # [n, Hkv, 1, KEY_BLOCK, D]: the keys of each query's sequence, head-major.
+        keys = k_cache[at].float().transpose(1, 2).unsqueeze(2)
+        values = v_cache[at].float().transpose(1, 2).unsqueeze(2)
+        scores = fold_sum(qf[rows] * keys) * scale  # [n, Hkv, G, KEY_BLOCK]
+        future = key_pos[None] > positions[rows, None]
         scores.masked_fill_(future[:, None, None], float("-inf"))
         m_old = m[rows]
         m_new = torch.maximum(m_old, scores.amax(-1, keepdim=True))

@@ -2,6 +2,8 @@
 sampler, and the logprobs of prompt tokens that asked for them."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from liteinfer.attention import AttentionMetadata, allocate_kv_pool, get_backend, kv_cache_dtype
@@ -19,6 +21,7 @@ from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.batch_invariant import BatchInvariantConfig
 from liteinfer.layers.quantization import (
+    GGUFConfig,
     QuantConfig,
     process_weights_after_loading,
     quant_config,
@@ -117,13 +120,19 @@ class ModelRunner:
         return model.eval()
 
     def _layer_ops(self, quant: QuantConfig | None) -> LayerOps:
+        """The layers' kernels. Batch-invariant mode multiplies in the model dtype: a GGUF
+        file's blocks are dequantized at load; other quantized checkpoints and the experts'
+        kernels are refused for now."""
         if not self.config.batch_invariant:
             return LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
-        if quant is not None:
-            raise ValueError("batch_invariant does not support quantized checkpoints yet")
         if self.model_config.moe is not None:
             raise ValueError("batch_invariant does not support mixture-of-experts models yet")
-        return LayerOps(triton=self.use_triton, quant=BatchInvariantConfig(), invariant=True)
+        linears: GGUFConfig | BatchInvariantConfig = BatchInvariantConfig()
+        if isinstance(quant, GGUFConfig) and quant.requantize is None:
+            linears = dataclasses.replace(quant, requantize=linears)
+        elif quant is not None:
+            raise ValueError("batch_invariant does not support quantized checkpoints yet")
+        return LayerOps(triton=self.use_triton, quant=linears, invariant=True)
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         cfg = self.model_config

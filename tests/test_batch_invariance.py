@@ -118,6 +118,21 @@ def test_requests_arriving_at_random_steps_match_alone(tiny_llama_dir, dtype, pr
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
+def test_triton_attention_kernel_in_the_engine_matches_alone(tiny_llama_dir, prompts):
+    """The Triton path's attention (kernels/invariant_attention.py, interpreted on CPU): one
+    kernel for decode, chunked prompts and mixed steps."""
+    def build(**args):
+        return build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
+                         batch_invariant=True, attention_backend="triton", **args)
+
+    prompts = prompts[3:]  # the interpreter is slow: one prompt of its own, the shared prefix's
+    llm = build(enable_prefix_caching=False)
+    alone = [answer(llm.generate([p], request_params(i), use_tqdm=False)[0])
+             for i, p in enumerate(prompts)]
+    done = run_arriving(build(max_num_batched_tokens=16), prompts, seed=5)
+    assert [done[i] for i in range(len(prompts))] == alone
+
+
 def test_prompt_logprobs_match_whatever_the_chunking(tiny_llama_dir, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
     by_chunk = []

@@ -1,6 +1,7 @@
-"""Batch-invariant attention in plain torch (`EngineConfig.batch_invariant` off CUDA): a query's
-output is the same bits whether it decodes, sits in a prompt chunk of any size, or shares the
-step with any other sequences.
+"""Batch-invariant attention (`EngineConfig.batch_invariant`): a query's output is the same bits
+whether it decodes, sits in a prompt chunk of any size, or shares the step with any other
+sequences. With the Triton backend the kernel of kernels/invariant_attention.py does it; this
+module's torch form serves the other backends.
 
 Every query reduces over its keys KEY_BLOCK keys at a time (whatever the pool's block size), from
 the first keys up to its own position, with the online-softmax update (running max, rescaled sum
@@ -18,6 +19,7 @@ import torch
 from liteinfer.attention.base import AttentionBackend, AttentionMetadata
 from liteinfer.attention.torch_backend import write_kv
 from liteinfer.layers.rotary import apply_rotary_torch
+from liteinfer.utils import to_device
 
 KEY_BLOCK = 16  # keys one online-softmax update takes
 
@@ -73,11 +75,19 @@ def invariant_attention(q: torch.Tensor, positions: torch.Tensor, block_tables: 
 
 
 class BatchInvariantBackend(AttentionBackend):
-    """RoPE and the K/V write as the torch backend does them (elementwise, so invariant), then
-    `invariant_attention` over the pool for decode and prefill alike."""
+    """With `triton`, RoPE and the K/V write through kernels/kv_cache.py and attention through
+    kernels/invariant_attention.py (one kernel for every kind of step; decode steps capture in
+    CUDA graphs); otherwise RoPE and the K/V write as the torch backend does them
+    (elementwise, so invariant), then `invariant_attention` above."""
+
+    def __init__(self, triton: bool):
+        self.triton = triton
 
     def forward(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.triton:
+            return self._forward_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                                        meta, scale)
         q = apply_rotary_torch(q, positions, cos_sin_cache)
         k = apply_rotary_torch(k, positions, cos_sin_cache)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -89,3 +99,17 @@ class BatchInvariantBackend(AttentionBackend):
             seq_of_token = torch.arange(q.shape[0], device=q.device)
         return invariant_attention(q, positions, meta.block_tables[seq_of_token], k_cache,
                                    v_cache, scale)
+
+    def _forward_triton(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        from liteinfer.kernels import invariant_attention as kernel
+        from liteinfer.kernels.kv_cache import rope_store_kv
+
+        rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+        tiles = None
+        if meta.is_prefill:
+            group = q.shape[1] // k_cache.shape[2]
+            tiles = to_device(kernel.query_tiles(meta.query_lens_host, group), torch.int32,
+                              q.device)
+        return kernel.invariant_attention(q, k_cache, v_cache, positions, meta.block_tables,
+                                          tiles, scale, torch.empty_like(q))

@@ -58,7 +58,7 @@ class ModelRunner:
         # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
         self.query_group_size = self.num_q_heads // self.num_kv_heads
         self.use_triton = config.attention_backend == "triton"
-        self.backend = (BatchInvariantBackend() if config.batch_invariant
+        self.backend = (BatchInvariantBackend(self.use_triton) if config.batch_invariant
                         else get_backend(config.attention_backend))
         self.model = self._load_model(source, load_format)
         self.kv_cache = self._allocate_kv_cache()
@@ -78,12 +78,16 @@ class ModelRunner:
         if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             from liteinfer.engine.prompt_graph import PromptGraphRunner, PromptStepLayout
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
-            layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
-                                      self.max_blocks_per_seq, self.block_size,
-                                      self.query_group_size, self.step_model.max_decode_splits)
-            self.prompt_graphs = PromptGraphRunner(self.step_model, layout,
-                                                   model_config.hidden_size, self.dtype,
-                                                   self.device, pool)
+            # Batch-invariant attention takes a prompt step's query tiles from the host, which
+            # a captured prompt step does not have: those steps run eagerly in that mode.
+            if not config.batch_invariant:
+                layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
+                                          self.max_blocks_per_seq, self.block_size,
+                                          self.query_group_size,
+                                          self.step_model.max_decode_splits)
+                self.prompt_graphs = PromptGraphRunner(self.step_model, layout,
+                                                       model_config.hidden_size, self.dtype,
+                                                       self.device, pool)
             self.graphs = CUDAGraphRunner(self.step_model, config.max_num_seqs,
                                           self.max_blocks_per_seq, self.block_size,
                                           self.device, pool)

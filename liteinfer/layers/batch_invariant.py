@@ -31,11 +31,19 @@ if TYPE_CHECKING:
 ROW_BLOCK = 16
 
 
-def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T with the same reduction order for every row at every M."""
+def invariant_mm(x: torch.Tensor, weight: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T with the same reduction order for every row at every M; with
+    residual, added to it in place (and residual returned)."""
     if x.is_cuda:
         from liteinfer.kernels.invariant_gemm import invariant_gemm
-        return invariant_gemm(x, weight)
+        return invariant_gemm(x, weight, residual)
+    y = _blocked_mm(x, weight)
+    return y if residual is None else residual.add_(y)
+
+
+def _blocked_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """invariant_mm on the CPU: ROW_BLOCK rows a matmul."""
     rows = x.shape[0]
     padded = cdiv(rows, ROW_BLOCK) * ROW_BLOCK
     x = x.contiguous()
@@ -83,8 +91,7 @@ class BatchInvariantLinearMethod(LinearMethod):
 
     def gemm(self, layer: nn.Module, x: torch.Tensor,
              residual: torch.Tensor | None) -> torch.Tensor:
-        y = invariant_mm(x, layer.weight)
-        return y if residual is None else residual.add_(y)
+        return invariant_mm(x, layer.weight, residual)
 
     def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                     act: SiluAndMul | None) -> torch.Tensor:

@@ -47,13 +47,14 @@ def make_prompts(vocab: int) -> list[list[int]]:
     return own + [prefix + t for t in tails]
 
 
-def run_arriving(llm, prompts: list[list[int]], seed: int) -> dict[int, tuple]:
+def run_arriving(llm, prompts: list[list[int]], seed: int,
+                 max_tokens: int = MAX_NEW) -> dict[int, tuple]:
     """The prompts and as many fillers, added one at a time at random steps of one engine;
     returns the prompts' answers by index, and checks that some prefix came from the cache."""
     engine = llm.engine
     rng = random.Random(seed)
     fillers = random_prompts(len(prompts), engine.model_config.vocab_size, 1, 50, seed=seed)
-    queue = [(f"p{i}", p, request_params(i)) for i, p in enumerate(prompts)]
+    queue = [(f"p{i}", p, request_params(i, max_tokens)) for i, p in enumerate(prompts)]
     queue += [(f"f{i}", p, filler_params(i)) for i, p in enumerate(fillers)]
     rng.shuffle(queue)
     done: dict[int, tuple] = {}

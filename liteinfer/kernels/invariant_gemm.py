@@ -7,9 +7,10 @@ up to 128, cuBLAS above, whose split-K and tiles follow the shape), and each add
 order. Here every call runs the same kernel: BLOCK_M x BLOCK_N output tiles, each the tensor
 cores' sum over K in BLOCK_K steps from the first column on; an MMA computes each output from
 its own row and column only, so a row's result is the same among any others and in any tile
-row. Long rows are split along K to give a decode step enough programs to stream the weight:
-the split is fixed by K alone (K_PER_SPLIT columns each), never by the number of rows, and the
-fp32 partials are summed in split order by a second kernel.
+row. A projection with few output tiles is split along K so that a decode step has enough
+programs to stream the weight: the split is fixed by the weight's shape and the GPU
+(`num_splits`), never by the number of rows, and the fp32 partials are summed in split order by
+a second kernel.
 """
 from __future__ import annotations
 
@@ -17,16 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import dot_precision
+from liteinfer.kernels import dot_precision, num_sms
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
-K_PER_SPLIT = 2048  # a multiple of BLOCK_K
+MIN_K_PER_SPLIT = 512  # columns a split sums at least
+PROGRAMS_PER_SM = 2  # what the splits aim for at one row tile
 
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 stride_rm, stride_os, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
+                 stride_rm, stride_os, k_per_split, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -37,8 +39,8 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stride_wn, 
     row_ok = rows < M
     col_ok = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = split * K_PER_SPLIT
-    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         k_ok = k0 + ks < K
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -72,9 +74,14 @@ def _sum_splits_kernel(part_ptr, out_ptr, res_ptr, M, N, stride_ps, stride_pm, s
     tl.store(out_ptr + row * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def num_splits(k: int) -> int:
-    """The K splits of a row of k columns: a function of k alone."""
-    return triton.cdiv(k, K_PER_SPLIT)
+def num_splits(k: int, n: int, sms: int) -> tuple[int, int]:
+    """(splits, columns a split) of a [n, k] weight on a GPU of `sms` SMs: enough programs for
+    PROGRAMS_PER_SM at one row tile, each split at least MIN_K_PER_SPLIT columns; a function
+    of the weight's shape and the GPU alone."""
+    wanted = triton.cdiv(sms * PROGRAMS_PER_SM, triton.cdiv(n, BLOCK_N))
+    splits = max(1, min(wanted, k // MIN_K_PER_SPLIT))
+    per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+    return triton.cdiv(k, per_split), per_split
 
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
@@ -88,18 +95,19 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
     if m == 0:
         return out
     res = residual if residual is not None else out
-    splits = num_splits(k)
+    splits, per_split = num_splits(k, n, num_sms(x.device))
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), splits)
-    common = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, K_PER_SPLIT=K_PER_SPLIT,
+    common = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                   HAS_RESIDUAL=residual is not None, DOT_PRECISION=dot_precision(x.dtype),
                   num_warps=4, num_stages=3)
     if splits == 1:
         _gemm_kernel[grid](x, weight, out, res, m, n, k, x.stride(0), weight.stride(0),
-                           out.stride(0), res.stride(0), 0, PARTIAL=False, **common)
+                           out.stride(0), res.stride(0), 0, per_split, PARTIAL=False, **common)
         return out
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     _gemm_kernel[grid](x, weight, parts, res, m, n, k, x.stride(0), weight.stride(0),
-                       parts.stride(1), res.stride(0), parts.stride(0), PARTIAL=True, **common)
+                       parts.stride(1), res.stride(0), parts.stride(0), per_split, PARTIAL=True,
+                       **common)
     block = 1024
     _sum_splits_kernel[(m, triton.cdiv(n, block))](
         parts, out, res, m, n, parts.stride(0), parts.stride(1), out.stride(0), res.stride(0),

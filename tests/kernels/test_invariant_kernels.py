@@ -5,10 +5,10 @@ import torch
 
 from conftest import _assert_close
 from liteinfer.kernels.invariant_attention import invariant_attention, query_tiles
-from liteinfer.kernels.invariant_gemm import K_PER_SPLIT, invariant_gemm
+from liteinfer.kernels.invariant_gemm import invariant_gemm, num_splits
 
-# (K, N): one K split and several (K_PER_SPLIT cuts the row), ragged N; the 8B's on the GPU.
-CPU_SHAPES = [(96, 70), (K_PER_SPLIT + 80, 40)]
+# (K, N): one K split and several, ragged N; the 8B's on the GPU.
+CPU_SHAPES = [(96, 70), (1100, 40)]
 GPU_SHAPES = [(4096, 6144), (14336, 4096), (2048, 128256)]
 CPU_ROWS = [1, 3, 64, 70]
 GPU_ROWS = [1, 2, 7, 32, 65, 128, 300]
@@ -80,6 +80,13 @@ def test_attention_decoding_and_in_chunks_agree_bitwise(device, full, needs_dot,
                                   table.expand(length, -1).contiguous(), None, scale,
                                   torch.empty_like(q))
     assert torch.equal(decoded, whole)
+
+
+def test_splits_follow_the_weight_and_the_gpu():
+    assert num_splits(96, 70, 8) == (1, 128)        # too short to split
+    assert num_splits(1100, 40, 8) == (2, 576)      # one tile: split as far as K allows
+    assert num_splits(2048, 128256, 132) == (1, 2048)  # the LM head has tiles enough
+    assert num_splits(14336, 4096, 132) == (5, 2880)   # the 8B's down projection
 
 
 def test_query_tiles_cut_each_sequence():

@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from fixtures import build_llm
+from fixtures import build_llm, make_tiny_model_dir
 from liteinfer import SamplingParams
-from liteinfer.attention.batch_invariant import fold_sum, invariant_attention
+from liteinfer.attention.batch_invariant import invariant_attention
 from liteinfer.config import EngineConfig
-from liteinfer.layers.batch_invariant import invariant_mm, rms_norm_invariant
+from liteinfer.layers.batch_invariant import fold_sum, invariant_mm, rms_norm_invariant
 from reference import random_prompts
 
 MAX_NEW = 10
@@ -184,10 +184,11 @@ def test_invariant_mm_rows_agree_at_every_row_count(dt):
             assert torch.equal(invariant_mm(x[start:start + rows], w), full[start:start + rows])
 
 
-def test_rms_norm_invariant_rows_agree():
+@pytest.mark.parametrize("hidden", [64, 40000])  # 40000: torch would split a lone row's sum
+def test_rms_norm_invariant_rows_agree(hidden):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(37, 64, generator=g)
-    w = torch.rand(64, generator=g) + 0.5
+    x = torch.randn(37, hidden, generator=g)
+    w = torch.rand(hidden, generator=g) + 0.5
     full = rms_norm_invariant(x, w, 1e-5)
     ref = w.double() * x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
     torch.testing.assert_close(full.double(), ref, rtol=1e-6, atol=1e-6)
@@ -233,6 +234,14 @@ def test_invariant_attention_matches_float64_and_each_query_alone():
         chunk = invariant_attention(q[lo:t + 1], positions[lo:t + 1], tables[lo:t + 1],
                                     k_cache, v_cache, 0.25)
         assert torch.equal(chunk[-1], out[t])
+
+
+def test_batch_invariant_refuses_experts(tmp_path):
+    directory = make_tiny_model_dir(tmp_path, "mixtral", num_local_experts=4,
+                                    num_experts_per_tok=2, intermediate_size=48)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        build_llm(str(directory), dtype="float32", device="cpu", max_model_len=256,
+                  batch_invariant=True)
 
 
 @pytest.mark.parametrize("args, message", [

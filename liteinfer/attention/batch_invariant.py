@@ -18,22 +18,11 @@ import torch
 
 from liteinfer.attention.base import AttentionBackend, AttentionMetadata
 from liteinfer.attention.torch_backend import write_kv
+from liteinfer.layers.batch_invariant import fold_sum
 from liteinfer.layers.rotary import apply_rotary_torch
 from liteinfer.utils import to_device
 
 KEY_BLOCK = 16  # keys one online-softmax update takes
-
-
-def fold_sum(x: torch.Tensor) -> torch.Tensor:
-    """The sum over x's last dimension as a fixed tree of halves (zero-padded to a power of
-    two: adding zeros changes nothing)."""
-    n = x.shape[-1]
-    if n & (n - 1):
-        x = torch.nn.functional.pad(x, (0, (1 << n.bit_length()) - n))
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
 
 
 def invariant_attention(q: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,

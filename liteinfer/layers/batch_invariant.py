@@ -9,10 +9,11 @@ time, the last block padded with zeros. On CUDA a Triton GEMM with one tile conf
 one K order for every row count does the same in one launch (kernels/invariant_gemm.py).
 
 torch's CPU elementwise kernels compute the tail of a contiguous run (and a thread's share of it)
-with scalar code and the rest with SIMD code; for rsqrt and silu the two differ in the last bit,
-so a row's result would depend on its offset in the batch. The norm and activation here use only
-operations whose vector and scalar forms agree: + - * / and sqrt are correctly rounded, and exp
-goes through the same vectorized routine for tails.
+with scalar code and the rest with SIMD code; for silu, sigmoid and bf16 rsqrt the two differ in
+the last bit, so a row's result would depend on its offset in the batch. The norm and activation
+here use only operations whose vector and scalar forms agree: + - * / and sqrt are correctly
+rounded, and exp goes through the same vectorized routine for tails; sums are `fold_sum`'s
+fixed tree of elementwise adds.
 """
 from __future__ import annotations
 
@@ -56,10 +57,25 @@ def _blocked_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out[:rows]
 
 
+def fold_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over x's last dimension as a fixed tree of halves (zero-padded to a power of
+    two: adding zeros changes nothing)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        x = torch.nn.functional.pad(x, (0, (1 << n.bit_length()) - n))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
 def rms_norm_invariant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm rounding, with 1 / sqrt for rsqrt."""
+    """Hugging Face's LlamaRMSNorm rounding, with the mean of squares folded (torch's row
+    reduction splits a row of 32k+ elements among threads when it is alone) and 1 / sqrt for
+    rsqrt."""
     h = x.float()
-    h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    mean_square = fold_sum(h * h)[..., None] / h.shape[-1]
+    h = h / torch.sqrt(mean_square + eps)
     return weight * h.to(x.dtype)
 
 

@@ -340,9 +340,12 @@ class EngineConfig:
     def _check_batch_invariant(self) -> None:
         """What batch-invariant mode does not cover yet: quantized linears (their kernels pick
         reduction orders by batch), tensor parallelism (an all-reduce sums in an order set by
-        the message size)."""
+        the message size), speculative decoding (draft lengths follow the batch width, and a
+        seeded request's draws follow its drafts)."""
         if self.quantization is not None:
             raise ValueError("batch_invariant does not support quantization yet")
+        if self.speculative_config is not None:
+            raise ValueError("batch_invariant does not support speculative decoding yet")
         if self.tensor_parallel_size > 1:
             raise ValueError("batch_invariant does not support tensor_parallel_size > 1 yet")
 

@@ -247,6 +247,7 @@ def test_batch_invariant_refuses_experts(tmp_path):
 @pytest.mark.parametrize("args, message", [
     ({"quantization": "fp8"}, "quantization"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
 ])
 def test_batch_invariant_refuses_what_it_does_not_cover(args, message):
     with pytest.raises(ValueError, match=message):

@@ -326,6 +326,10 @@ class EngineConfig:
     # Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 5} (SpeculativeConfig).
     speculative_config: dict[str, Any] | None = None
+    # Every request's tokens and logprobs are the same bits whatever else shares its steps, however
+    # its prompt is chunked or cached (a fixed reduction order per row in every matmul, norm and
+    # attention; layers/batch_invariant.py, attention/batch_invariant.py).
+    batch_invariant: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -354,7 +358,26 @@ class EngineConfig:
         if m < MIN_PROMPT_PIECE or m & (m - 1):
             raise ValueError(f"mixed_prompt_tokens must be a power of two >= "
                              f"{MIN_PROMPT_PIECE}, got {m}")
-        SpeculativeConfig.from_dict(self.speculative_config)
+        if SpeculativeConfig.from_dict(self.speculative_config) is not None and \
+                self.tensor_parallel_size > 1:
+            # A gloo run with drafts gave one request a token fewer than one rank: refused
+            # until that is understood.
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
+                             "supported yet")
+        if self.batch_invariant:
+            self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        """What batch-invariant mode does not cover yet: quantized linears (their kernels pick
+        reduction orders by batch), tensor parallelism (an all-reduce sums in an order set by
+        the message size), speculative decoding (draft lengths follow the batch width, and a
+        seeded request's draws follow its drafts)."""
+        if self.quantization is not None:
+            raise ValueError("batch_invariant does not support quantization yet")
+        if self.speculative_config is not None:
+            raise ValueError("batch_invariant does not support speculative decoding yet")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant does not support tensor_parallel_size > 1 yet")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

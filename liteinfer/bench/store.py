@@ -150,10 +150,12 @@ DEFAULT_PRECISION = "bf16"
 
 def precision_of(row: Row) -> str:
     """The weights' and the KV cache's precision a row ran at, from its engine args: 'bf16', or
-    its quantization ('fp8', 'int4'), either with ' + fp8 KV' (kv_cache_dtype='fp8')."""
+    its quantization ('fp8', 'int4'), either with ' + fp8 KV' (kv_cache_dtype='fp8'), and
+    ' + batch-invariant' for `--set batch_invariant=true` (its own tables beside the default's)."""
     args = row.get("engine_args") or {}
     weights = args.get("quantization") or DEFAULT_PRECISION
-    return weights + (" + fp8 KV" if args.get("kv_cache_dtype") == "fp8" else "")
+    return (weights + (" + fp8 KV" if args.get("kv_cache_dtype") == "fp8" else "")
+            + (" + batch-invariant" if args.get("batch_invariant") else ""))
 
 
 def row_key(row: Row) -> tuple[str, str, str, str, int, int, str]:

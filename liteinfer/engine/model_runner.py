@@ -2,6 +2,7 @@
 sampler, and the logprobs of prompt tokens that asked for them."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from liteinfer.attention import allocate_kv_pool, get_backend, kv_cache_dtype
+from liteinfer.attention.batch_invariant import BatchInvariantBackend
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
 from liteinfer.engine.draft_runner import (
@@ -25,7 +27,13 @@ from liteinfer.engine.scheduler import SchedulerOutput
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
-from liteinfer.layers.quantization import process_weights_after_loading, quant_config
+from liteinfer.layers.batch_invariant import BatchInvariantConfig
+from liteinfer.layers.quantization import (
+    GGUFConfig,
+    QuantConfig,
+    process_weights_after_loading,
+    quant_config,
+)
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models import model_class
@@ -59,7 +67,8 @@ class ModelRunner:
         # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
         self.query_group_size = self.num_q_heads // self.num_kv_heads
         self.use_triton = config.attention_backend == "triton"
-        self.backend = get_backend(config.attention_backend)
+        self.backend = (BatchInvariantBackend(self.use_triton) if config.batch_invariant
+                        else get_backend(config.attention_backend))
         self.model = self._load_model(model_config, source, load_format)
         # A draft model (speculative decoding) is loaded before the KV pools are sized: its
         # pool holds as many blocks as the target's, which share one budget.
@@ -100,12 +109,16 @@ class ModelRunner:
                 and not isinstance(self.drafter, Eagle3Runner)):
             from liteinfer.engine.prompt_graph import PromptGraphRunner, PromptStepLayout
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
-            layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
-                                      self.max_blocks_per_seq, self.block_size,
-                                      self.query_group_size, self.step_model.max_decode_splits)
-            self.prompt_graphs = PromptGraphRunner(self.step_model, layout,
-                                                   model_config.hidden_size, self.dtype,
-                                                   self.device, pool)
+            # Batch-invariant attention takes a prompt step's query tiles from the host, which
+            # a captured prompt step does not have: those steps run eagerly in that mode.
+            if not config.batch_invariant:
+                layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
+                                          self.max_blocks_per_seq, self.block_size,
+                                          self.query_group_size,
+                                          self.step_model.max_decode_splits)
+                self.prompt_graphs = PromptGraphRunner(self.step_model, layout,
+                                                       model_config.hidden_size, self.dtype,
+                                                       self.device, pool)
             self.graphs = CUDAGraphRunner(self.step_model, config.max_num_seqs,
                                           self.max_blocks_per_seq, self.block_size,
                                           self.device, pool)
@@ -141,7 +154,7 @@ class ModelRunner:
             # is never held twice.
             with torch.device(self.device):
                 quant = quant_config(self.config.quantization, source.hf_config, load_format)
-                ops = LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
+                ops = self._layer_ops(quant, cfg)
                 model = build(ops) if build is not None else model_class(cfg)(
                     cfg, self.backend, ops, self.tp_rank, self.tp_size)
         finally:
@@ -154,6 +167,21 @@ class ModelRunner:
         model.cos_sin_cache = cos_sin_cache(cfg.head_dim, self.max_model_len, cfg.rope_theta,
                                             cfg.rope_scaling, self.device)
         return model.eval()
+
+    def _layer_ops(self, quant: QuantConfig | None, cfg: ModelConfig) -> LayerOps:
+        """The layers' kernels. Batch-invariant mode multiplies in the model dtype: a GGUF
+        file's blocks are dequantized at load; other quantized checkpoints and the experts'
+        kernels are refused for now."""
+        if not self.config.batch_invariant:
+            return LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
+        if cfg.moe is not None:
+            raise ValueError("batch_invariant does not support mixture-of-experts models yet")
+        linears: GGUFConfig | BatchInvariantConfig = BatchInvariantConfig()
+        if isinstance(quant, GGUFConfig) and quant.requantize is None:
+            linears = dataclasses.replace(quant, requantize=linears)
+        elif quant is not None:
+            raise ValueError("batch_invariant does not support quantized checkpoints yet")
+        return LayerOps(triton=self.use_triton, quant=linears, invariant=True)
 
     def _kv_block_bytes(self, model: LlamaForCausalLM) -> int:
         cfg = model.config

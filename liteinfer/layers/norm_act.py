@@ -18,26 +18,40 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False):
+    """`invariant`: the torch path's batch-invariant form (layers/batch_invariant.py); the
+    Triton kernel, one program a row, is batch-invariant as it is."""
+
+    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False,
+                 invariant: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.use_triton = use_triton
+        self.invariant = invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
             from liteinfer.kernels.norm import rms_norm
             return rms_norm(x, self.weight, self.eps)
+        if self.invariant:
+            from liteinfer.layers.batch_invariant import rms_norm_invariant
+            return rms_norm_invariant(x, self.weight, self.eps)
         return rms_norm_torch(x, self.weight, self.eps)
 
 
 class SiluAndMul(nn.Module):
-    def __init__(self, use_triton: bool = False):
+    """`invariant` as for RMSNorm; the Triton kernel is elementwise, so invariant already."""
+
+    def __init__(self, use_triton: bool = False, invariant: bool = False):
         super().__init__()
         self.use_triton = use_triton
+        self.invariant = invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
             from liteinfer.kernels.activation import silu_and_mul
             return silu_and_mul(x)
+        if self.invariant:
+            from liteinfer.layers.batch_invariant import silu_and_mul_invariant
+            return silu_and_mul_invariant(x)
         return silu_and_mul_torch(x)

@@ -12,6 +12,7 @@ from torch import nn
 
 from liteinfer.attention import AttentionBackend, AttentionMetadata
 from liteinfer.config import ModelConfig
+from liteinfer.layers.batch_invariant import BatchInvariantConfig
 from liteinfer.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -27,11 +28,14 @@ class LayerOps:
     """Which kernels the layers run: `triton` for RMSNorm and SiLU-and-mul, and for the FP8
     linears' norm, SwiGLU and quantization passes (else plain torch), `gemv` for one-token
     projections with the norms and SwiGLU fused in (kernels/gemv.py), `quant` for the decoder
-    layers' linears and the LM head (as `QuantConfig.lm_head_method` says)."""
+    layers' linears and the LM head (as `QuantConfig.lm_head_method` says; a
+    BatchInvariantConfig in batch-invariant mode), `invariant` for the torch norms and SwiGLU
+    of that mode (layers/batch_invariant.py)."""
 
     triton: bool = False
     gemv: bool = False
-    quant: QuantConfig | None = None
+    quant: QuantConfig | BatchInvariantConfig | None = None
+    invariant: bool = False
 
 
 class LlamaAttention(nn.Module):
@@ -49,8 +53,8 @@ class LlamaAttention(nn.Module):
                                         tp_rank, tp_size, ops.gemv, ops.triton, ops.quant)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton, ops.invariant)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton, ops.invariant)
         self.backend = backend
         # Views into the engine's KV pool, bound by the model runner.
         self.k_cache = torch.empty(0)
@@ -82,7 +86,7 @@ class LlamaMLP(nn.Module):
                                                        ops.quant)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv,
                                            ops.triton, ops.quant)
-        self.act = SiluAndMul(ops.triton)
+        self.act = SiluAndMul(ops.triton, ops.invariant)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:
         """Adds the SwiGLU MLP of norm(x) to the residual stream x, in place."""
@@ -95,8 +99,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend, ops, tp_rank, tp_size)
         self.mlp = mlp  # called as mlp(x, norm): adds its output to the residual stream x
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton,
+                                       ops.invariant)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton,
+                                                ops.invariant)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 meta: AttentionMetadata) -> None:
@@ -123,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(cfg, backend, ops, tp_rank, tp_size,
                               self.make_mlp(i, ops, tp_rank, tp_size))
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton, ops.invariant)
         # Every rank ends with the full logits.
         self.lm_head = ParallelLMHead(
             cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, use_gemv=ops.gemv,

@@ -261,6 +261,16 @@ def test_each_precision_gets_its_own_tables_compared_with_vllm_at_that_precision
     assert dict(pivot.rows) == {"liteinfer-prompt-graphs": [1.0], "vllm": [2.0]}
 
 
+def test_batch_invariant_rows_get_their_own_tables_beside_the_default():
+    invariant = {"engine_args": {"batch_invariant": True}}
+    rows = [row("prompt-graphs", itl_p50=1.0),
+            row("prompt-graphs", itl_p50=1.02, timestamp="2026-02-01T00:00:00+00:00",
+                **invariant)]
+    page = build_page(rows)
+    assert [t.title for t in page.tables] == [
+        "latency · m · ISL=128 OSL=256", "latency · m · bf16 + batch-invariant · ISL=128 OSL=256"]
+
+
 def test_vllm_rows_of_another_model_and_precision_stay_theirs(tmp_path):
     """bench_vllm.py's rows name their model and quantization: an 8B fp8 vLLM row is set beside
     liteinfer's 8B fp8 row, not mapped onto the default model's bf16 tables."""

@@ -66,4 +66,4 @@ def process_weights_after_loading(model: nn.Module) -> None:
             method.process_weights_after_loading(module)
 
 
-__all__ = ["QuantConfig", "process_weights_after_loading", "quant_config"]
+__all__ = ["GGUFConfig", "QuantConfig", "process_weights_after_loading", "quant_config"]

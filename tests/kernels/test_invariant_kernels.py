@@ -1,0 +1,94 @@
+"""The batch-invariant GEMM and attention kernels: close to float64 references, and each row's
+bits the same at every row count, in every tile position, decoding or in a prompt chunk."""
+import pytest
+import torch
+
+from conftest import _assert_close
+from liteinfer.kernels.invariant_attention import invariant_attention, query_tiles
+from liteinfer.kernels.invariant_gemm import invariant_gemm, num_splits
+
+# (K, N): one K split and several, ragged N; the 8B's on the GPU.
+CPU_SHAPES = [(96, 70), (1100, 40)]
+GPU_SHAPES = [(4096, 6144), (14336, 4096), (2048, 128256)]
+CPU_ROWS = [1, 3, 64, 70]
+GPU_ROWS = [1, 2, 7, 32, 65, 128, 300]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_matches_float64_and_rows_agree_at_every_row_count(device, full, dtype):
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("bf16 tl.dot is wrong under the Triton interpreter")
+    shapes, counts = (GPU_SHAPES, GPU_ROWS) if full else (CPU_SHAPES, CPU_ROWS)
+    for k, n in shapes:
+        x = torch.randn(max(counts) + 5, k, device=device).to(dtype)
+        w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+        res = torch.randn(x.shape[0], n, device=device).to(dtype)
+        whole = invariant_gemm(x, w)
+        _assert_close(whole, x.double() @ w.double().T)
+        summed = invariant_gemm(x, w, res.clone())
+        _assert_close(summed, res.double() + x.double() @ w.double().T)
+        for rows in counts:
+            for start in (0, 5):
+                part = slice(start, start + rows)
+                assert torch.equal(invariant_gemm(x[part], w), whole[part]), (k, n, rows, start)
+                assert torch.equal(invariant_gemm(x[part], w, res[part].clone()), summed[part])
+
+
+def _reference(q, k_cache, v_cache, table, positions, scale):
+    """float64 causal attention of each query over its sequence's keys up to its position."""
+    block = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        n = int(positions[t]) + 1
+        slots = torch.arange(n)
+        blocks = table[slots // block].long().cpu()
+        keys = k_cache.cpu()[blocks, slots % block].double().repeat_interleave(group, 1)
+        values = v_cache.cpu()[blocks, slots % block].double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,lhd->hl", q[t].cpu().double(), keys) * scale
+        out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 32])
+def test_attention_decoding_and_in_chunks_agree_bitwise(device, full, needs_dot, dtype, group):
+    needs_dot(dtype)
+    block, kv_heads, head_dim = (16, 8, 128) if full else (8, 2, 16)
+    length = 700 if full else 75
+    num_blocks = length // block + 3
+    k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, device=device).to(dtype)
+    v_cache = torch.randn(num_blocks, block, kv_heads, head_dim, device=device).to(dtype)
+    table = torch.randperm(num_blocks, device=device).to(torch.int32)[None]
+    q = torch.randn(length, kv_heads * group, head_dim, device=device).to(dtype)
+    positions = torch.arange(length, device=device)
+    scale = head_dim ** -0.5
+
+    def chunked(lens):
+        """The sequence's queries as one prompt cut into chunks of these lengths, all in one
+        step (each chunk a sequence of the step with the same block table)."""
+        tiles = torch.from_numpy(query_tiles(lens, group)).to(device)
+        tables = table.expand(len(lens), -1).contiguous()
+        return invariant_attention(q, k_cache, v_cache, positions, tables, tiles, scale,
+                                   torch.empty_like(q))
+
+    whole = chunked([length])
+    _assert_close(whole, _reference(q, k_cache, v_cache, table[0], positions, scale))
+    assert torch.equal(chunked([5, 1, length - 6]), whole)
+    assert torch.equal(chunked([1] * length), whole)
+    decoded = invariant_attention(q, k_cache, v_cache, positions,
+                                  table.expand(length, -1).contiguous(), None, scale,
+                                  torch.empty_like(q))
+    assert torch.equal(decoded, whole)
+
+
+def test_splits_follow_the_weight_and_the_gpu():
+    assert num_splits(96, 70, 8) == (1, 128)        # too short to split
+    assert num_splits(1100, 40, 8) == (2, 576)      # one tile: split as far as K allows
+    assert num_splits(2048, 128256, 132) == (1, 2048)  # the LM head has tiles enough
+    assert num_splits(14336, 4096, 132) == (5, 2880)   # the 8B's down projection
+
+
+def test_query_tiles_cut_each_sequence():
+    assert query_tiles([5, 1, 3], 4).tolist() == [[0, 0, 4], [0, 4, 1], [1, 5, 1], [2, 6, 3]]
+    assert query_tiles([2], 32).tolist() == [[0, 0, 1], [0, 1, 1]]

@@ -24,9 +24,11 @@ from liteinfer.spec_decode.draft_length import (
 )
 from liteinfer.spec_decode.ngram import NgramProposer
 from liteinfer.spec_decode.suffix import SuffixProposer
+from liteinfer.structured_output import StructuredOutputsParams
 from reference import hf_greedy, random_prompts
 from test_model_families import make_tiny_family_dir
 from test_server import scrape
+from test_structured_output import Order
 
 ENGINE = dict(dtype="float32", device="cpu", max_model_len=256)
 MAX_NEW = 24
@@ -117,6 +119,33 @@ def test_forced_acceptance_keeps_the_drafts_before_the_first_corrupted_one(
             assert stats.num_accepted_tokens == 0
         else:
             assert 0.1 < rate < 0.6
+    finally:
+        release(llm)
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.5])
+def test_constrained_drafts_are_checked_by_the_grammar(tiny_llama_dir, corrupt):
+    """Drafts for requests under a JSON schema: each verified row allows what may follow the
+    drafts before it, so right drafts are all kept (corrupt 0: every one accepted, which a
+    row masked for the wrong state would spoil), drafts the grammar forbids are rejected, and
+    the output is the constrained output without speculation, token for token."""
+    constraint = StructuredOutputsParams(json=Order.model_json_schema(),
+                                         disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=constraint)
+    prompts = random_prompts(3, 384, 4, 20, seed=21)
+    plain_llm = build_llm(str(tiny_llama_dir), **ENGINE, max_num_seqs=4)
+    plain = token_ids(plain_llm.generate(prompts, params, use_tqdm=False))
+    release(plain_llm)
+    llm = build_llm(str(tiny_llama_dir), **ENGINE, max_num_seqs=4,
+                    speculative_config=reference_config(prompts, plain, corrupt, k=3))
+    try:
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == plain
+        stats = spec_stats(llm)
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+        if corrupt == 0.0:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+        else:
+            assert stats.num_accepted_tokens < stats.num_draft_tokens
     finally:
         release(llm)
 

@@ -152,9 +152,10 @@ class EngineCore:
                                    config.max_num_batched_tokens, self.max_model_len,
                                    config.mixed_prompt_tokens, self.eos_token_ids, speculator)
         self.inflight: InFlight | None = None
+        # A step's rows: one per sequence, and one more per draft it verifies.
         self.structured_output = StructuredOutputManager(
             source.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            config.max_num_seqs)
+            config.max_num_seqs * (1 + config.num_speculative_tokens))
         # Constrained requests whose grammar is still compiling; queued once it is ready.
         self.compiling: list[Sequence] = []
         self.recorder: StepRecorder | None = None
@@ -359,8 +360,11 @@ class EngineCore:
         failed: list[EngineCoreOutput] = []
         try:
             try:
+                drafts = {seq.request_id: ds for seq, ds in zip(scheduled.seqs,
+                                                                 scheduled.draft_token_ids)
+                          if ds}
                 bitmask = self.structured_output.grammar_bitmask(
-                    [s.request_id for s in scheduled.sampling_seqs])
+                    [s.request_id for s in scheduled.sampling_seqs], drafts)
             except GrammarWorkerDied as e:  # the constrained requests fail, the others go on
                 failed, bitmask = self._fail_constrained(e), None
             inflight.output = self.runner.sample(scheduled, inflight.forward, bitmask)
@@ -379,8 +383,14 @@ class EngineCore:
         if recorder is not None:
             recorder.resolving()
         try:
-            advancing = self._advance_grammars(inflight)
-            outputs = self.scheduler.update_from_output(inflight.scheduled, inflight.output)
+            if inflight.scheduled.draft_token_ids:
+                # A verifying request's grammar takes the tokens it kept, known only after
+                # the update (such a step is never overlapped with the next one).
+                outputs = self.scheduler.update_from_output(inflight.scheduled, inflight.output)
+                advancing = self._advance_grammars(inflight, outputs)
+            else:
+                advancing = self._advance_grammars(inflight)
+                outputs = self.scheduler.update_from_output(inflight.scheduled, inflight.output)
             try:
                 self._apply_grammar_statuses(outputs, advancing)
             except GrammarWorkerDied as e:  # the constrained requests fail, the others go on
@@ -391,7 +401,8 @@ class EngineCore:
             recorder.ready(inflight.record, outputs)
         return outputs + failed
 
-    def _advance_grammars(self, inflight: InFlight) -> list[str]:
+    def _advance_grammars(self, inflight: InFlight,
+                          outputs: list[EngineCoreOutput] | None = None) -> list[str]:
         """Gives each constrained request's new token to its grammar as soon as the step's
         tokens are on the host, and asks for the bitmask rows of the launched step if it waits
         for one: the grammar process works while the core processes the outputs. Returns the
@@ -399,9 +410,14 @@ class EngineCore:
         manager = self.structured_output
         if not manager.has_requests:
             return []
-        tokens = inflight.output.wait().token_ids
-        accepts = [(s.request_id, [t]) for s, t in zip(inflight.scheduled.sampling_seqs, tokens)
-                   if not s.is_finished and manager.is_constrained(s.request_id)]
+        if outputs is not None:  # a step that verified drafts: each request's kept tokens
+            accepts = [(o.request_id, o.new_token_ids) for o in outputs
+                       if not o.finished and manager.is_constrained(o.request_id)]
+        else:
+            tokens = inflight.output.wait().token_ids
+            accepts = [(s.request_id, [t]) for s, t in zip(inflight.scheduled.sampling_seqs,
+                                                            tokens)
+                       if not s.is_finished and manager.is_constrained(s.request_id)]
         next_rows, num_rows = [], 0
         if self.inflight is not None and self.inflight.output is None:
             upcoming = self.inflight.scheduled.sampling_seqs

@@ -416,11 +416,15 @@ class Scheduler:
 
     def _propose(self, seq: Sequence, num_drafts: int) -> list[int]:
         """Draft tokens for a sequence whose tokens are all on the host, within its length
-        limits. Sequences whose sampling reads their earlier outputs (penalties), whose
-        grammar constrains them, or that may not stop yet (min_tokens) draft nothing."""
+        limits. Sequences whose sampling reads their earlier outputs (penalties), that may not
+        stop yet (min_tokens), or whose grammar begins after a reasoning section (its rows
+        would need the grammar from the draft that ends it) draft nothing. A constrained
+        sequence's rows each allow what may follow the drafts before them, so a draft its
+        grammar forbids is rejected (structured_output/worker.py)."""
         params = seq.sampling_params
-        if (seq.needs_penalties or params.structured_outputs is not None
-                or seq.num_output_tokens < params.min_tokens):
+        constraint = params.structured_outputs
+        if (seq.needs_penalties or seq.num_output_tokens < params.min_tokens
+                or (constraint is not None and constraint.reasoning_end_token_id is not None)):
             return []
         n = len(seq.token_ids)
         room = min(num_drafts, params.max_tokens - seq.num_output_tokens - 1,

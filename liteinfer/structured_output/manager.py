@@ -19,7 +19,7 @@ import functools
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -255,9 +255,12 @@ class StructuredOutputManager:
         self._accepting = False
         return self._receive(worker.ACCEPTED)[1]
 
-    def grammar_bitmask(self, request_ids: Sequence[str | None]) -> GrammarBitmask | None:
+    def grammar_bitmask(self, request_ids: Sequence[str | None],
+                        drafts: Mapping[str, list[int]] | None = None) -> GrammarBitmask | None:
         """The bitmask of one step's rows (request ids in row order), filled for the rows of
-        the constrained requests still running; None if there are none."""
+        the constrained requests still running; None if there are none. A request verifying
+        `drafts[rid]` has one row more per draft: each allows what may follow the drafts
+        before it."""
         while self._fills:  # rows asked for by `advance`
             self._receive(worker.FILLED)
         filled, self._filled = self._filled, {}
@@ -265,11 +268,17 @@ class StructuredOutputManager:
                 and rid in self._requests and rid not in self._reasoning]
         if not rows:
             return None
-        missing = [(row, rid) for row, rid in rows if filled.get(row) != rid]
+        missing: list[Any] = [(row, rid) for row, rid in rows
+                              if filled.get(row) != rid and not (drafts and rid in drafts)]
+        if drafts:
+            first: dict[str, int] = {}
+            for row, rid in rows:
+                first.setdefault(rid, row)
+            missing += [(first[rid], rid, ds) for rid, ds in drafts.items() if rid in first]
         if missing:
             self._send([worker.STEP, [], *self._fill_message(
                 missing, (row for row, _ in rows), len(request_ids))])
-            self._fills.append(dict(missing))
+            self._fills.append({m[0]: m[1] for m in missing})
             self._receive(worker.FILLED)
             self._filled = {}
         bitmask = self._live_or_raise().bitmask

@@ -11,9 +11,10 @@ Messages, msgpack over a pipe; the core's, in the order it sends them:
     [DROP, gid]                                        forget it (the core's cache evicted it)
     [ADD, rid, gid]                                    a matcher for the request, once gid compiled
     [FINISH, [rid, ...]]                               drop the requests' matchers
-    [STEP, [[rid, [token, ...]], ...], [[row, rid], ...], [row, ...]]
+    [STEP, [[rid, [token, ...]], ...], [[row, rid(, drafts)], ...], [row, ...]]
         accept the tokens (reply ACCEPTED: one status per request), then fill the rows of the
-        named requests whose grammar has not ended and set the last rows (the step's
+        named requests whose grammar has not ended (a request verifying drafts: its row and
+        one row after each draft) and set the last rows (the step's
         unconstrained ones) to allow every token (reply FILLED); either part may be empty, and
         an empty part gets no reply
     [POLL]                                             reply COMPILED
@@ -179,16 +180,38 @@ class GrammarWorker:
             self.bitmask[stale] = -1
             self.allowing_all.update(stale)
 
-    def _fill(self, rows: Sequence[tuple[int, str]]) -> None:
+    def _fill(self, rows: Sequence[Sequence[Any]]) -> None:
+        """rows: [row, rid] or, for a request verifying drafts, [row, rid, drafts]."""
         indices, matchers = [], []
-        for row, rid in rows:
+        for row, rid, *drafts in rows:
             matcher = self.matchers.get(rid)
-            if matcher is not None and not matcher.is_terminated():
+            if matcher is None or matcher.is_terminated():
+                continue
+            if drafts:
+                self._fill_verified(row, matcher, drafts[0])
+            else:
                 indices.append(row)
                 matchers.append(matcher)
         if matchers:
             self.batch.batch_fill_next_token_bitmask(matchers, self.bitmask, indices=indices)
             self.allowing_all.difference_update(indices)
+
+    def _fill_verified(self, row: int, matcher: xgr.GrammarMatcher, drafts: list[int]) -> None:
+        """Row + i allows what may follow the request's drafts[:i]. Past a draft the grammar
+        forbids, or its end (a stop token, where the request ends), the rows allow every
+        token: the target's masked sample rejects that draft at its own row, and the rows
+        after it are discarded."""
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            matcher.fill_next_token_bitmask(self.bitmask, row + i)
+            self.allowing_all.discard(row + i)
+            if i == len(drafts) or not matcher.accept_token(drafts[i]):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+        self._allow_all(range(row + i + 1, row + len(drafts) + 1))
+        matcher.rollback(accepted)
 
 
 def run_grammar_worker(conn: Connection, tokenizer_info: str, bitmask: torch.Tensor,

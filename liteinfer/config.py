@@ -358,12 +358,12 @@ class EngineConfig:
         if m < MIN_PROMPT_PIECE or m & (m - 1):
             raise ValueError(f"mixed_prompt_tokens must be a power of two >= "
                              f"{MIN_PROMPT_PIECE}, got {m}")
-        if SpeculativeConfig.from_dict(self.speculative_config) is not None and \
-                self.tensor_parallel_size > 1:
-            # A gloo run with drafts gave one request a token fewer than one rank: refused
-            # until that is understood.
-            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not "
-                             "supported yet")
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec is not None and spec.drafts_on_device and self.tensor_parallel_size > 1:
+            # The workers run no drafter: the draft's KV and proposals live on rank 0 only.
+            raise ValueError(f"speculative decoding with method {spec.method!r} and "
+                             "tensor_parallel_size > 1 is not supported yet (ngram and "
+                             "suffix are)")
         if self.batch_invariant:
             self._check_batch_invariant()
 

@@ -420,10 +420,11 @@ def test_bad_speculative_configs_are_clear_errors():
 
 
 # ---- tensor parallelism and the server ------------------------------------------------------
-def test_tensor_parallel_is_refused_clearly(tiny_llama_dir):
+def test_drafting_models_under_tensor_parallelism_are_refused_clearly(tiny_llama_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
         build_llm(str(tiny_llama_dir), **ENGINE, tensor_parallel_size=2,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+                  speculative_config={"method": "draft_model", "model": str(tiny_llama_dir),
+                                      "num_speculative_tokens": 2})
 
 
 def test_server_speculates_streamed_and_whole_and_counts(tiny_llm, tiny_llama_dir):

@@ -194,6 +194,32 @@ def _mixed_requests(prefix_len: int = 40, n: int = 8, seed: int = 0):
     return prompts, params
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculation_on_two_ranks_matches_one(tiny_llama_dir, method):
+    """Drafts verified on two ranks: the workers get each step's drafts with its deltas, and
+    every request's tokens are one rank's, through preemption, the prefix cache, penalties,
+    logprobs and seeds (prompts repeated so that the proposers find matches)."""
+    prompts, params = _mixed_requests(n=12, seed=1)
+    prompts = [p * 2 for p in prompts]
+    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    one = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
+                    num_kv_blocks=24, max_num_seqs=8, speculative_config=spec)
+    ref = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    ENGINES.remove(one)
+    one.shutdown()
+    tp = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", device="cpu",
+             max_model_len=256, num_kv_blocks=24, max_num_seqs=8, speculative_config=spec)
+    ENGINES.append(tp)
+    try:
+        got = [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)]
+        stats = tp.engine.core.scheduler.stats().spec_decoding
+        assert got == ref
+        assert stats.num_accepted_tokens > 0 and tp.engine.core.scheduler.num_preemptions > 0
+    finally:
+        ENGINES.remove(tp)
+        tp.shutdown()
+
+
 def test_a_worker_mirrors_rank_0s_sequences(tiny_llama_dir):
     """Rank 0's deltas, through their wire format, bring a worker's mirror to the step rank 0
     runs: the same model inputs, sampled rows and prompt-logprob rows every step, and the same

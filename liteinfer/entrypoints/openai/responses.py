@@ -316,12 +316,12 @@ class ItemWriter(PartWriter):
         if kind == "call":
             function = value["function"]
             self._item = {"type": "function_call", "id": f"fc_{secrets.token_hex(16)}",
-                          "call_id": value["id"], "name": function["name"],
-                          "arguments": function["arguments"], "status": "completed"}
-            return [{"type": "response.output_item.added", **where,
-                     "item": {**self._item, "arguments": "", "status": "in_progress"}},
-                    {"type": "response.function_call_arguments.delta", **where,
-                     "item_id": self._item["id"], "delta": function["arguments"]}]
+                          "call_id": value["id"], "name": function["name"], "arguments": "",
+                          "status": "completed"}
+            added = [{"type": "response.output_item.added", **where,
+                      "item": {**self._item, "status": "in_progress"}}]
+            return added + (self.grown(kind, function["arguments"])
+                            if function["arguments"] else [])
         if kind == "reasoning":
             self._item = {"type": "reasoning", "id": f"rs_{secrets.token_hex(16)}",
                           "summary": [], "content": [{"type": "reasoning_text", "text": ""}],
@@ -342,6 +342,10 @@ class ItemWriter(PartWriter):
         return added + self.grown(kind, value)
 
     def grown(self, kind: str, text: str) -> list[Chunk]:
+        if kind == "call":
+            self._item["arguments"] += text
+            return [{"type": "response.function_call_arguments.delta",
+                     "output_index": self.index, "item_id": self._item["id"], "delta": text}]
         self._item["content"][0]["text"] += text
         name = "reasoning_text" if kind == "reasoning" else "output_text"
         return [{"type": f"response.{name}.delta", "output_index": self.index,

@@ -385,10 +385,11 @@ class Scheduler:
 
     def _propose(self, seq: Sequence, num_drafts: int) -> list[int]:
         """Draft tokens for a sequence whose tokens are all on the host, within its length
-        limits. Sequences whose sampling reads their earlier outputs (penalties), whose
+        limits. Sequences whose sampling reads their earlier outputs (penalties, a reasoning
+        budget), whose
         grammar constrains them, or that may not stop yet (min_tokens) draft nothing."""
         params = seq.sampling_params
-        if (seq.needs_penalties or params.structured_outputs is not None
+        if (seq.reads_outputs or params.structured_outputs is not None
                 or seq.num_output_tokens < params.min_tokens):
             return []
         n = len(seq.token_ids)

@@ -91,13 +91,15 @@ def test_tool_calls_are_read_from_the_answer_only():
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
         {"city": "Paris"}]
     for piece in (1, 5, len(TOOL_OUTPUT)):
-        chat, reasoning, args = output(), "", []
+        chat, reasoning, args = output(), "", {}
         for end in range(piece, len(TOOL_OUTPUT) + piece, piece):
             delta, saw = chat.delta(0, "", TOOL_OUTPUT[:end], end >= len(TOOL_OUTPUT))
             reasoning += delta.get("reasoning_content", "")
-            args += [json.loads(c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
+            for c in delta.get("tool_calls", []):  # a call's arguments come in fragments
+                args[c["index"]] = args.get(c["index"], "") + c["function"]["arguments"]
             assert not delta.get("content", "").strip()
-        assert saw and reasoning == message["reasoning_content"] and args == [{"city": "Paris"}]
+        assert saw and reasoning == message["reasoning_content"]
+        assert [json.loads(a) for a in args.values()] == [{"city": "Paris"}]
     hidden, _ = output(include_reasoning=False).final(TOOL_OUTPUT)
     assert "reasoning_content" not in hidden and hidden["tool_calls"]
 

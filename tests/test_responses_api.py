@@ -79,6 +79,11 @@ def test_instructions_and_previous_response_id(qwen3, qwen3_url):
         {"role": "user", "content": "My name is Ada."},
         {"role": "assistant", "content": QWEN3_ANSWER},
         {"role": "user", "content": "What is my name?"}])
+    with qwen3.responses.stream(model="qwen3", input="What is my name?",
+                                previous_response_id=first.id, temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.previous_response_id == first.id and streamed.output_text == QWEN3_ANSWER
+    assert streamed.usage.input_tokens == second.usage.input_tokens
     assert qwen3.responses.retrieve(first.id).output_text == first.output_text
     unstored = qwen3.responses.create(model="qwen3", input="Hi", store=False)
     for gone in (unstored.id, "resp_unknown"):
@@ -126,6 +131,10 @@ def test_json_schema(client):
                                       temperature=0, max_output_tokens=60)
     assert isinstance(response.output_parsed, Capital)
     assert Capital.model_validate_json(response.output_text) == response.output_parsed
+    with client.responses.stream(model="smollm2", input=QUESTION, text_format=Capital,
+                                 temperature=0, max_output_tokens=60) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.output_parsed == response.output_parsed
 
 
 def test_reasoning_items(qwen3):

@@ -426,3 +426,9 @@ def test_malformed_after_a_call_began(parser, text):
     streamed = Streamed(text, 1, parser)
     assert streamed.content == text and not streamed.saw
     assert [c["function"]["name"] for c in streamed.calls] == ["f"]
+
+
+def test_pythonic_trailing_commas():
+    """Python's trailing commas, in a call's arguments and in the list."""
+    check_whole_and_streamed(PythonicToolParser, "[f(x=1, ), g(),]", None,
+                             [("f", {"x": 1}), ("g", {})])

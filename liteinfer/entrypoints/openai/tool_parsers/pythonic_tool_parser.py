@@ -46,12 +46,15 @@ class PythonicToolParser(WholeOutputCalls, ToolParser):
         done = start  # where the complete calls end
         try:
             while True:
-                taken = _call(text, skip(text, pos))
-                if taken is None:
-                    return None
-                calls.append(taken[0])
-                done = pos = skip(text, taken[1])
+                pos = skip(text, pos)
                 _more(text, pos)
+                taken = _call(text, pos) if not (calls and text[pos] == "]") else None
+                if taken is not None:
+                    calls.append(taken[0])
+                    done = pos = skip(text, taken[1])
+                    _more(text, pos)
+                elif not calls or text[pos] != "]":  # not a call, nor a trailing comma's end
+                    return None
                 if text[pos] == "]":
                     end = skip(text, pos + 1)
                     if text.startswith(PYTHON_END, end):
@@ -90,8 +93,8 @@ def _call(text: str, pos: int) -> tuple[ParsedCall, int] | None:
         partial = ParsedCall(name, "{" + ", ".join(fields))
         if pos == len(text):
             raise _Incomplete(partial)
-        if text[pos] == ")" and not fields:
-            return ParsedCall(name, "{}"), pos + 1
+        if text[pos] == ")":  # no arguments, or after a trailing comma
+            return ParsedCall(name, "{" + ", ".join(fields) + "}"), pos + 1
         keyword = _KEYWORD.match(text, pos)
         if keyword is None:
             if _PARTIAL_KEYWORD.fullmatch(text, pos):

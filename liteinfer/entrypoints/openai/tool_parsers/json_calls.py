@@ -7,7 +7,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCall, ToolParser
+from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ParsedCall,
+    ParsedCalls,
+    ToolParser,
+)
 
 WHITESPACE = " \t\n\r"
 _DECODER = json.JSONDecoder()
@@ -162,6 +166,30 @@ class JsonCallsParser(ToolParser):
     def take_arguments(self, text: str, pos: int, name: str) -> Taken | None:
         """As take_call, for a call of `name` whose object at `pos` is its arguments."""
         return self._take(text, pos, name)
+
+    def parse_array(self, text: str, start: int, pos: int) -> ParsedCalls | None:
+        """The calls of a JSON array of call objects `[call, call, ...]` beginning at `start`,
+        from `pos` after its bracket. Its calls stream as they are written, but none of its
+        text is done with until it closes."""
+        calls: list[ParsedCall] = []
+        while True:
+            pos = skip(text, pos)
+            if pos == len(text):
+                return ParsedCalls(calls, start)
+            taken = self.take_call(text, pos)
+            if taken is None:
+                return None
+            if taken.end is None:
+                return ParsedCalls(calls, start, taken.call)
+            calls.append(taken.call)
+            pos = skip(text, taken.end)
+            if pos == len(text):
+                return ParsedCalls(calls, start)
+            if text[pos] == "]":
+                return ParsedCalls(calls, pos + 1)
+            if text[pos] != ",":
+                return None
+            pos += 1
 
     def _take(self, text: str, pos: int, name: str | None) -> Taken | None:
         if pos in self._closed:

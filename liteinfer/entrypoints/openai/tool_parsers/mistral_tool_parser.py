@@ -32,31 +32,8 @@ class MistralToolParser(JsonCallsParser):
         if pos == len(text):
             return ParsedCalls([], start)
         if text[pos] == "[":
-            return self._array(text, start, pos + 1)
+            return self.parse_array(text, start, pos + 1)
         return self._marked(text, start)
-
-    def _array(self, text: str, start: int, pos: int) -> ParsedCalls | None:
-        """`[call, call, ...]` from after its bracket. Its calls stream as they are written,
-        but none of its text is done with until it closes."""
-        calls: list[ParsedCall] = []
-        while True:
-            pos = skip(text, pos)
-            if pos == len(text):
-                return ParsedCalls(calls, start)
-            taken = self.take_call(text, pos)
-            if taken is None:
-                return None
-            if taken.end is None:
-                return ParsedCalls(calls, start, taken.call)
-            calls.append(taken.call)
-            pos = skip(text, taken.end)
-            if pos == len(text):
-                return ParsedCalls(calls, start)
-            if text[pos] == "]":
-                return ParsedCalls(calls, pos + 1)
-            if text[pos] != ",":
-                return None
-            pos += 1
 
     def _marked(self, text: str, start: int) -> ParsedCalls | None:
         """`[TOOL_CALLS]name[ARGS]{...}`, repeated."""

@@ -40,6 +40,7 @@ import zmq
 from liteinfer.config import EngineConfig
 from liteinfer.engine.core import EngineCore
 from liteinfer.engine.messages import (
+    MAX_STORED_RESPONSES,
     Admission,
     EngineCoreInfo,
     EngineCoreOutput,
@@ -54,8 +55,6 @@ logger = logging.getLogger(__name__)
 # [ABORT_CLIENT, client index as text] (a front-end process that died: its requests end).
 ADD, ABORT, SHUTDOWN, ABORT_CLIENT = b"add", b"abort", b"shutdown", b"abort-client"
 STORE, LOOKUP = b"store", b"lookup"
-# The Responses API's stored responses that the core keeps for its front ends: the newest.
-MAX_STORED_RESPONSES = 1024
 READY, FAILED = b"ready", b"failed"
 # Once idle, the core spins on its input this long before it blocks: waking a process that
 # sleeps costs from tens of microseconds to milliseconds (more on virtual machines), and all of

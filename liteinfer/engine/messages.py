@@ -91,6 +91,10 @@ class Admission(msgspec.Struct, array_like=True, omit_defaults=True):
     refusal: str | None = None
 
 
+# How many stored responses the core keeps for its front ends: the newest.
+MAX_STORED_RESPONSES = 1024
+
+
 class StoredResponse(msgspec.Struct, array_like=True, omit_defaults=True):
     """A response the Responses API keeps (`previous_response_id`) in the core process, which
     every API-server process talks to: opaque bytes by id. As an answer to a lookup, payload

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from liteinfer.engine.async_llm import EngineError
-from liteinfer.engine.core_process import MAX_STORED_RESPONSES
+from liteinfer.engine.messages import MAX_STORED_RESPONSES
 from liteinfer.entrypoints.openai.api_server import (
     OpenAIServing,
     RequestError,

@@ -172,26 +172,26 @@ def test_bad_requests_get_openai_errors(qwen3_url, body, message):
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
 
 
-def test_previous_response_id_on_another_api_server(smollm2_path):
-    """Two API servers on one core (front ends 0 and 1, as `--api-server-count 2` runs them):
-    a response made through one is continued and retrieved through the other, since the core
-    keeps the stored responses."""
+def test_previous_response_id_on_another_api_server(tiny_llama_dir):
+    """Two API servers on one core (front ends 0 and 1, as `--api-server-count 2` runs them),
+    of the tiny random Llama: a response made through one is continued and retrieved through
+    the other, since the core keeps the stored responses."""
     from fixtures import serve
     from liteinfer.config import EngineConfig
     from liteinfer.engine.async_llm import AsyncLLM
     from liteinfer.entrypoints.openai.cli_args import ServerArgs
 
-    engine_args = dict(dtype="float32", device="cpu", max_model_len=1024)
-    first = AsyncLLM.from_args(str(smollm2_path), num_clients=2, **engine_args)
-    second = AsyncLLM(str(smollm2_path), EngineConfig(**engine_args), first.core_handle,
+    engine_args = dict(dtype="float32", device="cpu", max_model_len=256)
+    first = AsyncLLM.from_args(str(tiny_llama_dir), num_clients=2, **engine_args)
+    second = AsyncLLM(str(tiny_llama_dir), EngineConfig(**engine_args), first.core_handle,
                       client_index=1)
     try:
-        with serve(first, "smollm2", ServerArgs(api_key=API_KEY)) as one, \
-                serve(second, "smollm2", ServerArgs(api_key=API_KEY)) as two:
+        with serve(first, "tiny", ServerArgs(api_key=API_KEY)) as one, \
+                serve(second, "tiny", ServerArgs(api_key=API_KEY)) as two:
             a, b = (openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
                     for url in (one, two))
-            made = a.responses.create(model="smollm2", input="My name is Ada.", **GREEDY)
-            follow = b.responses.create(model="smollm2", input="What is my name?",
+            made = a.responses.create(model="tiny", input="My name is Ada.", **GREEDY)
+            follow = b.responses.create(model="tiny", input="What is my name?",
                                         previous_response_id=made.id, **GREEDY)
             assert follow.previous_response_id == made.id
             assert follow.usage.input_tokens == prompt_tokens(two, [
@@ -201,7 +201,7 @@ def test_previous_response_id_on_another_api_server(smollm2_path):
             assert b.responses.retrieve(made.id).output_text == made.output_text
             assert a.responses.retrieve(follow.id).output_text == follow.output_text
             with pytest.raises(openai.NotFoundError, match="kept in memory"):
-                b.responses.create(model="smollm2", input="Hi",
+                b.responses.create(model="tiny", input="Hi",
                                    previous_response_id="resp_unknown")
     finally:
         second.shutdown()

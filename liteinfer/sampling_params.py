@@ -65,6 +65,11 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The output must match this JSON schema, regex, choice or grammar (vLLM's).
     structured_outputs: StructuredOutputsParams | None = None
+    # At most this many tokens inside the reasoning section: the end of reasoning is forced
+    # then (vLLM's). The section's (start, end) tokens: the front end fills them in from the
+    # tokenizer's think markers.
+    thinking_token_budget: int | None = None
+    think_token_ids: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,6 +122,12 @@ class SamplingParams:
                 not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0
                 for t, b in self.logit_bias.items()):
             bad("logit_bias maps non-negative token ids to biases in [-100, 100]")
+        if self.thinking_token_budget is not None and (
+                isinstance(self.thinking_token_budget, bool)
+                or not isinstance(self.thinking_token_budget, int)
+                or self.thinking_token_budget < 0):
+            bad("thinking_token_budget must be a non-negative integer, got "
+                f"{self.thinking_token_budget!r}")
         if self.seed is not None and (not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             bad(f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")

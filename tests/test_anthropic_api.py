@@ -137,6 +137,8 @@ def post(url: str, body: bytes | dict, key: str = API_KEY) -> httpx.Response:
       "messages": [{"role": "user", "content": "Hi"}]}, "needs tools"),
     ({"model": "m", "max_tokens": 8, "temperature": 1.5,
       "messages": [{"role": "user", "content": "Hi"}]}, "temperature"),
+    ({"model": "m", "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": -1},
+      "messages": [{"role": "user", "content": "Hi"}]}, "budget_tokens"),
 ])
 def test_bad_requests_get_anthropic_errors(qwen3_url, body, message):
     response = post(qwen3_url, body)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import openai
 import pytest
 
-from fixtures import API_KEY, QWEN3_ANSWER, QWEN3_PLAIN, QWEN3_REASONING
+from fixtures import API_KEY, QWEN3_ANSWER, QWEN3_PLAIN, QWEN3_REASONING, QWEN3_TOKENIZER
 from liteinfer.entrypoints.openai.chat_output import ChatOutput
 from liteinfer.entrypoints.openai.reasoning_parsers import (
     REASONING_PARSERS,
@@ -90,13 +91,15 @@ def test_tool_calls_are_read_from_the_answer_only():
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
         {"city": "Paris"}]
     for piece in (1, 5, len(TOOL_OUTPUT)):
-        chat, reasoning, args = output(), "", []
+        chat, reasoning, args = output(), "", {}
         for end in range(piece, len(TOOL_OUTPUT) + piece, piece):
             delta, saw = chat.delta(0, "", TOOL_OUTPUT[:end], end >= len(TOOL_OUTPUT))
             reasoning += delta.get("reasoning_content", "")
-            args += [json.loads(c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
+            for c in delta.get("tool_calls", []):  # a call's arguments come in fragments
+                args[c["index"]] = args.get(c["index"], "") + c["function"]["arguments"]
             assert not delta.get("content", "").strip()
-        assert saw and reasoning == message["reasoning_content"] and args == [{"city": "Paris"}]
+        assert saw and reasoning == message["reasoning_content"]
+        assert [json.loads(a) for a in args.values()] == [{"city": "Paris"}]
     hidden, _ = output(include_reasoning=False).final(TOOL_OUTPUT)
     assert "reasoning_content" not in hidden and hidden["tool_calls"]
 
@@ -178,3 +181,81 @@ def test_constraints_hold_the_answer_after_the_reasoning(client):
     assert forced.message.model_extra["reasoning_content"] == QWEN3_REASONING
     assert [c.function.name for c in forced.message.tool_calls or ()] == ["get_weather"], forced
     assert forced.finish_reason == "tool_calls"
+
+
+def test_thinking_token_budget(client, qwen3_url):
+    """vLLM's thinking_token_budget: after that many tokens of reasoning the engine writes
+    </think>, and the scripted model answers after it. Anthropic's thinking budget_tokens is
+    the same budget. Within budget, or with thinking off, nothing changes."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER))
+    words = [tokenizer.decode(t)
+             for t in tokenizer.encode(QWEN3_REASONING, add_special_tokens=False)]
+    assert len(words) > 2
+    full = client.chat.completions.create(model="qwen3", messages=MESSAGES, temperature=0)
+    for budget, reasoning in ((0, None), (1, words[0]), (2, "".join(words[:2])),
+                              (len(words), QWEN3_REASONING), (100, QWEN3_REASONING)):
+        ask = dict(model="qwen3", messages=MESSAGES, temperature=0,
+                   extra_body={"thinking_token_budget": budget})
+        completion = client.chat.completions.create(**ask)
+        choice = completion.choices[0]
+        assert choice.message.model_extra["reasoning_content"] == reasoning
+        assert choice.message.content == QWEN3_ANSWER and choice.finish_reason == "stop"
+        # Written out all the same: <think>, the reasoning left, </think>, the answer.
+        assert completion.usage.completion_tokens == (
+            full.usage.completion_tokens - len(words) + min(budget, len(words)))
+        chunks = client.chat.completions.create(**ask, stream=True)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) \
+            == (reasoning or "")
+        assert "".join(d.content or "" for d in deltas) == QWEN3_ANSWER
+    plain = client.chat.completions.create(
+        model="qwen3", messages=MESSAGES, temperature=0, extra_body={
+            "thinking_token_budget": 0, "chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.choices[0].message.content == QWEN3_PLAIN
+    claude = anthropic.Anthropic(base_url=qwen3_url, api_key=API_KEY, max_retries=0)
+    message = claude.messages.create(model="qwen3", max_tokens=50, messages=MESSAGES,
+                                     thinking={"type": "enabled", "budget_tokens": 1},
+                                     extra_body={"temperature": 0})
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in message.content] == [("thinking", words[0]), ("text", QWEN3_ANSWER)]
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        client.chat.completions.create(model="qwen3", messages=MESSAGES,
+                                       extra_body={"thinking_token_budget": -1})
+
+
+def test_thinking_token_budget_needs_think_tokens(smollm2_url):
+    """SmolLM2's tokenizer has no think markers: a budget is a bad request."""
+    smollm2 = openai.OpenAI(base_url=smollm2_url + "/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="needs a reasoning model"):
+        smollm2.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4,
+                                        extra_body={"thinking_token_budget": 8})
+
+
+def test_thinking_budget_reads_the_section():
+    """The engine's count: from the output's opening marker (Qwen3) or from the start when the
+    prompt opened the section (DeepSeek-R1); a sequence whose output does not reason, or
+    whose reasoning has closed, has nothing more to enforce and overlaps its steps again."""
+    from liteinfer.engine.sequence import Sequence
+    from liteinfer.engine.thinking_budget import ThinkingBudget
+    from liteinfer.sampling_params import SamplingParams
+
+    start, end = 7, 8
+    qwen3 = ThinkingBudget(2, start, end, [1, 2])
+    assert [qwen3.must_end([1, 2, start, 5, 6][:n]) for n in range(2, 6)] == [
+        False, False, False, True]
+    assert not qwen3.must_end([1, 2, start, 5, 6, end]) and qwen3.over
+    r1 = ThinkingBudget(1, start, end, [1, start, 3])
+    assert not r1.must_end([1, start, 3]) and r1.must_end([1, start, 3, 4])
+    closed = [1, start, 2, end, 3]  # enable_thinking off: the template closed it
+    plain = ThinkingBudget(0, start, end, closed)
+    assert not plain.must_end(closed + [9]) and plain.over
+    seq = Sequence("r", [1, 2], SamplingParams(thinking_token_budget=1,
+                                               think_token_ids=(start, end)))
+    assert seq.reads_outputs
+    seq.append_token(start)
+    seq.append_token(end)
+    assert not seq.thinking.must_end(seq.token_ids) and not seq.reads_outputs
+    with pytest.raises(ValueError, match="thinking_token_budget"):
+        SamplingParams(thinking_token_budget=True)

@@ -79,6 +79,11 @@ def test_instructions_and_previous_response_id(qwen3, qwen3_url):
         {"role": "user", "content": "My name is Ada."},
         {"role": "assistant", "content": QWEN3_ANSWER},
         {"role": "user", "content": "What is my name?"}])
+    with qwen3.responses.stream(model="qwen3", input="What is my name?",
+                                previous_response_id=first.id, temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.previous_response_id == first.id and streamed.output_text == QWEN3_ANSWER
+    assert streamed.usage.input_tokens == second.usage.input_tokens
     assert qwen3.responses.retrieve(first.id).output_text == first.output_text
     unstored = qwen3.responses.create(model="qwen3", input="Hi", store=False)
     for gone in (unstored.id, "resp_unknown"):
@@ -126,6 +131,10 @@ def test_json_schema(client):
                                       temperature=0, max_output_tokens=60)
     assert isinstance(response.output_parsed, Capital)
     assert Capital.model_validate_json(response.output_text) == response.output_parsed
+    with client.responses.stream(model="smollm2", input=QUESTION, text_format=Capital,
+                                 temperature=0, max_output_tokens=60) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.output_parsed == response.output_parsed
 
 
 def test_reasoning_items(qwen3):
@@ -161,3 +170,39 @@ def test_bad_requests_get_openai_errors(qwen3_url, body, message):
     broken = httpx.post(qwen3_url + "/v1/responses", content=b"{not json",
                         headers={"Authorization": f"Bearer {API_KEY}"})
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+
+
+def test_previous_response_id_on_another_api_server(tiny_llama_dir):
+    """Two API servers on one core (front ends 0 and 1, as `--api-server-count 2` runs them),
+    of the tiny random Llama: a response made through one is continued and retrieved through
+    the other, since the core keeps the stored responses."""
+    from fixtures import serve
+    from liteinfer.config import EngineConfig
+    from liteinfer.engine.async_llm import AsyncLLM
+    from liteinfer.entrypoints.openai.cli_args import ServerArgs
+
+    engine_args = dict(dtype="float32", device="cpu", max_model_len=256)
+    first = AsyncLLM.from_args(str(tiny_llama_dir), num_clients=2, **engine_args)
+    second = AsyncLLM(str(tiny_llama_dir), EngineConfig(**engine_args), first.core_handle,
+                      client_index=1)
+    try:
+        with serve(first, "tiny", ServerArgs(api_key=API_KEY)) as one, \
+                serve(second, "tiny", ServerArgs(api_key=API_KEY)) as two:
+            a, b = (openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+                    for url in (one, two))
+            made = a.responses.create(model="tiny", input="My name is Ada.", **GREEDY)
+            follow = b.responses.create(model="tiny", input="What is my name?",
+                                        previous_response_id=made.id, **GREEDY)
+            assert follow.previous_response_id == made.id
+            assert follow.usage.input_tokens == prompt_tokens(two, [
+                {"role": "user", "content": "My name is Ada."},
+                {"role": "assistant", "content": made.output_text},
+                {"role": "user", "content": "What is my name?"}])
+            assert b.responses.retrieve(made.id).output_text == made.output_text
+            assert a.responses.retrieve(follow.id).output_text == follow.output_text
+            with pytest.raises(openai.NotFoundError, match="kept in memory"):
+                b.responses.create(model="tiny", input="Hi",
+                                   previous_response_id="resp_unknown")
+    finally:
+        second.shutdown()
+        first.shutdown()

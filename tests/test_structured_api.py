@@ -16,13 +16,11 @@ from liteinfer.entrypoints.openai.structured import (
     NamedToolChoice,
     Tool,
     ToolCalls,
-    forced_tool_calls,
     forced_tool_schema,
 )
 from liteinfer.structured_output import StructuredOutputsParams
 from liteinfer.structured_output.backend import XgrammarBackend, tokenizer_info
 from test_structured_output import Color, Point
-from test_tool_parsers import calls_of
 
 # Llama 3.1's way of rendering tools and tool turns, cut down.
 TOOLS_TEMPLATE = (
@@ -95,12 +93,14 @@ def test_required_schema_hoists_defs(tiny_llm, parallel):
     assert accepts(json.dumps(calls_made)) == parallel
     assert not accepts(json.dumps([{"name": "trip", "parameters": {"x": 0, "y": 0}}]))
     assert not accepts("[]")
-    calls = forced_tool_calls(text, "required")
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
-        == [(c["name"], c["parameters"]) for c in json.loads(text)]
-    named = NamedToolChoice.model_validate({"function": {"name": "point"}})
-    assert forced_tool_calls('{"x": 1, "y": 2}', named)[0]["function"]["name"] == "point"
-    assert forced_tool_calls('{"x": 1, "y"', named) == []
+    content, calls = ToolCalls(TOOLS, "required", None).final(text)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                for c in calls] == [(c["name"], c["parameters"])
+                                                    for c in json.loads(text)]
+    named = ToolCalls(TOOLS, NamedToolChoice.model_validate({"function": {"name": "point"}}),
+                      None)
+    assert named.final('{"x": 1, "y": 2}')[1][0]["function"]["name"] == "point"
+    assert named.final('{"x": 1, "y"') == ('{"x": 1, "y"', [])
 
 
 def test_tool_turns_render_through_the_template(tiny_llm):
@@ -124,20 +124,34 @@ def test_tool_turns_render_through_the_template(tiny_llm):
                          "tool: RESULT call-1 sunny|assistant:")
 
 
-def test_streamed_forced_calls_go_out_whole_at_the_end():
-    """A forced call's stream holds its text back and, once the choice finishes, sends the
-    calls its whole output (the cumulative text) holds, or that text as content when it was
-    cut off."""
-    tools = ToolCalls(TOOLS, "required", None)
-    text = json.dumps([{"name": "point", "parameters": {"x": 1, "y": 2}}])
-    ends = list(range(4, len(text), 4)) + [len(text)]
-    deltas = [tools.delta(0, text[max(end - 4, 0):end], text[:end], end == len(text))
-              for end in ends]
-    assert all(d == ({}, False) for d in deltas[:-1])
-    delta, sent = deltas[-1]
-    assert sent and [c["index"] for c in delta["tool_calls"]] == [0]
-    assert calls_of(delta["tool_calls"]) == [("point", {"x": 1, "y": 2})]
-    assert tools.delta(1, text[8:12], text[:12], True) == ({"content": text[:12]}, False)
+@pytest.mark.parametrize("tool_choice, text", [
+    ("required", json.dumps([{"name": "point", "parameters": {"x": 1, "y": 2}},
+                             {"name": "point", "parameters": {"x": 3, "y": 4}}])),
+    ({"function": {"name": "point"}}, json.dumps({"x": 1, "y": 2}))])
+def test_streamed_forced_calls(tool_choice, text):
+    """A forced call streams as a parsed one: its name first, then its arguments as they are
+    written, which concatenate to the arguments of the whole output. Cut off, its text is
+    content (the call begun stays as far as it was sent)."""
+    choice = tool_choice if isinstance(tool_choice, str) else \
+        NamedToolChoice.model_validate(tool_choice)
+    _, whole = ToolCalls(TOOLS, choice, None).final(text)
+    tools = ToolCalls(TOOLS, choice, None)
+    streamed: dict[int, dict] = {}
+    for end in range(1, len(text) + 1):
+        delta, sent = tools.delta(0, text[end - 1:end], text[:end], end == len(text))
+        assert "content" not in delta
+        for d in delta.get("tool_calls", []):
+            if "id" in d:
+                streamed[d["index"]] = {**d["function"], "fragments": 1}
+            else:
+                streamed[d["index"]]["arguments"] += d["function"]["arguments"]
+                streamed[d["index"]]["fragments"] += 1
+    assert sent and [{"name": c["name"], "arguments": c["arguments"]}
+                     for c in streamed.values()] == [c["function"] for c in whole]
+    assert all(c["fragments"] > 1 for c in streamed.values())
+    cut = text[:len(text) // 2]
+    cut_tools = ToolCalls(TOOLS, choice, None)
+    assert cut_tools.delta(1, cut, cut, True)[0]["content"] == cut
 
 
 def test_choices_share_one_constraint_parsed_once(tiny_llm, monkeypatch):

@@ -2,6 +2,8 @@
 hermes on Qwen2.5-style outputs, qwen3_coder on Qwen3-Coder's XML format, mistral on both of
 Mistral's `[TOOL_CALLS]` layouts, pythonic on Llama 3.2 / Llama 4 Python lists. Whole outputs
 and the same outputs streamed in pieces of several sizes give the same content and calls;
+streamed, each call comes as vLLM streams it (its name first, then its arguments in
+fragments as they are written, which concatenate to the whole output's arguments text);
 malformed calls stay text."""
 from __future__ import annotations
 
@@ -51,20 +53,50 @@ def calls_of(tool_calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls]
 
 
+class Streamed:
+    """What a client makes of a stream of `text` fed to a new parser `piece` characters at a
+    time: the content, the calls accumulated from their deltas, how many deltas carried
+    arguments of each call, and whether the parser saw a complete call. Each delta is
+    checked to have vLLM's shape: a call's first with its index, id, type and name, the
+    others with its index and a fragment of its arguments only."""
+
+    def __init__(self, text: str, piece: int, parser_cls=None, parser=None):
+        parser = parser or (parser_cls or Llama3JsonToolParser)()
+        self.content, self.calls, self.fragments = "", [], []
+        pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
+        so_far = ""
+        for i, p in enumerate(pieces):
+            so_far += p
+            delta = parser.extract_tool_calls_streaming(so_far, i == len(pieces) - 1)
+            self.content += delta.get("content", "")
+            for d in delta.get("tool_calls", []):
+                arguments = d["function"]["arguments"]
+                if d["index"] == len(self.calls):
+                    assert set(d) == {"index", "id", "type", "function"}
+                    assert d["type"] == "function" and d["id"].startswith("chatcmpl-tool-")
+                    assert d["function"]["name"]
+                    self.calls.append(d)
+                    self.fragments.append(int(bool(arguments)))
+                    continue
+                assert d == {"index": len(self.calls) - 1, "function": {"arguments": arguments}}
+                assert arguments
+                self.calls[-1]["function"]["arguments"] += arguments
+                self.fragments[-1] += 1
+        self.saw = parser.saw_tool_calls
+
+
 def stream(text: str, piece: int, parser_cls=Llama3JsonToolParser):
-    parser = parser_cls()
-    content, calls = "", []
-    pieces = [text[i:i + piece] for i in range(0, len(text), piece)] or [""]
-    so_far = ""
-    for i, p in enumerate(pieces):
-        so_far += p
-        delta = parser.extract_tool_calls_streaming(so_far, i == len(pieces) - 1)
-        content += delta.get("content", "")
-        for c in delta.get("tool_calls", []):
-            assert c["index"] == len(calls) and c["type"] == "function"
-            assert c["id"].startswith("chatcmpl-tool-")
-            calls.append(c)
-    return content, calls, parser.saw_tool_calls
+    streamed = Streamed(text, piece, parser_cls)
+    return streamed.content, streamed.calls, streamed.saw
+
+
+def check_incremental(text: str, parser, whole_calls: list[dict]) -> None:
+    """Streamed a character at a time, every call's arguments come in several fragments, and
+    they concatenate to the arguments of the output read whole."""
+    streamed = Streamed(text, 1, parser)
+    assert [c["function"] for c in streamed.calls] == [c["function"] for c in whole_calls]
+    for call, fragments in zip(whole_calls, streamed.fragments):
+        assert fragments > 1 or call["function"]["arguments"] == "{}"
 
 
 def test_registry():
@@ -84,6 +116,7 @@ def test_calls_whole_and_streamed(text, expected):
         content, calls, saw = stream(text, piece)
         assert content == "" and saw
         assert calls_of(calls) == expected
+    check_incremental(text, Llama3JsonToolParser, tool_calls)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -91,13 +124,14 @@ def test_malformed_calls_stay_text(text):
     assert Llama3JsonToolParser().extract_tool_calls(text) == (text, [])
     for piece in (1, 4, max(len(text), 1)):
         content, calls, saw = stream(text, piece)
-        if not calls:
-            assert content == text and not saw
+        if not saw:
+            # A call begun is not taken back (its arguments stop where they were), and all
+            # of the text comes as content.
+            assert content == text and all(c["function"]["arguments"] in text for c in calls)
             continue
-        # A stream cannot take back a complete call sent before the text went wrong: the
-        # rest comes as content.
+        # Nor is a complete call sent before the text went wrong: the rest comes as content.
         first = '{"name": "f", "parameters": {"x": 1}}'
-        assert text.startswith(first) and calls_of(calls) == [("f", {"x": 1})] and saw
+        assert text.startswith(first) and calls_of(calls) == [("f", {"x": 1})]
         assert content == text[len(first):]
 
 
@@ -140,14 +174,15 @@ def test_hermes_calls_whole_and_streamed(text, content, expected):
         streamed, calls, saw = stream(text, piece, HermesToolParser)
         assert streamed == (content or "") and saw
         assert calls_of(calls) == expected
+    check_incremental(text, HermesToolParser, tool_calls)
 
 
 @pytest.mark.parametrize("text", HERMES_TEXTS)
 def test_hermes_malformed_calls_stay_text(text):
     assert HermesToolParser().extract_tool_calls(text) == (text, [])
     for piece in (1, 3, len(text)):
-        content, calls, _ = stream(text, piece, HermesToolParser)
-        if not calls:
+        content, _, saw = stream(text, piece, HermesToolParser)
+        if not saw:
             assert content == text
         else:  # the complete call was sent before the remark came
             assert text.startswith(QWEN_CALL) and content == text[len(QWEN_CALL):]
@@ -169,12 +204,9 @@ def test_long_argument_is_read_once(parser_cls, layout, monkeypatch):
     monkeypatch.setattr(json_calls, "_DECODER", CountingDecoder())
     arguments = {"text": 'a "quoted" {brace} [list] \\ end; ' * 1000, "n": 1}
     text = layout.format(json.dumps({"name": "write", "arguments": arguments}))
-    content, calls, saw = stream(text, 3, parser_cls)
-    assert content == "" and saw and len(decoded) == 1
-    streamed: dict[int, str] = {}
-    for c in calls:
-        streamed[c["index"]] = streamed.get(c["index"], "") + c["function"]["arguments"]
-    assert list(streamed) == [0] and json.loads(streamed[0]) == arguments
+    streamed = Streamed(text, 3, parser_cls)
+    assert streamed.content == "" and streamed.saw and len(decoded) == 1
+    assert calls_of(streamed.calls) == [("write", arguments)] and streamed.fragments[0] > 1000
 
 
 def check_whole_and_streamed(parser, text, content, expected, pieces=(1, 2, 5, 13)):
@@ -184,15 +216,17 @@ def check_whole_and_streamed(parser, text, content, expected, pieces=(1, 2, 5, 1
     for piece in (*pieces, len(text)):
         streamed, calls, saw = stream(text, piece, parser)
         assert streamed == (content or "") and saw == bool(expected)
-        assert calls_of(calls) == expected
+        assert [c["function"] for c in calls] == [c["function"] for c in tool_calls]
+    check_incremental(text, parser, tool_calls)
 
 
 def check_stays_text(parser, text, pieces=(1, 3)):
-    """`parser()` leaves `text` as it is, whole and streamed."""
+    """`parser()` leaves `text` as it is, whole and streamed (where a call begun streamed stays
+    as far as it was sent)."""
     assert parser().extract_tool_calls(text) == (text, [])
     for piece in (*pieces, max(len(text), 1)):
         content, calls, saw = stream(text, piece, parser)
-        assert (content, calls, saw) == (text, [], False)
+        assert (content, saw) == (text, False) and len(calls) <= 1
 
 
 # Qwen3-Coder's chat template: "<tool_call>\n<function=example_function_name>\n<parameter=
@@ -325,3 +359,76 @@ def test_call_then_remark(parser, call, expected):
     assert parser().extract_tool_calls(text) == (text, [])
     content, calls, saw = stream(text, 1, parser)
     assert calls_of(calls) == expected and saw and content.strip() == "and a remark"
+
+
+# Per parser: an output of two calls in its model family's format, a text inside the first
+# call's arguments, what of them is written once the text ends there, and a text inside the
+# second call.
+TWO_CALLS = [
+    (Llama3JsonToolParser, CALLS[2][0], '"a } ;', "a } ;", '"parameters": {'),
+    (HermesToolParser, HERMES_CALLS[1][0], '"San Franc', "San Franc", '"Paris, C'),
+    (coder, "I will check.\n" + CODER_CALL + "\n" + CODER_CALL.replace("San Francisco", "Oslo"),
+     "San Franc", "San Franc", "Os"),
+    (MistralToolParser, MISTRAL_CALLS[3][0], '"Par', "Par", '"CET [AR'),
+    (MistralToolParser, MISTRAL_CALLS[1][0], '"T10', "T10", '"retrieve_payment_da'),
+    (PythonicToolParser, PYTHONIC_CALLS[1][0], 'CA",', '"location": "San Francisco, CA"',
+     "timezone="),
+]
+
+
+@pytest.mark.parametrize("parser, text, inside, written, second", TWO_CALLS)
+def test_arguments_stream_as_written(parser, text, inside, written, second):
+    """The first call's name goes out before its arguments, and its arguments as far as they
+    are written (for pythonic, an argument at a time), long before the call closes."""
+    streamed = Streamed(text[:text.index(inside) + len(inside)], 1, parser)
+    assert len(streamed.calls) == 1 and not streamed.saw
+    arguments = streamed.calls[0]["function"]["arguments"]
+    whole = parser().extract_tool_calls(text)[1][0]["function"]["arguments"]
+    assert whole.startswith(arguments) and streamed.fragments[0] > 1 and written in arguments
+
+
+@pytest.mark.parametrize("parser, text, inside, written, second", TWO_CALLS)
+def test_unfinished_call_at_the_end(parser, text, inside, written, second):
+    """A stream that ends inside its second call: the first call stays complete, the second
+    as far as it was sent, and the text from the end of the first is content (all of Mistral's
+    array, whose calls are not done with until it closes)."""
+    content, whole = parser().extract_tool_calls(text)
+    cut = text.index(second, text.index(inside) + len(inside)) + len(second)
+    array = text.startswith("[TOOL_CALLS][")
+    for piece in (1, 4):
+        streamed = Streamed(text[:cut], piece, parser)
+        assert streamed.saw != array and streamed.calls[0]["function"] == whole[0]["function"]
+        if array:
+            assert streamed.content == text[:cut]
+            continue
+        assert len(streamed.calls) <= 2
+        if len(streamed.calls) == 2:
+            partial = streamed.calls[1]["function"]
+            assert partial["name"] == whole[1]["function"]["name"]
+            assert whole[1]["function"]["arguments"].startswith(partial["arguments"])
+        assert streamed.content.startswith(content or "")
+        rest = streamed.content[len(content or ""):]
+        assert rest.strip() and text[:cut].endswith(rest)
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesToolParser, '<tool_call>\n{"name": "f", "arguments": {"x": 1}} oops</tool_call>'),
+    (Llama3JsonToolParser, '{"name": "f", "parameters": {"x": [1, 2}}'),
+    (coder, "<tool_call>\n<function=f>\n<parameter=x>\n1\n<parameter=y>\n2\n</parameter>"),
+    (MistralToolParser, '[TOOL_CALLS]f[ARGS]{"x": 1, "y": }'),
+    (PythonicToolParser, "[f(x=1, y=open('z'))]"),
+])
+def test_malformed_after_a_call_began(parser, text):
+    """A call that goes wrong after its name and some arguments were sent: nothing is taken
+    back, the call is not complete (the choice does not finish "tool_calls"), and all of the
+    text is content, whole and streamed."""
+    assert parser().extract_tool_calls(text) == (text, [])
+    streamed = Streamed(text, 1, parser)
+    assert streamed.content == text and not streamed.saw
+    assert [c["function"]["name"] for c in streamed.calls] == ["f"]
+
+
+def test_pythonic_trailing_commas():
+    """Python's trailing commas, in a call's arguments and in the list."""
+    check_whole_and_streamed(PythonicToolParser, "[f(x=1, ), g(),]", None,
+                             [("f", {"x": 1}), ("g", {})])

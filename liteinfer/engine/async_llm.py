@@ -23,6 +23,7 @@ from liteinfer.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
+    StoredResponse,
 )
 from liteinfer.engine.output_processor import OutputProcessor
 from liteinfer.engine.processor import InputProcessor
@@ -123,6 +124,7 @@ class AsyncLLM:
                                                            thread_name_prefix="liteinfer-tok")
         self._client: EngineCoreClient | None = None
         self._streams: dict[str, RequestStream] = {}
+        self._lookups: dict[str, list[asyncio.Future[bytes | None]]] = {}  # by response id
         self.scheduler_stats = SchedulerStats()
         self.dead: EngineError | None = None
         self.on_death: list[Callable[[], None]] = []
@@ -226,6 +228,24 @@ class AsyncLLM:
         if ids and self._client is not None and self.dead is None:
             self._client.abort_requests(ids)
 
+    # ---- the Responses API's stored responses, kept by the core for every front end -------
+    def store_response(self, response_id: str, payload: bytes) -> None:
+        self._live_client().store_response(StoredResponse(response_id, payload))
+
+    async def stored_response(self, response_id: str) -> bytes | None:
+        """A stored response's payload; None if the core does not keep it."""
+        future = asyncio.get_running_loop().create_future()
+        self._lookups.setdefault(response_id, []).append(future)
+        self._live_client().lookup_response(response_id)
+        return await future
+
+    def _live_client(self) -> EngineCoreClient:
+        if self.dead is not None:
+            raise self.dead
+        if self._client is None:
+            raise EngineError("the engine client is not started")
+        return self._client
+
     def _forget(self, request_ids: list[str]) -> list[str]:
         """Drops this front end's state of the requests; returns those it held."""
         ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
@@ -239,6 +259,9 @@ class AsyncLLM:
         self.abort(list(self._streams))
         for stream in streams.values():
             stream.fail(error)
+        lookups, self._lookups = self._lookups, {}
+        for future in (f for fs in lookups.values() for f in fs if not f.done()):
+            future.set_exception(error)
 
     # ---- outputs (the client's reader task) -----------------------------------------------
     def _on_outputs(self, steps: list[EngineCoreOutputs]) -> None:
@@ -253,6 +276,10 @@ class AsyncLLM:
                     stream.admission.set_result(None)
                 else:
                     stream.admission.set_exception(ServerBusyError(admission.refusal))
+            for stored in step.stored:
+                for future in self._lookups.pop(stored.response_id, []):
+                    if not future.done():
+                        future.set_result(stored.payload)
         outputs = merge_steps(steps)
         failed = [o for o in outputs if o.finish_reason == "error"]
         if failed:

@@ -291,13 +291,13 @@ class EngineCore:
 
     def _can_overlap(self, inflight: InFlight) -> bool:
         """Whether the next step may be scheduled before this one's tokens are read: not if
-        its sampling reads every earlier token (penalties), nor if the next step verifies
-        drafts, which follow this step's tokens and what it accepted (or were proposed on the
-        device after it)."""
+        its sampling reads every earlier token (penalties, a reasoning budget), nor if the
+        next step verifies drafts, which follow this step's tokens and what it accepted (or
+        were proposed on the device after it)."""
         scheduled = inflight.scheduled
         return not (scheduled.draft_token_ids or scheduled.num_lookahead_tokens
                     or self.scheduler.wants_drafts()
-                    or any(s.needs_penalties for s in scheduled.seqs))
+                    or any(s.reads_outputs for s in scheduled.seqs))
 
     def _schedule(self) -> tuple[SchedulerOutput | None, list[EngineCoreOutput]]:
         """The next step (None if there is nothing to run), and the outputs of the requests

@@ -29,6 +29,7 @@ import signal
 import tempfile
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +40,13 @@ import zmq
 from liteinfer.config import EngineConfig
 from liteinfer.engine.core import EngineCore
 from liteinfer.engine.messages import (
+    MAX_STORED_RESPONSES,
     Admission,
     EngineCoreInfo,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    StoredResponse,
 )
 from liteinfer.logger import configure_logging
 
@@ -51,6 +54,7 @@ logger = logging.getLogger(__name__)
 # Input frames: [ADD, list[EngineCoreRequest]] | [ABORT, list[str]] | [SHUTDOWN] |
 # [ABORT_CLIENT, client index as text] (a front-end process that died: its requests end).
 ADD, ABORT, SHUTDOWN, ABORT_CLIENT = b"add", b"abort", b"shutdown", b"abort-client"
+STORE, LOOKUP = b"store", b"lookup"
 READY, FAILED = b"ready", b"failed"
 # Once idle, the core spins on its input this long before it blocks: waking a process that
 # sleeps costs from tens of microseconds to milliseconds (more on virtual machines), and all of
@@ -134,6 +138,8 @@ class EngineCoreProc:
         self.encoder = msgspec.msgpack.Encoder()
         self.requests_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
         self.ids_decoder = msgspec.msgpack.Decoder(list[str])
+        self.stored_decoder = msgspec.msgpack.Decoder(StoredResponse)
+        self.stored: OrderedDict[str, bytes] = OrderedDict()
         self.parent = os.getppid()
 
     def run(self) -> None:
@@ -168,6 +174,7 @@ class EngineCoreProc:
         """Handles every message waiting on the input socket, then answers each front end's
         batches of requests; False on SHUTDOWN."""
         admissions: dict[int, list[Admission]] = {}
+        lookups: dict[int, list[StoredResponse]] = {}
         while True:
             try:
                 frames = self.input.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -185,9 +192,22 @@ class EngineCoreProc:
             elif kind == ABORT_CLIENT:
                 client = int(frames[1].bytes)
                 self._abort([rid for rid, c in self.owner.items() if c == client])
-        for client, answers in admissions.items():
-            self._send(client, EngineCoreOutputs(admissions=answers))
+            elif kind == STORE:
+                self._store(self.stored_decoder.decode(frames[1].buffer))
+            elif kind == LOOKUP:
+                client, response_id = self.ids_decoder.decode(frames[1].buffer)
+                lookups.setdefault(int(client), []).append(
+                    StoredResponse(response_id, self.stored.get(response_id)))
+        for client in admissions.keys() | lookups.keys():
+            self._send(client, EngineCoreOutputs(admissions=admissions.get(client, []),
+                                                 stored=lookups.get(client, [])))
         return True
+
+    def _store(self, response: StoredResponse) -> None:
+        self.stored[response.response_id] = response.payload or b""
+        self.stored.move_to_end(response.response_id)
+        while len(self.stored) > MAX_STORED_RESPONSES:
+            self.stored.popitem(last=False)
 
     def _admit(self, batch: list[EngineCoreRequest]) -> Admission:
         """Adds the batch's requests, or none of them if the core would then hold more than
@@ -398,6 +418,13 @@ class EngineCoreClient:
         ids = list(request_ids)
         if ids:
             self._send(ABORT, self.encoder.encode(ids))
+
+    def store_response(self, response: StoredResponse) -> None:
+        self._send(STORE, self.encoder.encode(response))
+
+    def lookup_response(self, response_id: str) -> None:
+        """Asks for a stored response: the answer comes in an output's `stored`."""
+        self._send(LOOKUP, self.encoder.encode([str(self.client_index), response_id]))
 
     def _send(self, kind: bytes, payload: bytes) -> None:
         if self.dead is not None:

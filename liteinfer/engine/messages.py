@@ -91,14 +91,28 @@ class Admission(msgspec.Struct, array_like=True, omit_defaults=True):
     refusal: str | None = None
 
 
+# How many stored responses the core keeps for its front ends: the newest.
+MAX_STORED_RESPONSES = 1024
+
+
+class StoredResponse(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A response the Responses API keeps (`previous_response_id`) in the core process, which
+    every API-server process talks to: opaque bytes by id. As an answer to a lookup, payload
+    None: not kept (never stored, or dropped as the oldest)."""
+
+    response_id: str
+    payload: bytes | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """One step's message: every request's new tokens, and the scheduler's state; or the
-    answers to the batches of requests the core has just taken in."""
+    answers to the batches of requests and the lookups the core has just taken in."""
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0  # time.monotonic() on the core's host when the step's tokens arrived
     admissions: list[Admission] = msgspec.field(default_factory=list)
+    stored: list[StoredResponse] = msgspec.field(default_factory=list)
 
 
 class EngineCoreInfo(msgspec.Struct, array_like=True):

@@ -13,6 +13,10 @@ from liteinfer.sampling_params import SamplingParams
 from liteinfer.structured_output.backend import build_grammar
 from liteinfer.utils import ints_below
 
+# The reasoning section's markers, as the reasoning models served write them (Qwen3,
+# DeepSeek-R1): a reasoning budget is counted between them.
+THINK_MARKERS = ("<think>", "</think>")
+
 Message = dict[str, Any]
 
 
@@ -47,6 +51,15 @@ class InputProcessor:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    def think_token_ids(self) -> tuple[int, int]:
+        """The tokens of the think markers; ValueError if they are not tokens of the model's."""
+        tok = self.tokenizer
+        ids = [tok.convert_tokens_to_ids(m) for m in THINK_MARKERS] if tok is not None else []
+        if len(ids) != 2 or any(not isinstance(i, int) or i == tok.unk_token_id for i in ids):
+            raise ValueError("thinking_token_budget needs a reasoning model: its tokenizer has "
+                             f"no {' and '.join(THINK_MARKERS)} tokens")
+        return ids[0], ids[1]
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -112,6 +125,8 @@ class InputProcessor:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size "
                                  f"{vocab}")
         self.check_token_ids(params.logit_bias or (), "logit_bias")
+        if params.thinking_token_budget is not None and params.think_token_ids is None:
+            params.think_token_ids = self.think_token_ids()
         constraint = params.structured_outputs
         if constraint is not None:
             if self.tokenizer is None:

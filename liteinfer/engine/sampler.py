@@ -2,7 +2,8 @@
 
 Order (vLLM's): fp32 → grammar bitmask (structured outputs) → min_tokens stop-token mask →
 logit bias → repetition/presence/frequency penalties →
-greedy argmax | temperature → top-k → top-p → min-p → exponential-race sample.
+greedy argmax | temperature → top-k → top-p → min-p → exponential-race sample. A sequence
+whose reasoning budget is spent samples its end-of-reasoning token, whatever the rest says.
 Logprobs come from the raw model logits, before any of that (vLLM's default).
 """
 from __future__ import annotations
@@ -81,8 +82,11 @@ class Sampler:
                         if len(s) - s.num_prompt_tokens < s.sampling_params.min_tokens]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         pen_rows = [i for i, s in enumerate(seqs) if s.needs_penalties]
+        end_rows = [i for i, s in enumerate(seqs)
+                    if s.thinking is not None and s.thinking.must_end(s.token_ids)]
         want_logprobs = any(p.logprobs is not None for p in params)
-        if all(greedy) and not (min_tok_rows or bias_rows or pen_rows or want_logprobs):
+        if all(greedy) and not (min_tok_rows or bias_rows or pen_rows or end_rows
+                                or want_logprobs):
             if grammar_bitmask is not None:  # in place: nothing reads these logits afterwards
                 apply_grammar_bitmask(logits, grammar_bitmask)
             token_ids = self._argmax(logits)
@@ -98,6 +102,8 @@ class Sampler:
             _add_logit_bias(x, params, bias_rows)
         if pen_rows:
             _apply_penalties(x, seqs, pen_rows)
+        if end_rows:
+            _force_reasoning_end(x, params, end_rows)
         token_ids = self._argmax(x)
         if not all(greedy):
             sampled = _sample(x, seqs, greedy)
@@ -119,6 +125,16 @@ class Sampler:
             r += [i] * len(ids)
             c += ids
         x[to_device(r, torch.long, x.device), to_device(c, torch.long, x.device)] = float("-inf")
+
+
+def _force_reasoning_end(x: torch.Tensor, params: list[SamplingParams], rows: list[int]
+                         ) -> None:
+    """Every token of `rows` but their end of reasoning gets -inf (greedy or sampled, only it
+    can come)."""
+    index = to_device(rows, torch.long, x.device)
+    ends = to_device([params[i].think_token_ids[1] for i in rows], torch.long, x.device)
+    x[index] = float("-inf")
+    x[index, ends] = 0.0
 
 
 def _add_logit_bias(x: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:

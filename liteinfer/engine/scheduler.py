@@ -416,14 +416,14 @@ class Scheduler:
 
     def _propose(self, seq: Sequence, num_drafts: int) -> list[int]:
         """Draft tokens for a sequence whose tokens are all on the host, within its length
-        limits. Sequences whose sampling reads their earlier outputs (penalties), that may not
-        stop yet (min_tokens), or whose grammar begins after a reasoning section (its rows
-        would need the grammar from the draft that ends it) draft nothing. A constrained
-        sequence's rows each allow what may follow the drafts before them, so a draft its
-        grammar forbids is rejected (structured_output/worker.py)."""
+        limits. Sequences whose sampling reads their earlier outputs (penalties, a reasoning
+        budget), that may not stop yet (min_tokens), or whose grammar begins after a reasoning
+        section (its rows would need the grammar from the draft that ends it) draft nothing. A
+        constrained sequence's rows each allow what may follow the drafts before them, so a
+        draft its grammar forbids is rejected (structured_output/worker.py)."""
         params = seq.sampling_params
         constraint = params.structured_outputs
-        if (seq.needs_penalties or seq.num_output_tokens < params.min_tokens
+        if (seq.reads_outputs or seq.num_output_tokens < params.min_tokens
                 or (constraint is not None and constraint.reasoning_end_token_id is not None)):
             return []
         n = len(seq.token_ids)

@@ -6,6 +6,7 @@ import enum
 import torch
 
 from liteinfer.engine.messages import TokenLogprobs
+from liteinfer.engine.thinking_budget import ThinkingBudget
 from liteinfer.sampling_params import SamplingParams
 
 
@@ -32,6 +33,11 @@ class Sequence:
         self.sampling_params = params
         # Penalties read every earlier token on the host: such a sequence's steps never overlap.
         self.needs_penalties = params.needs_penalties
+        # So does a reasoning budget, until the reasoning is over.
+        self.thinking: ThinkingBudget | None = None
+        if params.thinking_token_budget is not None and params.think_token_ids is not None:
+            self.thinking = ThinkingBudget(params.thinking_token_budget,
+                                           *params.think_token_ids, self.prompt_token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -51,6 +57,11 @@ class Sequence:
             [None] if params.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
+
+    @property
+    def reads_outputs(self) -> bool:
+        """Whether sampling reads every earlier token on the host (no step may overlap it)."""
+        return self.needs_penalties or (self.thinking is not None and not self.thinking.over)
 
     def __len__(self) -> int:
         """Tokens including pending ones: what the KV cache must hold."""

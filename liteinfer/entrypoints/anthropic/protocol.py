@@ -84,12 +84,13 @@ class ToolChoice(BaseModel):
 
 
 class Thinking(BaseModel):
-    """Whether the model thinks (its chat template's switch); a budget is not enforced."""
+    """Whether the model thinks (its chat template's switch), and at most how many tokens
+    (the engine's thinking_token_budget)."""
 
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["enabled", "adaptive", "between_tools", "disabled"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = Field(None, ge=0)
 
 
 class OutputFormat(BaseModel):
@@ -134,6 +135,8 @@ class CountTokensRequest(BaseModel):
             enabled = self.thinking.type != "disabled"
             body["chat_template_kwargs"] = {"enable_thinking": enabled}
             body["include_reasoning"] = enabled
+            if enabled and self.thinking.budget_tokens is not None:
+                body["thinking_token_budget"] = self.thinking.budget_tokens
         output = self.output_config
         if output is not None and output.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {

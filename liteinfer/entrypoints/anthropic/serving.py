@@ -121,31 +121,35 @@ class BlockWriter(PartWriter):
     def __init__(self) -> None:
         super().__init__()
         self._block: Chunk = {}  # the open block
+        self._arguments = ""  # the open tool_use block's input, as JSON text so far
 
     def opened(self, kind: str, value: Any) -> list[Chunk]:
         if kind == "call":
-            function = value["function"]
-            self._block = {"type": "tool_use", "id": value["id"],
-                                  "name": function["name"],
-                                  "input": json.loads(function["arguments"])}
-            start = {**self._block, "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": function["arguments"]}
+            function, text = value["function"], value["function"]["arguments"]
+            self._block = {"type": "tool_use", "id": value["id"], "name": function["name"],
+                           "input": {}}
+            self._arguments = ""
         else:
             self._block = ({"type": "thinking", "thinking": "", "signature": ""}
                            if kind == "reasoning" else {"type": "text", "text": ""})
-            start = dict(self._block)
-            delta = self._grow(kind, value)
-        return [{"type": "content_block_start", "index": self.index, "content_block": start},
-                {"type": "content_block_delta", "index": self.index, "delta": delta}]
+            text = value
+        start = [{"type": "content_block_start", "index": self.index,
+                  "content_block": dict(self._block)}]
+        return start + (self.grown(kind, text) if text else [])
 
     def grown(self, kind: str, text: str) -> list[Chunk]:
-        return [{"type": "content_block_delta", "index": self.index,
-                 "delta": self._grow(kind, text)}]
-
-    def _grow(self, kind: str, text: str) -> Chunk:
-        key = "thinking" if kind == "reasoning" else "text"
-        self._block[key] += text
-        return {"type": f"{key}_delta", key: text}
+        if kind == "call":
+            self._arguments += text
+            delta = {"type": "input_json_delta", "partial_json": text}
+        else:
+            key = "thinking" if kind == "reasoning" else "text"
+            self._block[key] += text
+            delta = {"type": f"{key}_delta", key: text}
+        return [{"type": "content_block_delta", "index": self.index, "delta": delta}]
 
     def closed(self) -> tuple[Chunk, list[Chunk]]:
+        if self._block["type"] == "tool_use":
+            # A call a stream left unfinished has no input to show (only a stream has one).
+            with contextlib.suppress(json.JSONDecodeError):
+                self._block["input"] = json.loads(self._arguments)
         return self._block, [{"type": "content_block_stop", "index": self.index}]

@@ -588,7 +588,7 @@ def build_app(engine: AsyncLLM, model_name: str, args: ServerArgs | None = None,
                                           request)
 
     async def stored_response(request: Request) -> Response:
-        return json_response(responses_api.retrieve(request.path_params["response_id"]))
+        return json_response(await responses_api.retrieve(request.path_params["response_id"]))
 
     async def messages(request: Request) -> Response:
         return await anthropic_api.messages(await read_json(request, args.max_body_bytes),

@@ -67,19 +67,22 @@ def _message(content: str | None, calls: list[Chunk]) -> Chunk:
 
 def output_parts(fields: Chunk) -> list[tuple[str, Any]]:
     """A message's or delta's fields as the ordered parts the Responses and Messages APIs
-    render: ("reasoning", text), ("text", text), then ("call", tool call) for each call."""
+    render: ("reasoning", text), ("text", text), then for each call delta ("call", tool call)
+    where a call begins and ("arguments", text) where the last one's arguments grow."""
     parts: list[tuple[str, Any]] = []
     if fields.get("reasoning_content"):
         parts.append(("reasoning", fields["reasoning_content"]))
     if fields.get("content"):
         parts.append(("text", fields["content"]))
-    parts += [("call", call) for call in fields.get("tool_calls") or ()]
+    parts += [("call", call) if "id" in call else ("arguments", call["function"]["arguments"])
+              for call in fields.get("tool_calls") or ()]
     return parts
 
 
 class PartWriter(ABC):
     """A choice's parts as an API's output items (content blocks, output items), whole or
-    streamed: consecutive parts of one kind make one item, each tool call an item of its own.
+    streamed: consecutive parts of one kind make one item, each tool call an item of its own
+    (which its arguments' fragments grow).
     Subclasses say how an item opens (with its first part), grows and closes, as a list of
     events; the finished items are kept, in order, in `items`."""
 
@@ -91,6 +94,9 @@ class PartWriter(ABC):
         """The events of a message's or delta's fields."""
         events: list[Chunk] = []
         for kind, value in output_parts(fields):
+            if kind == "arguments":
+                events += self.grown("call", value)
+                continue
             if kind == self._kind and kind != "call":
                 events += self.grown(kind, value)
                 continue
@@ -115,11 +121,12 @@ class PartWriter(ABC):
 
     @abstractmethod
     def opened(self, kind: str, value: Any) -> list[Chunk]:
-        """A new item of `kind` begins with `value` (text, or a tool call)."""
+        """A new item of `kind` begins with `value` (text, or a tool call as far as it is
+        written)."""
 
     @abstractmethod
     def grown(self, kind: str, text: str) -> list[Chunk]:
-        """The open item's text grows by `text`."""
+        """The open item's text (a call's: its arguments) grows by `text`."""
 
     @abstractmethod
     def closed(self) -> tuple[Chunk, list[Chunk]]:

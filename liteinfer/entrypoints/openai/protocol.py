@@ -71,6 +71,8 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: at most this many tokens of reasoning, then the end of reasoning is forced.
+    thinking_token_budget: int | None = Field(None, ge=0)
     # Structured outputs: OpenAI's, vLLM's and vLLM's older fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -123,7 +125,8 @@ class SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=constraint) for choice in range(self.n)]
+            structured_outputs=constraint, thinking_token_budget=self.thinking_token_budget)
+            for choice in range(self.n)]
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         """What the output must match (ValueError for conflicting fields)."""

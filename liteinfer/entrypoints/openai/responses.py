@@ -4,16 +4,15 @@ tools, `text.format` as response_format), and its output comes back as reasoning
 function_call items, whole or as the API's typed events (`response.created`,
 `response.output_text.delta`, ..., `response.completed`).
 
-Responses are kept in this process's memory while the server runs (the last
-`MAX_STORED_RESPONSES`, unless `store` is false), so that `previous_response_id` can continue
-one: its conversation so far comes before the new input. With several API-server processes a
-client's next request may reach another one, which does not know the response (a 404)."""
+Responses are kept in memory while the server runs (the last `MAX_STORED_RESPONSES`, unless
+`store` is false), so that `previous_response_id` can continue one: its conversation so far
+comes before the new input. They are kept in the engine core's process, as opaque bytes, so
+that every API-server process finds them."""
 from __future__ import annotations
 
 import contextlib
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
@@ -23,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from liteinfer.engine.async_llm import EngineError
+from liteinfer.engine.messages import MAX_STORED_RESPONSES
 from liteinfer.entrypoints.openai.api_server import (
     OpenAIServing,
     RequestError,
@@ -36,7 +36,6 @@ from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest, Positiv
 from liteinfer.outputs import RequestOutput
 
 Chunk = dict[str, Any]
-MAX_STORED_RESPONSES = 1024
 
 
 class _Item(BaseModel):
@@ -192,14 +191,12 @@ class ResponsesRequest(_Item):
 class OpenAIServingResponses:
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
-        # Per stored response: its body and its conversation (input and output as messages).
-        self._stored: OrderedDict[str, tuple[Chunk, list[Chunk]]] = OrderedDict()
 
     async def create(self, data: Any, request: Request) -> Response:
         body = parse(ResponsesRequest, data)
         history = []
         if body.previous_response_id is not None:
-            history = self._conversation(body.previous_response_id)
+            history = (await self._lookup(body.previous_response_id))[1]
         try:
             chat = parse(ChatCompletionRequest, body.chat_completion(history))
         except ValueError as e:
@@ -230,19 +227,21 @@ class OpenAIServingResponses:
         items.close()
         return json_response(self._completed(meta, items.items, out, history))
 
-    def retrieve(self, response_id: str) -> Chunk:
-        return self._lookup(response_id)[0]
+    async def retrieve(self, response_id: str) -> Chunk:
+        return (await self._lookup(response_id))[0]
 
-    def _conversation(self, response_id: str) -> list[Chunk]:
-        return self._lookup(response_id)[1]
-
-    def _lookup(self, response_id: str) -> tuple[Chunk, list[Chunk]]:
-        stored = self._stored.get(response_id)
+    async def _lookup(self, response_id: str) -> tuple[Chunk, list[Chunk]]:
+        """A stored response's body and conversation (its input and output as messages)."""
+        try:
+            stored = await self.serving.engine.stored_response(response_id)
+        except EngineError as e:
+            raise RequestError(503, str(e)) from None
         if stored is None:
             raise RequestError(404, f"no response {response_id!r}: responses are kept in "
                                     f"memory while the server runs, the last "
                                     f"{MAX_STORED_RESPONSES} of them")
-        return stored
+        response, conversation = orjson.loads(stored)
+        return response, conversation
 
     def _completed(self, meta: Chunk, items: list[Chunk], out: RequestOutput,
                    history: list[Chunk]) -> Chunk:
@@ -257,9 +256,8 @@ class OpenAIServingResponses:
                               "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                               "output_tokens_details": {"reasoning_tokens": 0}}}
         if meta["store"]:
-            self._stored[meta["id"]] = response, history + [assistant_message(items)]
-            while len(self._stored) > MAX_STORED_RESPONSES:
-                self._stored.popitem(last=False)
+            self.serving.engine.store_response(meta["id"], orjson.dumps(
+                [response, history + [assistant_message(items)]]))
         return response
 
     async def _events(self, deltas: AsyncIterator[tuple[RequestOutput, Chunk, bool]],
@@ -316,12 +314,12 @@ class ItemWriter(PartWriter):
         if kind == "call":
             function = value["function"]
             self._item = {"type": "function_call", "id": f"fc_{secrets.token_hex(16)}",
-                          "call_id": value["id"], "name": function["name"],
-                          "arguments": function["arguments"], "status": "completed"}
-            return [{"type": "response.output_item.added", **where,
-                     "item": {**self._item, "arguments": "", "status": "in_progress"}},
-                    {"type": "response.function_call_arguments.delta", **where,
-                     "item_id": self._item["id"], "delta": function["arguments"]}]
+                          "call_id": value["id"], "name": function["name"], "arguments": "",
+                          "status": "completed"}
+            added = [{"type": "response.output_item.added", **where,
+                      "item": {**self._item, "status": "in_progress"}}]
+            return added + (self.grown(kind, function["arguments"])
+                            if function["arguments"] else [])
         if kind == "reasoning":
             self._item = {"type": "reasoning", "id": f"rs_{secrets.token_hex(16)}",
                           "summary": [], "content": [{"type": "reasoning_text", "text": ""}],
@@ -342,6 +340,10 @@ class ItemWriter(PartWriter):
         return added + self.grown(kind, value)
 
     def grown(self, kind: str, text: str) -> list[Chunk]:
+        if kind == "call":
+            self._item["arguments"] += text
+            return [{"type": "response.function_call_arguments.delta",
+                     "output_index": self.index, "item_id": self._item["id"], "delta": text}]
         self._item["content"][0]["text"] += text
         name = "reasoning_text" if kind == "reasoning" else "output_text"
         return [{"type": f"response.{name}.delta", "output_index": self.index,

@@ -10,7 +10,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from liteinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
-from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import tool_call
+from liteinfer.entrypoints.openai.tool_parsers.forced_calls import (
+    NamedCallParser,
+    RequiredCallsParser,
+)
 from liteinfer.structured_output import StructuredOutputsParams
 
 
@@ -166,18 +169,6 @@ def _hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[Any, dict[str, Any
     return rename(schema), {prefix + k: rename(v) for k, v in defs.items()}
 
 
-def forced_tool_calls(text: str, tool_choice: ToolChoice) -> list[dict[str, Any]]:
-    """The tool calls of an output held to `forced_tool_schema`; none if the output is not
-    complete (it stopped at its length limit)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return []
-    if isinstance(tool_choice, NamedToolChoice):
-        return [tool_call(tool_choice.function.name, value)]
-    return [tool_call(c["name"], c["parameters"]) for c in value]
-
-
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """A chat message as HF chat templates take it: an assistant's tool call arguments as
     objects (OpenAI sends them as JSON text)."""
@@ -207,7 +198,6 @@ class ToolCalls:
         if tool_choice is None:
             tool_choice = "auto" if tools else "none"
         self.tool_choice = tool_choice
-        self.forced = tool_choice not in ("auto", "none")
         self._parser: type[ToolParser] | None = None
         if tools and tool_choice == "auto":
             if parser_name is None:
@@ -222,13 +212,19 @@ class ToolCalls:
         return self._parser is None or self._parser.skip_special_tokens
 
     def final(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool calls) of a whole choice."""
-        if self.forced:
-            calls = forced_tool_calls(text, self.tool_choice)
-            return (None, calls) if calls else (text, [])
-        if self._parser is None:
-            return text, []
-        return self._parser(self._schemas).extract_tool_calls(text)
+        """(content, tool calls) of a whole choice; a forced call's output that is not complete
+        (it stopped at its length limit) is content."""
+        parser = self._new_parser()
+        return (text, []) if parser is None else parser.extract_tool_calls(text)
+
+    def _new_parser(self) -> ToolParser | None:
+        """A parser of one choice's calls: what the model writes, or what a forced choice's
+        schema holds it to; None where calls are not read."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return NamedCallParser(self.tool_choice.function.name, self._schemas)
+        if self.tool_choice == "required":
+            return RequiredCallsParser(self._schemas)
+        return None if self._parser is None else self._parser(self._schemas)
 
     def finish_reason(self, calls: bool, reason: str) -> str:
         """OpenAI's: "tool_calls" when the model chose to call tools (auto, required); a
@@ -240,18 +236,12 @@ class ToolCalls:
     def delta(self, choice: int, new_text: str, text: str, finished: bool
               ) -> tuple[dict[str, Any], bool]:
         """A streamed choice's delta for `new_text`, the end of its output so far `text`, and
-        whether it has sent tool calls. Forced calls are sent whole when the choice finishes."""
-        if self.forced:
-            if not finished:
-                return {}, False
-            calls = forced_tool_calls(text, self.tool_choice)
-            if not calls:
-                return {"content": text}, False
-            return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, True
-        if self._parser is None:
-            return {"content": new_text} if new_text else {}, False
+        whether it has sent tool calls."""
         parser = self._streams.get(choice)
         if parser is None:
-            parser = self._streams[choice] = self._parser(self._schemas)
+            parser = self._new_parser()
+            if parser is None:
+                return {"content": new_text} if new_text else {}, False
+            self._streams[choice] = parser
         delta = parser.extract_tool_calls_streaming(text, finished)
         return delta, parser.saw_tool_calls

@@ -4,7 +4,13 @@ has sent, and what it has read of the output).
 
 A parser says where an output's calls begin (`find_calls`), how much of a text's end may be
 the beginning of a call marker still (`holdback`), and how its calls are written
-(`parse_calls`); extracting them, whole or streamed, follows from those."""
+(`parse_calls`); extracting them, whole or streamed, follows from those.
+
+Streamed, a call goes out as vLLM streams it: a first delta with its index, id, type and name
+(and the arguments so far), then deltas of its index and more of its arguments, as the model
+writes them. Each call's arguments are a JSON text that parsers build so that what a partial
+call holds is always the beginning of what the complete call will: its deltas concatenate to
+the arguments of the same output read whole."""
 from __future__ import annotations
 
 import json
@@ -15,7 +21,7 @@ from typing import Any
 
 
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:
-    """An OpenAI tool call; `arguments` as a JSON text."""
+    """An OpenAI tool call; `arguments` as a JSON text (or a value to write as one)."""
     text = arguments if isinstance(arguments, str) else json.dumps(arguments,
                                                                    ensure_ascii=False)
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
@@ -25,13 +31,18 @@ def tool_call(name: str, arguments: Any) -> dict[str, Any]:
 @dataclass
 class ParsedCall:
     name: str
-    arguments: dict[str, Any]
+    # A JSON object's text; of a partial call, the beginning of what it will be once complete.
+    arguments: str
 
 
 @dataclass
 class ParsedCalls:
     calls: list[ParsedCall]  # the complete calls, in order
-    end: int  # where in the text the complete calls (and what separates them) end
+    # Where in the text the complete calls (and what separates them) end; where they begin
+    # while what holds them is still open (Mistral's array).
+    end: int
+    # The call the text ends inside, once its name is known.
+    partial: ParsedCall | None = None
 
 
 class ToolParser(ABC):
@@ -44,8 +55,9 @@ class ToolParser(ABC):
         self._text = ""  # the output so far
         self._calls_at: int | None = None  # where the calls begin, once found
         self._malformed = False
-        self._sent_calls = 0
-        self._sent_upto = 0  # characters of the text sent, as content or calls
+        self._sent_arguments: list[str] = []  # per call begun: its arguments sent so far
+        self._complete_calls = 0  # of those, the ones sent whole
+        self._sent_upto = 0  # characters of the text sent, as content or complete calls
 
     @abstractmethod
     def find_calls(self, text: str, start: int = 0) -> int | None:
@@ -76,32 +88,48 @@ class ToolParser(ABC):
     def extract_tool_calls_streaming(self, text: str, finished: bool) -> dict[str, Any]:
         """The chat delta ({"content"} and/or {"tool_calls"}, possibly empty) once the output
         so far is `text` (the text of the last call and more). Content goes out as it comes,
-        but for what may begin a call; a call goes out whole (one entry per call) once
-        complete; what turns out malformed, or is left unfinished at the end, is content."""
+        but for what may begin a call; calls go out as they are written. What turns out
+        malformed, or is left unfinished at the end, is content from where the last complete
+        call ends (a call begun there stays as far as it was sent: a stream takes nothing
+        back)."""
         searched = len(self._text)
         self._text = text
         if self._calls_at is None and not self._malformed:
             self._calls_at = self.find_calls(text, searched)
             if self._calls_at is None:
                 return self._content(len(text) if finished else len(text) - self.holdback(text))
-        delta = self._content(self._calls_at) if self._calls_at is not None else {}
+        content = self._content(self._calls_at).get("content", "") \
+            if self._calls_at is not None else ""
         parsed = None if self._malformed else self.parse_calls(text, self._calls_at)
         if parsed is None:
             self._malformed = True
-            return {**delta, **self._content(len(text))}
-        if len(parsed.calls) > self._sent_calls:
-            delta["tool_calls"] = [
-                {"index": i, **tool_call(c.name, c.arguments)}
-                for i, c in enumerate(parsed.calls[self._sent_calls:], start=self._sent_calls)]
-            self._sent_calls = len(parsed.calls)
-        if parsed.calls:  # what separates the calls sent is theirs
+            content += self._content(len(text)).get("content", "")
+            return {"content": content} if content else {}
+        delta: dict[str, Any] = {"content": content} if content else {}
+        calls = parsed.calls + ([parsed.partial] if parsed.partial is not None else [])
+        tool_calls = [d for i, c in enumerate(calls) if (d := self._call_delta(i, c))]
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        if parsed.end > self._calls_at:  # their text is done with, and what separates them
+            self._complete_calls = max(self._complete_calls, len(parsed.calls))
             self._sent_upto = max(self._sent_upto, parsed.end)
         if finished:
             rest = self._content(len(text))
             if rest.get("content", "").strip():
-                delta.setdefault("content", "")
-                delta["content"] += rest["content"]
+                delta["content"] = delta.get("content", "") + rest["content"]
         return delta
+
+    def _call_delta(self, index: int, call: ParsedCall) -> dict[str, Any] | None:
+        """The delta of call `index` (None if nothing of it is new): the whole call as far as
+        it is written if it is new, else what its arguments have grown by."""
+        if index == len(self._sent_arguments):
+            self._sent_arguments.append(call.arguments)
+            return {"index": index, **tool_call(call.name, call.arguments)}
+        sent = self._sent_arguments[index]
+        if len(call.arguments) <= len(sent):
+            return None
+        self._sent_arguments[index] = call.arguments
+        return {"index": index, "function": {"arguments": call.arguments[len(sent):]}}
 
     def _content(self, end: int) -> dict[str, Any]:
         """A delta of the text not sent yet, up to `end`."""
@@ -111,5 +139,6 @@ class ToolParser(ABC):
 
     @property
     def saw_tool_calls(self) -> bool:
-        """Whether streaming has sent any tool call (the choice then finishes "tool_calls")."""
-        return self._sent_calls > 0
+        """Whether streaming has sent a complete tool call (the choice then finishes
+        "tool_calls")."""
+        return self._complete_calls > 0

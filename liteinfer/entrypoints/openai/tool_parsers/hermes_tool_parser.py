@@ -30,11 +30,12 @@ class HermesToolParser(JsonCallsParser):
             taken = self.take_call(text, body)
             if taken is None:
                 return None
-            call, end = taken
-            end = skip(text, end)
-            if call is None or (len(text) - end < len(CLOSE) and CLOSE.startswith(text[end:])):
-                return ParsedCalls(calls, done)
+            if taken.end is None:
+                return ParsedCalls(calls, done, taken.call)
+            end = skip(text, taken.end)
+            if len(text) - end < len(CLOSE) and CLOSE.startswith(text[end:]):
+                return ParsedCalls(calls, done, taken.call)
             if not text.startswith(CLOSE, end):
                 return None
-            calls.append(call)
+            calls.append(taken.call)
             done = end + len(CLOSE)

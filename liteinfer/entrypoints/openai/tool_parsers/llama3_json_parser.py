@@ -28,12 +28,11 @@ class Llama3JsonToolParser(WholeOutputCalls, JsonCallsParser):
             taken = self.take_call(text, pos)
             if taken is None:
                 return None
-            call, end = taken
-            if call is None:  # the rest is the beginning of a call
-                return ParsedCalls(calls, done)
-            calls.append(call)
-            done = end
-            pos = skip(text, end)
+            if taken.end is None:  # the rest is the beginning of a call
+                return ParsedCalls(calls, done, taken.call)
+            calls.append(taken.call)
+            done = taken.end
+            pos = skip(text, done)
             if pos < len(text):
                 if text[pos] != ";":
                     return None

@@ -8,7 +8,10 @@ from __future__ import annotations
 import re
 
 from liteinfer.entrypoints.openai.markers import find_marker, partial_marker
-from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import ParsedCalls
+from liteinfer.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ParsedCall,
+    ParsedCalls,
+)
 from liteinfer.entrypoints.openai.tool_parsers.json_calls import JsonCallsParser, skip
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -29,31 +32,8 @@ class MistralToolParser(JsonCallsParser):
         if pos == len(text):
             return ParsedCalls([], start)
         if text[pos] == "[":
-            return self._array(text, start, pos + 1)
+            return self.parse_array(text, start, pos + 1)
         return self._marked(text, start)
-
-    def _array(self, text: str, start: int, pos: int) -> ParsedCalls | None:
-        """`[call, call, ...]` from after its bracket: its calls once it closes."""
-        calls = []
-        while True:
-            pos = skip(text, pos)
-            if pos == len(text):
-                return ParsedCalls([], start)
-            taken = self.take_call(text, pos)
-            if taken is None:
-                return None
-            call, end = taken
-            if call is None:
-                return ParsedCalls([], start)
-            calls.append(call)
-            pos = skip(text, end)
-            if pos == len(text):
-                return ParsedCalls([], start)
-            if text[pos] == "]":
-                return ParsedCalls(calls, pos + 1)
-            if text[pos] != ",":
-                return None
-            pos += 1
 
     def _marked(self, text: str, start: int) -> ParsedCalls | None:
         """`[TOOL_CALLS]name[ARGS]{...}`, repeated."""
@@ -70,14 +50,14 @@ class MistralToolParser(JsonCallsParser):
                 return ParsedCalls(calls, done)
             if name_end == pos or not text.startswith(ARGS, name_end):
                 return None
+            name = text[pos:name_end]
             args = skip(text, name_end + len(ARGS))
             if args == len(text):
-                return ParsedCalls(calls, done)
-            taken = self.take_arguments(text, args, text[pos:name_end])
+                return ParsedCalls(calls, done, ParsedCall(name, ""))
+            taken = self.take_arguments(text, args, name)
             if taken is None:
                 return None
-            call, end = taken
-            if call is None:
-                return ParsedCalls(calls, done)
-            calls.append(call)
-            done = end
+            if taken.end is None:
+                return ParsedCalls(calls, done, taken.call)
+            calls.append(taken.call)
+            done = taken.end

@@ -9,7 +9,9 @@
     </tool_call>
 
 A parameter's value is its raw text (less the newline either side); one the tool's schema
-does not declare a string is read as JSON where it parses (numbers, booleans, objects)."""
+does not declare a string is read as JSON where it parses (numbers, booleans, objects).
+Streamed, the arguments object is written as the parameters come: each one's key as soon as
+its tag closes, a string's characters as they come, any other value once it is complete."""
 from __future__ import annotations
 
 import json
@@ -29,7 +31,11 @@ PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
 
 
 class _Incomplete(Exception):
-    """The text ends before the call does."""
+    """The text ends before the call does; `partial` is the call so far, once named."""
+
+    def __init__(self, partial: ParsedCall | None = None) -> None:
+        super().__init__()
+        self.partial = partial
 
 
 class Qwen3CoderToolParser(ToolParser):
@@ -50,8 +56,8 @@ class Qwen3CoderToolParser(ToolParser):
             if pos not in self._closed:
                 try:
                     self._closed[pos] = self._call(text, pos)
-                except _Incomplete:
-                    return ParsedCalls(calls, done)
+                except _Incomplete as e:
+                    return ParsedCalls(calls, done, e.partial)
             taken = self._closed[pos]
             if taken is None:
                 return None
@@ -66,36 +72,67 @@ class Qwen3CoderToolParser(ToolParser):
         name, pos = _tag(text, skip(text, pos), FUNCTION)
         if name is None:
             return None
-        arguments: dict[str, Any] = {}
+        fields: list[str] = []  # each parameter as the JSON object's `"key": value`
+        keys: set[str] = set()
         while True:
             pos = skip(text, pos)
             if text.startswith(PARAMETER, pos):
-                key, pos = _tag(text, pos, PARAMETER)
-                if key is None:
+                try:
+                    key, pos = _tag(text, pos, PARAMETER)
+                except _Incomplete:
+                    raise _Incomplete(ParsedCall(name, _object(fields, closed=False))) from None
+                if key is None or key in keys:
                     return None
+                keys.add(key)
                 end = text.find(END_PARAMETER, pos)
                 if PARAMETER in text[pos:len(text) if end < 0 else end]:
                     return None  # the value is never closed
+                string = self._is_string(name, key)
                 if end < 0:
-                    raise _Incomplete
-                arguments[key] = self._value(name, key, text[pos:end])
+                    fields.append(json.dumps(key, ensure_ascii=False) + ": "
+                                  + (_open_string(text[pos:]) if string else ""))
+                    raise _Incomplete(ParsedCall(name, _object(fields, closed=False)))
+                raw = text[pos:end].removeprefix("\n").removesuffix("\n")
+                value = raw if string else _json_or_text(raw)
+                fields.append(json.dumps(key, ensure_ascii=False) + ": "
+                              + json.dumps(value, ensure_ascii=False))
                 pos = end + len(END_PARAMETER)
                 continue
             if PARAMETER.startswith(text[pos:]):
-                raise _Incomplete
-            pos = _expect(text, pos, END_FUNCTION)
-            pos = pos and _expect(text, skip(text, pos), CLOSE)
-            return None if pos is None else (ParsedCall(name, arguments), pos)
+                raise _Incomplete(ParsedCall(name, _object(fields, closed=False)))
+            try:
+                pos = _expect(text, pos, END_FUNCTION)
+                pos = pos and _expect(text, skip(text, pos), CLOSE)
+            except _Incomplete:
+                raise _Incomplete(ParsedCall(name, _object(fields, closed=False))) from None
+            return None if pos is None else (ParsedCall(name, _object(fields, closed=True)), pos)
 
-    def _value(self, function: str, key: str, raw: str) -> Any:
-        raw = raw.removeprefix("\n").removesuffix("\n")
+    def _is_string(self, function: str, key: str) -> bool:
         schema = self.tools.get(function, {}).get("properties", {}).get(key, {})
-        if schema.get("type", "string") == "string":
-            return raw
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            return raw
+        return schema.get("type", "string") == "string"
+
+
+def _object(fields: list[str], closed: bool) -> str:
+    """The arguments object of `fields` (json.dumps' layout); without its closing brace while
+    more may come."""
+    return "{" + ", ".join(fields) + ("}" if closed else "")
+
+
+def _open_string(raw: str) -> str:
+    """The beginning of the JSON string a parameter's value so far `raw` will be: less what
+    may be the newline and the closing tag after it."""
+    raw = raw[:len(raw) - partial_marker(raw, END_PARAMETER)]
+    if raw == "\n":
+        raw = ""
+    raw = raw.removeprefix("\n").removesuffix("\n")
+    return json.dumps(raw, ensure_ascii=False)[:-1]
+
+
+def _json_or_text(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
 
 
 def _expect(text: str, pos: int, literal: str) -> int | None:

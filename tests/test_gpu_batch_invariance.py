@@ -22,12 +22,13 @@ pytestmark = [pytest.mark.gpu,
 MAX_NEW = 24
 NUM_REQUESTS = 128
 # What else changes between the runs: captured or eager steps, prompt chunks beside decodes,
-# a pool too small for every sequence (preemption).
+# a pool too small for every sequence (preemption: requests arrive a few at a time, so a few
+# hundred blocks would hold them all).
 RUNS = {
     "graphs": {},
     "eager": {"enforce_eager": True},
     "chunked": {"max_num_batched_tokens": 256},
-    "preempted": {"num_kv_blocks": 600},
+    "preempted": {"num_kv_blocks": 96},
 }
 
 

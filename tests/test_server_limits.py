@@ -327,12 +327,18 @@ def start_server(model_dir: Path, *flags: str, log: Path | None = None,
                              "--max-model-len", "256", "--port", str(port), *flags],
                             env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    # Three processes importing torch on a loaded two-core machine can take minutes to serve.
+    deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
             raise AssertionError((proc.stdout.read() if log is None else log.read_bytes())
                                  .decode())
-        assert time.monotonic() < deadline, "the server did not start"
+        if time.monotonic() > deadline:
+            proc.terminate()  # it stops the processes it started, which a kill would orphan
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            proc.kill()
+            raise AssertionError("the server did not start")
         try:
             r = httpx.get(base + "/health")
         except httpx.TransportError:

@@ -133,6 +133,10 @@ def test_cli_plan_errors(monkeypatch):
         cli("run", "--all", "--config", registry.DEFAULT, "overlap", "--dry-run")
     with pytest.raises(ValueError, match=r"paged-b4 is removed .*none under benchmarks/results/"):
         cli("run", "throughput", "--config", "paged-b4", "--dry-run")
+    with pytest.raises(ValueError, match="prompt-graphs is called default now"):
+        cli("run", "--quick", "--config", "prompt-graphs", "--dry-run")
+    with pytest.raises(ValueError, match="unknown benchmark config 'nosuch'; those that run: "):
+        cli("run", "--quick", "--config", "nosuch", "--dry-run")
 
 
 def test_transformers_baseline_on_cpu(tiny_llama_dir):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from bench_support import LINEAGE
 
 from liteinfer import SamplingParams
 from liteinfer.bench.runner import workload
@@ -186,14 +187,14 @@ def test_serving_table_compares_with_vllm_serve_of_the_same_run():
             serve_row("liteinfer", "a", 32, 10_000.0, timestamp="2026-11-01T00:00:00+00:00"),
             # A newer run without vLLM serve does not push run a's compared row out.
             serve_row("liteinfer", "c", 32, 40_000.0, timestamp="2026-12-02T00:00:00+00:00")]
-    (table,) = build_page(rows, "m").serving
+    (table,) = build_page(rows, LINEAGE, "m").serving
     ratios = {(line.row["engine"], line.row["width"]): line.vs_vllm for line in table.lines}
     assert ratios == {("liteinfer", 32): pytest.approx(1.5), ("vllm", 32): None,
                       ("liteinfer", 128): None, ("vllm", 128): None}
-    page = render_markdown(build_page(rows, "m"))
+    page = render_markdown(build_page(rows, LINEAGE, "m"))
     assert "## serving · m · ISL=128 OSL=256" in page
     assert "| liteinfer-serve | 32 | 30,000.0 | 2.0 | 3.0 | 1.0 | 1.5 | 0.9 | 0 | 1.50x |" in page
     # Without any vLLM serve row, the newest rows are shown.
-    (alone,) = build_page([r for r in rows if r["engine"] == "liteinfer"], "m").serving
+    (alone,) = build_page([r for r in rows if r["engine"] == "liteinfer"], LINEAGE, "m").serving
     assert {line.row["width"]: line.row["tok_s"] for line in alone.lines} == {
         32: 40_000.0, 128: 50_000.0}

@@ -109,9 +109,6 @@ class CUDAGraphRunner:
         ids = sm.with_pending(self.input_ids[:bs], self.pending_rows[:bs])
         return sm.model.compute_logits(sm.model(ids, self.positions[:bs], meta))
 
-    def run(self, batch: SchedulerOutput) -> torch.Tensor:
-        return self.replay(self.stage(batch))
-
     def stage(self, batch: SchedulerOutput) -> StagedDecode:
         """Sends the step's inputs to the device buffer (behind the work already queued, which
         may still read the previous step's); `replay` launches it."""

@@ -3,10 +3,9 @@
 A decode step of one sequence reads every weight once and does almost no math, so a projection
 costs the time to stream its weight in; cuBLAS's kernels for this are latency-bound on the
 small matrices, well under the copy bandwidth (NOTES.md, "Measured choices in the code"), and
-each RMSNorm or SiLU kernel
-between the projections costs a launch of its own. Here each program owns BLOCK_N output
-features and loads their whole weight rows [BLOCK_N, K] at once, so every SM has many bytes in
-flight, then reads the input row and reduces. Fused in:
+each RMSNorm or SiLU kernel between the projections costs a launch of its own. Here each
+program owns BLOCK_N output features and loads their whole weight rows [BLOCK_N, K] at once, so
+every SM has many bytes in flight, then reads the input row and reduces. Fused in:
 
 - `norm`: the input (the residual stream) is RMS-normalized first. Each program normalizes the
   row itself: K values, nothing next to its weight tile.

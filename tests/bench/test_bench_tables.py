@@ -89,8 +89,9 @@ name = "second-try"
 base = "first-try"
 description = "Its successor"
 """))
-    assert [c.name for c in lineage.configs][:1] + [c.name for c in lineage.configs][-1:] == [
-        "first-try", "second-try"]
+    names = [c.name for c in lineage.configs]
+    assert (names[0], names[-1]) == ("first-try", "second-try")
+    assert lineage.get("first-try").width == 4 and lineage.get("second-try").width == 32
     rows = [row("second-try", itl_p50=5.0), row("first-try", itl_p50=10.0),
             row("old-default", itl_p50=2.0)]
     t = table(build_page(rows, lineage), "latency")

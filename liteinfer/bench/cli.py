@@ -241,6 +241,9 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
+    if not args.lineage.is_file():
+        raise ValueError(f"no lineage file at {args.lineage}: run from the repository's root, "
+                         f"or name it with --lineage")
     page = build_page(load_rows(args.results, args.reference), load_lineage(args.lineage),
                       args.model)
     for path, text in ((args.md, render_markdown(page)), (args.html, render_html(page))):

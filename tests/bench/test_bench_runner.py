@@ -100,6 +100,9 @@ def test_cli_run_and_report(fake_llms, tiny_llama_dir, tmp_path, capsys):
     cli("report", "--results", out.parent, "--reference", REFERENCE, "--md", md, "--html", html)
     assert "## throughput · tiny-llama · ISL=16 OSL=4" in md.read_text()
     assert "<svg" in html.read_text()
+    with pytest.raises(ValueError, match=r"no lineage file at .*nowhere\.toml"):
+        cli("report", "--results", out.parent, "--lineage", tmp_path / "nowhere.toml",
+            "--md", md, "--html", html)
 
 
 def test_cli_keeps_going_past_a_broken_config(fake_llms, monkeypatch, tmp_path):

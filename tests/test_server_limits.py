@@ -364,7 +364,7 @@ def sockets_per_process(pids: list[int], port: int, state: str = ESTABLISHED
                         ) -> dict[int, int]:
     """Each process's TCP sockets on local `port` in `state`. psutil skips a descriptor that
     closes while it walks the process's table, which a running server does at any moment."""
-    return {pid: sum(c.laddr.port == port and c.status == state
+    return {pid: sum(bool(c.laddr) and c.laddr.port == port and c.status == state
                      for c in psutil.Process(pid).net_connections("tcp"))
             for pid in pids}
 

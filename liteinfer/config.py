@@ -317,9 +317,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Ranks the model is split over, one process (and on CUDA one GPU) each.
     tensor_parallel_size: int = 1
-    # "fp8": e4m3 linear layers; "int4": 4-bit codes in groups of 128 (round to nearest). A
-    # bf16/fp16 checkpoint (or a GGUF's blocks) is quantized at load; a checkpoint's own
-    # quantization_config (FP8, AWQ, GPTQ, pack-quantized) is used whatever this says.
+    # "fp8": e4m3 linear layers and LM head (a tied embedding keeps its own rows); "int4": 4-bit
+    # codes in groups of 128 (round to nearest), the LM head in the model dtype. A bf16/fp16
+    # checkpoint (or a GGUF's blocks) is quantized at load; a checkpoint's own
+    # quantization_config (FP8, AWQ, GPTQ, pack-quantized) is used whatever this says, and leaves
+    # the LM head in the model dtype.
     quantization: str | None = None
     kv_cache_dtype: str = "auto"          # auto: the model dtype; fp8: e4m3 K/V, twice the tokens
     seed: int = 0                         # dummy weights' seed (and sampling's in the CLI)

@@ -82,9 +82,9 @@ def ragged_index(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def freeze_heap() -> None:
     """Puts every object alive now (the model, the engine, the imported libraries) beyond the
     cyclic garbage collector's full collections, which a long run of steps triggers and which
-    would otherwise walk all of them with the step loop stopped (61 ms over the ~230k objects of
-    an engine serving SmolLM2 on a 2-core CPU), the GPU idle behind it. Garbage that an earlier
-    call froze (a dropped engine's reference cycles) is collected first."""
+    would otherwise walk all of them with the step loop stopped, the GPU idle behind it
+    (docs/notes/journal.md, item 101). Garbage that an earlier call froze (a dropped engine's
+    reference cycles) is collected first."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()

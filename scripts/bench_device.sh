@@ -7,5 +7,5 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
 bench() { python3 -m liteinfer.bench run "$@" --out "$OUT/results.jsonl" 2>&1 \
   | grep -v -E "req/s\]|it/s\]" ; }
-bench --all --config prompt-graphs
+bench --all --config default
 bench --all --config nocache eager eager-b4

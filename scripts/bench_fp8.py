@@ -25,6 +25,7 @@ import torch
 
 from liteinfer.attention import allocate_kv_pool
 from liteinfer.bench.floor import COPY_BANDWIDTH
+from liteinfer.bench.registry import DEFAULT
 from liteinfer.bench.runner import engine_args_for, make_llm, run_latency, run_throughput
 from liteinfer.bench.store import append_row
 from liteinfer.bench.workloads import Shape
@@ -54,14 +55,14 @@ def engine_rows(model: str, results: Path | None, modes: list[str]) -> list[dict
     too, in benchmarks/results/'s format, for the report."""
     rows = []
     for mode in modes:
-        engine_args = engine_args_for("prompt-graphs", {"max_model_len": 1024, **MODES[mode]})
+        engine_args = engine_args_for(DEFAULT, {"max_model_len": 1024, **MODES[mode]})
         llm = make_llm(model, engine_args)
         row = {"model": model, "mode": mode}
-        lat = run_latency(llm, "prompt-graphs", SHAPE, 3, model, engine_args)
+        lat = run_latency(llm, DEFAULT, SHAPE, 3, model, engine_args)
         row["itl_p50_ms"], row["ttft_p50_ms"] = lat["itl_p50"], lat["ttft_p50"]
         bench_rows = [lat]
         for width, prompts in ((32, 64), (128, 128)):
-            tput = run_throughput(llm, "prompt-graphs", SHAPE, width, prompts, model,
+            tput = run_throughput(llm, DEFAULT, SHAPE, width, prompts, model,
                                   engine_args)
             row[f"tok_s_w{width}"] = tput["tok_s"]
             bench_rows.append(tput)

@@ -5,7 +5,7 @@
 # the GPU tests ($GPU_TESTS, default all) on that lane's GPU first. Rows append to
 # $OUT/results-<gpu>.jsonl as each run ends; logs go to $OUT/lane-<gpu>.log. LANE_SECONDS
 # bounds every lane (default 560).
-# Usage: scripts/bench_lanes.sh "prompt-graphs" "gputests nocache eager eager-b4" ...
+# Usage: scripts/bench_lanes.sh "default" "gputests nocache eager eager-b4" ...
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"

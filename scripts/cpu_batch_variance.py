@@ -5,6 +5,8 @@ or where it sits: the findings behind batch_invariant's CPU path (docs/notes/bat
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn.functional as F
 
@@ -54,6 +56,7 @@ def row_reductions() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     torch.manual_seed(0)
     print(torch.__version__, f"{torch.get_num_threads()} threads")
     matmuls()

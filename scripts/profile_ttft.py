@@ -6,7 +6,7 @@ load generator's own (its HTTP client's) time.
 Llama-3.2-1B config, dummy bf16 weights, greedy.
 
 (2) also gives the time from the core sending a step's message (EngineCoreOutputs.timestamp,
-CLOCK_MONOTONIC like perf_counter) to the front end handling it, for each first token.
+perf_counter, the front end's clock) to the front end handling it, for each first token.
 Prints TTFT p50 per stage; with $OUT set, writes $OUT/profile-ttft.json.
 
     python scripts/profile_ttft.py [--model DIR] [--requests 32] [--dtype float32]

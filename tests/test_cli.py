@@ -193,21 +193,21 @@ def test_bench_on_cpu_refuses_triton_and_runs_the_default(tiny_llama_dir, tmp_pa
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without Triton's interpreter
     run = ["run", "latency", "--model", str(tiny_llama_dir), "--prompts", "2", "--isl", "16",
            "--osl", "4", "--out", str(tmp_path / "rows.jsonl")]
-    with pytest.raises(SystemExit, match="prompt-graphs with attention_backend=triton runs "
+    with pytest.raises(SystemExit, match="default with attention_backend=triton runs "
                                          "Triton kernels, which need a CUDA GPU"):
         bench_main([*run, "--set", "attention_backend=triton"])
     bench_main(run)
     out = capsys.readouterr().out
-    assert "prompt-graphs: the prefix cache is emptied before each measured run" in out
+    assert "default: the prefix cache is emptied before each measured run" in out
     assert "1 row(s) appended" in out
 
 
 def test_liteinfer_bench_is_the_benchmark_harness(capsys):
     from liteinfer.cli import main
 
-    main(["bench", "run", "--dry-run", "--config", "prompt-graphs", "--quick"])
+    main(["bench", "run", "--dry-run", "--config", "default", "--quick"])
     planned = capsys.readouterr().out
-    assert "prompt-graphs" in planned and "128" in planned
+    assert "default" in planned and "128" in planned
 
 
 def test_log_level_reaches_every_process(monkeypatch):

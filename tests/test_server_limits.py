@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -326,12 +327,18 @@ def start_server(model_dir: Path, *flags: str, log: Path | None = None,
                              "--max-model-len", "256", "--port", str(port), *flags],
                             env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    # Three processes importing torch on a loaded two-core machine can take minutes to serve.
+    deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
             raise AssertionError((proc.stdout.read() if log is None else log.read_bytes())
                                  .decode())
-        assert time.monotonic() < deadline, "the server did not start"
+        if time.monotonic() > deadline:
+            proc.terminate()  # it stops the processes it started, which a kill would orphan
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            proc.kill()
+            raise AssertionError("the server did not start")
         try:
             r = httpx.get(base + "/health")
         except httpx.TransportError:
@@ -346,42 +353,30 @@ def start_server(model_dir: Path, *flags: str, log: Path | None = None,
 
 def core_pid(server_pid: int) -> int:
     """The engine core: the server's child running multiprocessing's spawn entry point."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
-            return int(pid)
-    raise AssertionError(f"no engine core among {children}")
+    (core,) = spawned_children(server_pid)
+    return core
 
 
-ESTABLISHED, LISTEN = "01", "0A"
+ESTABLISHED, LISTEN = psutil.CONN_ESTABLISHED, psutil.CONN_LISTEN
 
 
 def sockets_per_process(pids: list[int], port: int, state: str = ESTABLISHED
                         ) -> dict[int, int]:
-    """Each process's TCP sockets on local `port` in `state` (from /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if os.path.exists(table):
-            for line in Path(table).read_text().splitlines()[1:]:
-                f = line.split()
-                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == state:
-                    inodes.add(f[9])
-    counts = {}
-    for pid in pids:
-        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        counts[pid] = sum(link[8:-1] in inodes for link in links if link.startswith("socket:["))
-    return counts
+    """Each process's TCP sockets on local `port` in `state`. psutil skips a descriptor that
+    closes while it walks the process's table, which a running server does at any moment."""
+    return {pid: sum(bool(c.laddr) and c.laddr.port == port and c.status == state
+                     for c in psutil.Process(pid).net_connections("tcp"))
+            for pid in pids}
 
 
 def spawned_children(server_pid: int) -> list[int]:
     """The server's children started by multiprocessing's spawn (the engine core, API
     servers)."""
     pids = []
-    for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
-        with contextlib.suppress(OSError):  # one that exited meanwhile
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                pids.append(int(pid))
+    for child in psutil.Process(server_pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that exited meanwhile
+            if any("spawn_main" in arg for arg in child.cmdline()):
+                pids.append(child.pid)
     return pids
 
 

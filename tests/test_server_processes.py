@@ -19,6 +19,7 @@ import pytest
 from liteinfer.engine.core_process import process_alive
 from liteinfer.entrypoints.openai.api_server import MAX_RESTARTS, RESTART_WINDOW_S, RestartBudget
 from test_server_limits import (
+    LISTEN,
     assert_openai_error,
     metrics,
     sockets_per_process,
@@ -55,7 +56,7 @@ def server(tiny_llama_dir, tmp_path_factory):
 def api_servers(server_pid: int, port: int) -> list[int]:
     """The API-server processes listening on the port (a replacement once it serves)."""
     children = spawned_children(server_pid)
-    return [pid for pid, n in sockets_per_process(children, port, "0A").items() if n]
+    return [pid for pid, n in sockets_per_process(children, port, LISTEN).items() if n]
 
 
 def port_of(base: str) -> int:

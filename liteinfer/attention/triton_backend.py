@@ -20,10 +20,9 @@ _FUSED_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
 
 class TritonBackend(AttentionBackend):
     """A step that prefills one prompt of at least `sdpa_min_tokens` with nothing cached goes
-    through torch's fused SDPA on the contiguous projections instead: on the H200 it reaches
-    469 TFLOP/s on a 15k-token prompt where the paged kernel reaches 361, and PyTorch's varlen
-    FlashAttention-2 (which would take several prompts at once) only 300
-    (scripts/bench_kernels.py, NOTES.md)."""
+    through torch's fused SDPA on the contiguous projections instead, which runs a long prompt
+    faster than the paged kernel and than PyTorch's varlen FlashAttention-2 (which would take
+    several prompts at once) (docs/notes/journal.md, items 12 and 14)."""
 
     def __init__(self, sdpa_min_tokens: int = 1024):
         self.sdpa_min_tokens = sdpa_min_tokens

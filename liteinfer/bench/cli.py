@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from liteinfer.bench import registry, runner
+from liteinfer.bench.lineage import LINEAGE_FILE, load_lineage
 from liteinfer.bench.quality import add_quality_parser
 from liteinfer.bench.registry import LITEINFER, TRANSFORMERS, Run
 from liteinfer.bench.report import fmt, render_markdown
@@ -107,6 +108,9 @@ def add_report_parser(subparsers: Any) -> None:
                    help="directory (or file) of result rows (default: %(default)s)")
     p.add_argument("--reference", type=Path, default=REFERENCE_DIR,
                    help="directory of vLLM / transformers reference rows (default: %(default)s)")
+    p.add_argument("--lineage", type=Path, default=LINEAGE_FILE,
+                   help="the configurations' order, bases, history and renames "
+                        "(default: %(default)s)")
     p.add_argument("--md", type=Path, default=Path("BENCHMARKS.md"), help="default: %(default)s")
     p.add_argument("--html", type=Path, default=Path("benchmarks/report.html"),
                    help="default: %(default)s")
@@ -130,7 +134,7 @@ def add_timeline_parser(subparsers: Any) -> None:
 
 def plan(args: argparse.Namespace) -> list[Run]:
     for name in args.config or []:
-        _check_runnable(registry.get(name))
+        _check_runnable(name)
     if args.quick or args.all:
         runs = registry.quick_runs(args.config) if args.quick else registry.full_matrix(args.config)
         runs = [dataclasses.replace(
@@ -146,17 +150,25 @@ def plan(args: argparse.Namespace) -> list[Run]:
     return list(dict.fromkeys(runs))
 
 
-def _check_runnable(config: registry.BenchConfig) -> None:
-    if config.runnable:
+def _check_runnable(name: str) -> None:
+    """A ValueError unless `name` runs: it stands for vLLM's reference rows, was renamed, is a
+    step of the engine's history (benchmarks/lineage.toml), or is unknown."""
+    if name in registry.BY_NAME:
+        if registry.get(name).status == registry.REFERENCE:
+            raise ValueError(f"{name} is a reference point, measured outside liteinfer: its "
+                             f"rows are in {REFERENCE_DIR}/")
         return
-    if config.status == registry.REFERENCE:
-        raise ValueError(f"{config.name} is a reference point, measured outside liteinfer: its "
-                         f"rows are in {REFERENCE_DIR}/")
-    stored = stored_rows(config.name)
+    lineage = load_lineage() if LINEAGE_FILE.exists() else None
+    if lineage is not None and name in lineage.renamed:
+        raise ValueError(f"{name} is called {lineage.renamed[name]} now")
+    if lineage is None or name not in lineage.by_name:
+        raise ValueError(f"unknown benchmark config {name!r}; those that run: "
+                         f"{', '.join(registry.BY_NAME)}")
+    stored = stored_rows(name)
     where = "; ".join(f"{path}: {len(rows)} row(s), the newest of commit "
                       f"{max(rows, key=lambda r: r['timestamp'])['commit'][:7]}"
                       for path, rows in stored.items())
-    raise ValueError(f"{config.name} is {registry.REMOVED}: the code it measured is gone, and "
+    raise ValueError(f"{name} is {registry.REMOVED}: the code it measured is gone, and "
                      f"`liteinfer-bench report` renders its stored rows ("
                      f"{where or f'none under {RESULTS_DIR}/'})")
 
@@ -277,7 +289,11 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    page = build_page(load_rows(args.results, args.reference), args.model)
+    if not args.lineage.is_file():
+        raise ValueError(f"no lineage file at {args.lineage}: run from the repository's root, "
+                         f"or name it with --lineage")
+    page = build_page(load_rows(args.results, args.reference), load_lineage(args.lineage),
+                      args.model)
     page.timelines = [read_timeline(p) for p in args.timeline]
     for path, text in ((args.md, render_markdown(page)), (args.html, render_html(page))):
         path.parent.mkdir(parents=True, exist_ok=True)

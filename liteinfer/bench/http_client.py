@@ -1,9 +1,9 @@
 """The load generator's HTTP/1.1 client: POST a body, stream the response's lines.
 
 asyncio streams for the connection and httptools (llhttp) for the response. aiohttp's client
-spends ~0.2 ms of Python on each request before its bytes leave (measured on the development
-VM against a server that answers at once: 0.25 ms from the call to the server's read, against
-0.03 for a plain socket), and all of it lands inside every TTFT the load generator reports.
+spends a fraction of a millisecond of Python on each request before its bytes leave
+(docs/notes/journal.md, item 77), and all of it lands inside every TTFT the load generator
+reports.
 Connections are kept alive and reused, one per request in flight.
 """
 from __future__ import annotations

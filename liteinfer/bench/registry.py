@@ -1,5 +1,5 @@
-"""Named benchmark configurations: the lineage of the original page, the engine's own steps since,
-and the runs of the ones that still run."""
+"""The benchmark configurations that run (the engine's default, the transformers baselines) or
+stand as reference points (vLLM's rows), and their runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,7 +33,6 @@ class Run:
 class BenchConfig:
     name: str
     description: str
-    base: str | None
     status: str
     engine: str  # who runs it: LITEINFER (engine_args are EngineConfig fields), TRANSFORMERS, VLLM
     engine_args: dict[str, Any] = field(default_factory=dict)
@@ -43,6 +42,7 @@ class BenchConfig:
     # Slow baselines run fewer prompts, as on the original page: {kind: cap}. Their rows are
     # marked in the report as not having used the same prompts.
     max_prompts: dict[str, int] = field(default_factory=dict)
+    base: str | None = None  # the configuration it improves on: the lineage's (bench/lineage.py)
 
     @property
     def label(self) -> str:
@@ -72,69 +72,29 @@ def _caps(n: int) -> dict[str, int]:
     return {"latency": n, "throughput": n}
 
 
-def _stored(name: str, description: str, base: str | None, width: int = 32) -> BenchConfig:
-    """A configuration of the engine's history: no longer runnable, its stored rows remain."""
-    return BenchConfig(name, description, base, REMOVED, LITEINFER, width=width)
-
-
-# The lineage of the original page, then the project's own steps to the default. Every liteinfer
-# configuration but the default is a step of that history: the code it ran is gone, and the
-# report renders it from its stored rows in benchmarks/results/.
+# The configurations that run. The lineage they belong to, with the configurations of the
+# engine's history and which one each improves on, is data: benchmarks/lineage.toml
+# (bench/lineage.py reads it for the report).
 CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("nocache", "No KV cache: every step re-feeds the whole sequence "
-                "(transformers generate)", None, RUNNABLE, TRANSFORMERS, {"use_cache": False},
+                "(transformers generate)", RUNNABLE, TRANSFORMERS, {"use_cache": False},
                 width=1, latency=(HEADLINE,), throughput=((HEADLINE, 1),), max_prompts=_caps(3)),
-    BenchConfig("eager", "KV cache via transformers DynamicCache", "nocache", RUNNABLE,
-                TRANSFORMERS, {"use_cache": True}, width=1, latency=(HEADLINE,),
-                throughput=((HEADLINE, 1),), max_prompts=_caps(10)),
-    _stored("native-eager", "KV cache as plain tensors, no DynamicCache", "eager", width=1),
-    _stored("paged", "Paged KV cache: fixed-size blocks from a pool", "native-eager", width=1),
-    BenchConfig("eager-b4", "Static batching, B=4, eager cache (transformers generate)", "eager",
+    BenchConfig("eager", "KV cache via transformers DynamicCache", RUNNABLE, TRANSFORMERS,
+                {"use_cache": True}, width=1, latency=(HEADLINE,), throughput=((HEADLINE, 1),),
+                max_prompts=_caps(10)),
+    BenchConfig("eager-b4", "Static batching, B=4, eager cache (transformers generate)",
                 RUNNABLE, TRANSFORMERS, {"use_cache": True}, width=4,
                 throughput=((HEADLINE, 4),), max_prompts=_caps(24)),
-    _stored("native-eager-b4", "Static batching, B=4, native eager cache", "native-eager",
-            width=4),
-    _stored("paged-b4", "Static batching, B=4, paged cache", "paged", width=4),
-    _stored("continuous", "Continuous batching, up to 32 concurrent sequences", "paged-b4"),
-    _stored("sdpa", "Continuous batching, attention through PyTorch SDPA", "continuous"),
-    _stored("paged-attn", "Continuous batching, decode attention reads the KV pool in-kernel",
-            "sdpa"),
-    _stored("graphs", "Paged decode replayed from a CUDA graph instead of launched per kernel",
-            "paged-attn"),
-    _stored("splitk", "Captured decode, narrow batches splitting their key loop across programs",
-            "graphs"),
-    _stored("overlap", "The host schedules step N+1 while the GPU runs step N; sampled tokens "
-            "feed the next step on the GPU", "splitk"),
-    # Measured slower than its base at a483c6f (docs/notes/journal.md, item 8).
-    _stored("fused", "Few-token steps read weights through skinny GEMMs with RMSNorm, "
-            "SiLU-and-mul and residual adds fused in", "overlap"),
-    _stored("gemv", "One-sequence steps stream weights through GEMV kernels with the norms and "
-            "SwiGLU fused in, each launched while the previous kernel finishes (PDL)", "overlap"),
-    _stored("mixed", "Running sequences decode in the same step as arriving prompts' chunks "
-            "instead of waiting for them", "gemv"),
     # The engine as it is, with its defaults; it runs every shape a vLLM reference row has.
-    BenchConfig("prompt-graphs", "Prompt and mixed steps of up to 2,048 prompt tokens replayed "
-                "from CUDA graphs; while sequences decode, prompts join their steps in "
-                "pieces that make each a power of two of rows", "mixed", RUNNABLE, LITEINFER,
+    BenchConfig("default", "The engine with its default arguments", RUNNABLE, LITEINFER,
                 **_ALL_SHAPES),
-    _stored("graphs-b128", "Captured decode at 128 concurrent sequences", None, width=128),
-    _stored("packed", "Prefill as one flat token run; measure it on a mixed-length dataset",
-            "graphs-mixed"),
-    _stored("graphs-mixed", "Captured decode with a padded prefill, at a mixed dataset's context "
-            "budget", None),
-    _stored("graphs-16k", "Captured decode with a 16k context budget, one program per KV head",
-            None),
-    _stored("splitk-16k", "Split decode where attention is most of the step: long context, "
-            "narrow batch", "graphs-16k"),
-    BenchConfig("vllm", "vLLM, one sequence at a time", None, REFERENCE, VLLM, width=1),
-    BenchConfig("vllm-b4", "vLLM, up to 4 concurrent sequences", None, REFERENCE, VLLM, width=4),
-    BenchConfig("vllm-continuous", "vLLM, up to 32 concurrent sequences", None, REFERENCE, VLLM),
-    BenchConfig("vllm-b128", "vLLM, up to 128 concurrent sequences", None, REFERENCE, VLLM,
-                width=128),
+    BenchConfig("vllm", "vLLM, one sequence at a time", REFERENCE, VLLM, width=1),
+    BenchConfig("vllm-b4", "vLLM, up to 4 concurrent sequences", REFERENCE, VLLM, width=4),
+    BenchConfig("vllm-continuous", "vLLM, up to 32 concurrent sequences", REFERENCE, VLLM),
+    BenchConfig("vllm-b128", "vLLM, up to 128 concurrent sequences", REFERENCE, VLLM, width=128),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
-ORDER = {c.name: i for i, c in enumerate(CONFIGS)}
-DEFAULT = "prompt-graphs"
+DEFAULT = "default"
 
 
 def get(name: str) -> BenchConfig:
@@ -148,16 +108,6 @@ def vllm_config_for(width: int) -> str | None:
     return next((c.name for c in CONFIGS if c.engine == VLLM and c.width == width), None)
 
 
-def lineage(name: str) -> list[str]:
-    """Ancestors of a config, nearest first (its base, the base's base, ...)."""
-    chain: list[str] = []
-    base = BY_NAME[name].base if name in BY_NAME else None
-    while base is not None:
-        chain.append(base)
-        base = BY_NAME[base].base
-    return chain
-
-
 def full_matrix(names: list[str] | None = None) -> list[Run]:
     """Every run of the original page's tables, for the named (default: all runnable) configs."""
     configs = [get(n) for n in names] if names else [c for c in CONFIGS if c.runnable]
@@ -165,7 +115,7 @@ def full_matrix(names: list[str] | None = None) -> list[Run]:
 
 
 def quick_runs(names: list[str] | None = None) -> list[Run]:
-    """A short check (default: of the default config); a few minutes on an H200."""
+    """A short check (default: of the default config); a few minutes on a GPU."""
     configs = [get(n) for n in names or [DEFAULT]]
     return [r for c in configs for r in (c.run("latency", HEADLINE, 1, prompts=20),
                                          c.run("throughput", HEADLINE, c.width))]

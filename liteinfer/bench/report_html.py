@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from html import escape
 
-from liteinfer.bench import registry
+from liteinfer.bench.lineage import Lineage
 from liteinfer.bench.plots import PALETTE, REFERENCE_COLOR, Series, bar, line_chart
-from liteinfer.bench.registry import VLLM
+from liteinfer.bench.registry import REMOVED, VLLM
 from liteinfer.bench.report import fmt
 from liteinfer.bench.store import DEFAULT_PRECISION
 from liteinfer.bench.tables import (
@@ -87,7 +87,7 @@ def _table(t: Table) -> str:
                + "</tr></thead><tbody>")
     for line in t.lines:
         kind = ("reference" if line.config.base is None else
-                "removed" if line.config.status == registry.REMOVED else "lineage")
+                "removed" if line.config.status == REMOVED else "lineage")
         cells = [f'<th scope="row"><span class="name">{escape(line.label)}</span>'
                  f'<span class="notes">{escape(" · ".join(line.notes))}</span></th>']
         for i, (_, key) in enumerate(t.columns):
@@ -126,13 +126,13 @@ def _pivot(p: Pivot) -> str:
     return "\n".join(out + ["</tbody></table></section>"])
 
 
-def _series(points: dict[str, list[tuple[float, float]]]) -> list[Series]:
+def _series(points: dict[str, list[tuple[float, float]]], lineage: Lineage) -> list[Series]:
     """One series per config, vLLM's widths joined into one dashed reference line."""
     out = []
-    for name in sorted(points, key=registry.ORDER.__getitem__):
+    for name in sorted(points, key=lineage.order.__getitem__):
         ref = name == VLLM
-        color = REFERENCE_COLOR if ref else PALETTE[registry.ORDER[name] % len(PALETTE)]
-        label = name if ref else registry.get(name).label
+        color = REFERENCE_COLOR if ref else PALETTE[lineage.order[name] % len(PALETTE)]
+        label = name if ref else lineage.get(name).label
         out.append(Series(label, sorted(points[name]), color, dashed=ref))
     return out
 
@@ -155,15 +155,16 @@ def _charts(page: Page) -> str:
     charts = []
     if by_width["tok_s"]:
         charts.append(line_chart(f"throughput by batch width · {shape}", "batch width (requests in "
-                                 "flight)", "tok/s (higher is better)", _series(by_width["tok_s"])))
+                                 "flight)", "tok/s (higher is better)",
+                                 _series(by_width["tok_s"], page.lineage)))
     if by_width["itl_p50"]:
         charts.append(line_chart(f"ITL p50 by batch width · {shape}", "batch width (requests in "
                                  "flight)", "ITL p50, ms (lower is better)",
-                                 _series(by_width["itl_p50"])))
+                                 _series(by_width["itl_p50"], page.lineage)))
     if by_isl:
         charts.append(line_chart("latency: ITL p50 by prompt length, one request at a time",
                                  "prompt length (tokens)", "ITL p50, ms (lower is better)",
-                                 _series(by_isl)))
+                                 _series(by_isl, page.lineage)))
     return '<section class="charts">' + "\n".join(charts) + "</section>" if charts else ""
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from liteinfer.bench import registry
 from liteinfer.bench.floor import floor_share
+from liteinfer.bench.lineage import Lineage
 from liteinfer.bench.registry import LITEINFER, REMOVED, VLLM, BenchConfig
 from liteinfer.bench.store import DEFAULT_PRECISION, Row, build_of, latest, precision_of, shape_of
 from liteinfer.bench.timeline import Timeline
@@ -204,6 +205,7 @@ def serving_tables(rows: list[Row], model: str) -> list[ServingTable]:
 
 @dataclass
 class Page:
+    lineage: Lineage
     model: str
     headline: Shape  # the shape the header names and the HTML plots by batch width show
     header: list[tuple[str, str]]
@@ -221,13 +223,13 @@ def row_label(kind: str, config: BenchConfig, width: int) -> str:
     return config.label + ("" if _is_primary(kind, config, width) else f" · W={width}")
 
 
-def _notes(config: BenchConfig) -> list[str]:
+def _notes(config: BenchConfig, lineage: Lineage) -> list[str]:
     notes = [config.description]
-    notes.append(f"improves on {registry.get(config.base).label}" if config.base else
+    notes.append(f"improves on {lineage.get(config.base).label}" if config.base else
                  registry.REFERENCE)
     if config.status == REMOVED:
         notes.append(REMOVED)
-    if config.base and registry.get(config.base).status == REMOVED:
+    if config.base and lineage.get(config.base).status == REMOVED:
         notes.append(SPANS_ENGINES)
     return notes
 
@@ -236,9 +238,9 @@ class _TableBuilder:
     """`rows`: the newest row per (config, width); `vllm_rows`: every vLLM row of the table's
     kind, shape and precision, from which each line's own machine's is taken."""
 
-    def __init__(self, kind: str, shape: Shape, model: str, precision: str, rows: list[Row],
-                 vllm_rows: list[Row]):
-        self.kind = kind
+    def __init__(self, lineage: Lineage, kind: str, shape: Shape, model: str, precision: str,
+                 rows: list[Row], vllm_rows: list[Row]):
+        self.lineage, self.kind = lineage, kind
         self.rows = {(r["config"], r["width"]): r for r in rows}
         self.vllm_rows = vllm_rows
         self.table = Table(kind, shape, model, [], precision=precision)
@@ -255,7 +257,7 @@ class _TableBuilder:
         if self.kind == "latency":
             return self.rows.get((name, 1))
         if _is_primary(self.kind, config, width):
-            return self.rows.get((name, registry.get(name).width))
+            return self.rows.get((name, self.lineage.get(name).width))
         return self.rows.get((name, width))
 
     def cell(self, line_label: str, row: Row, other: Row | None, same_engine: bool) -> Cell:
@@ -264,7 +266,8 @@ class _TableBuilder:
         cell = Cell(ratio(self.kind, row, other))
         why = mismatches(row, other, same_engine)
         if why and cell.value is not None:
-            other_label = row_label(self.kind, registry.get(other["config"]), other["width"])
+            other_label = row_label(self.kind, self.lineage.get(other["config"]),
+                                    other["width"])
             cell.note = self.note(f"{line_label} vs {other_label}: {'; '.join(why)}")
         return cell
 
@@ -287,17 +290,17 @@ class _TableBuilder:
         width = row["width"]
         label = row_label(self.kind, config, width)
         base = self.counterpart(config.base, config, width) if config.base else None
-        ancestors = reversed(registry.lineage(config.name))  # earliest first
+        ancestors = reversed(self.lineage.ancestors(config.name))  # earliest first
         first = next((r for a in ancestors if (r := self.counterpart(a, config, width))), None)
         vllm_name = registry.vllm_config_for(width)
         vs_vllm = (self.vllm_cell(label, row, vllm_name)
                    if config.engine != VLLM and vllm_name is not None else Cell(None))
         ratios = [self.cell(label, row, base, True), self.cell(label, row, first, True), vs_vllm]
-        return Line(config, row, label, _notes(config), ratios, floor_share(row))
+        return Line(config, row, label, _notes(config, self.lineage), ratios, floor_share(row))
 
     def build(self) -> Table:
-        order = sorted(self.rows, key=lambda k: (registry.ORDER[k[0]], k[1]))
-        lines = [self.line(registry.get(name), self.rows[(name, w)]) for name, w in order]
+        order = sorted(self.rows, key=lambda k: (self.lineage.order[k[0]], k[1]))
+        lines = [self.line(self.lineage.get(name), self.rows[(name, w)]) for name, w in order]
         metric = HEADLINE_METRIC[self.kind]
         values = [line.row[metric] for line in lines if line.row.get(metric)]
         for line in lines:
@@ -308,7 +311,7 @@ class _TableBuilder:
         return self.table
 
 
-def _pivot(kind: str, tables: list[Table]) -> Pivot:
+def _pivot(kind: str, tables: list[Table], lineage: Lineage) -> Pivot:
     """The default precision's rows across shapes."""
     tables = [t for t in tables if t.kind == kind and t.precision == DEFAULT_PRECISION]
     cells: dict[tuple[str, int], dict[Shape, float]] = {}
@@ -316,8 +319,8 @@ def _pivot(kind: str, tables: list[Table]) -> Pivot:
         for line in t.lines:
             key = (line.config.name, line.row["width"])
             cells.setdefault(key, {})[t.shape] = line.row.get(HEADLINE_METRIC[kind])
-    keys = sorted(cells, key=lambda k: (registry.ORDER[k[0]], k[1]))
-    lines = [(row_label(kind, registry.get(n), w), [cells[(n, w)].get(t.shape) for t in tables])
+    keys = sorted(cells, key=lambda k: (lineage.order[k[0]], k[1]))
+    lines = [(row_label(kind, lineage.get(n), w), [cells[(n, w)].get(t.shape) for t in tables])
              for n, w in keys]
     return Pivot(kind, [t.shape for t in tables], lines)
 
@@ -334,12 +337,13 @@ def _header(model: str, rows: list[Row], headline: Shape) -> list[tuple[str, str
             ("builds", ", ".join(builds)), ("last run", max(r["timestamp"] for r in own))]
 
 
-def build_page(rows: list[Row], model: str | None = None) -> Page:
-    """The newest row per (config, kind, shape, width) of one model, laid out as the page; the
-    offline rows of a serving run (its baseline, on fewer prompts) only in its own table."""
+def build_page(rows: list[Row], lineage: Lineage, model: str | None = None) -> Page:
+    """The newest row per (config, kind, shape, width) of one model, laid out as the page in
+    `lineage`'s order (rows of a renamed configuration under its name now); the offline rows of
+    a serving run (its baseline, on fewer prompts) only in its own table."""
     served = [r for r in rows if r["kind"] == SERVE]
-    offline = [r for r in rows if r["kind"] != SERVE and "run_id" not in r
-               and r["config"] in registry.BY_NAME]
+    offline = [r for r in map(lineage.current, rows) if r["kind"] != SERVE
+               and "run_id" not in r and r["config"] in lineage.by_name]
     rows = latest(offline)
     if model is None:
         own = [r for r in rows if r.get("engine") == LITEINFER]
@@ -358,11 +362,11 @@ def build_page(rows: list[Row], model: str | None = None) -> Page:
                 vllm_rows = [r for r in offline if r["engine"] == VLLM and r["kind"] == kind
                              and r.get("model") == model and shape_of(r) == shape
                              and precision_of(r) == precision]
-                tables.append(_TableBuilder(kind, shape, model, precision, of_table,
+                tables.append(_TableBuilder(lineage, kind, shape, model, precision, of_table,
                                             vllm_rows).build())
     kinds = {t.kind for t in tables if t.precision == DEFAULT_PRECISION}
-    pivots = [_pivot(k, tables) for k in ("throughput", "latency") if k in kinds]
+    pivots = [_pivot(k, tables, lineage) for k in ("throughput", "latency") if k in kinds]
     shapes = [t.shape for t in tables]
     headline = HEADLINE if HEADLINE in shapes or not shapes else shapes[0]
     header = _header(model, rows or served, headline)
-    return Page(model, headline, header, tables, pivots, serving)
+    return Page(lineage, model, headline, header, tables, pivots, serving)

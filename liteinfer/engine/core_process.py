@@ -231,7 +231,7 @@ class EngineCoreProc:
         except ValueError as e:  # the front end validates first; this is the last line
             failed = EngineCoreOutput(request.request_id, [], finish_reason="error", error=str(e))
             self._send(request.client_index, EngineCoreOutputs([failed],
-                                                               timestamp=time.monotonic()))
+                                                               timestamp=time.perf_counter()))
             return
         self.owner[request.request_id] = request.client_index
         self.stats.prompt_tokens += len(request.prompt_token_ids)
@@ -246,7 +246,7 @@ class EngineCoreProc:
                 self.core.abort_requests(ids)
             outputs = EngineCoreOutputs(
                 [EngineCoreOutput(rid, [], finish_reason="error", error=f"engine step failed: {e}")
-                 for rid in ids], timestamp=time.monotonic())
+                 for rid in ids], timestamp=time.perf_counter())
         self._publish(outputs)
 
     def _publish(self, outputs: EngineCoreOutputs, broadcast: bool = False) -> None:

@@ -117,7 +117,8 @@ class CUDAGraphRunner:
         """Sends the step's inputs to the device buffer (behind the work already queued, which
         may still read the previous step's); `replay` launches it."""
         # Fills the mirror directly rather than through build_step_inputs (step_inputs.py): a
-        # one-sequence decode step has ~0.9 ms of GPU time to hide all of its host work in.
+        # one-sequence decode step is the shortest on the GPU, and all of its host work must
+        # hide under it.
         seqs = batch.seqs
         n = len(seqs)
         bs = self.size_for(n)

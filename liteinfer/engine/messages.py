@@ -110,7 +110,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0  # time.monotonic() on the core's host when the step's tokens arrived
+    # time.perf_counter() when the step's tokens reached the host: the clock of every request
+    # stamp (RequestMetrics), CLOCK_MONOTONIC on Linux, so one host's processes compare them.
+    timestamp: float = 0.0
     admissions: list[Admission] = msgspec.field(default_factory=list)
     stored: list[StoredResponse] = msgspec.field(default_factory=list)
 

@@ -24,9 +24,9 @@ def padded_decodes(num_decodes: int, max_num_seqs: int) -> int:
 def prompt_piece_sizes(padded_decodes: int, mixed_prompt_tokens: int) -> list[int]:
     """The prompt token counts a captured step with `padded_decodes` decoding rows comes in,
     ascending: each brings the step to a power of two of rows, so the GEMMs' tiles and waves
-    come out even (on the H200, cuBLAS takes 14% longer for `down` over 2,080 rows than over
-    2,048, and gate/up 23% longer over 1,056 than over 1,024). At least MIN_PROMPT_PIECE, at
-    most mixed_prompt_tokens (which is that size alone if no power of two fits)."""
+    come out even (a few rows past a power of two cost cuBLAS a whole extra wave:
+    docs/notes/journal.md, item 22). At least MIN_PROMPT_PIECE, at most mixed_prompt_tokens
+    (which is that size alone if no power of two fits)."""
     sizes = [(1 << i) - padded_decodes for i in range(mixed_prompt_tokens.bit_length() + 1)]
     return [s for s in sizes if MIN_PROMPT_PIECE <= s <= mixed_prompt_tokens] or [
         mixed_prompt_tokens]

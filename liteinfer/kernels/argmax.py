@@ -1,10 +1,11 @@
 """Greedy decoding's argmax over the vocabulary, split across the GPU.
 
 torch's argmax gives each logits row to one thread block: over a 128,256-token vocabulary that
-block walks 250 values a thread, 37 us a step for one row on the H200, about 4% of the 1B
-model's whole decode step. Here a row is cut into CHUNK-wide pieces, one program each, that
-write their piece's maximum and its first index; a second launch takes, per row, the first
-piece holding the row's maximum. Ties go to the lowest index, as torch's argmax does.
+block walks 250 values a thread while the rest of the GPU idles, a visible share of a small
+model's decode step (docs/notes/journal.md, item 86). Here a row is cut into CHUNK-wide pieces,
+one program each, that write their piece's maximum and its first index; a second launch takes,
+per row, the first piece holding the row's maximum. Ties go to the lowest index, as torch's
+argmax does.
 """
 from __future__ import annotations
 

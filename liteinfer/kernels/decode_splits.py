@@ -10,8 +10,8 @@ rounds up and is clamped to the grid width. So a narrow batch fills the SMs, and
 only rows longer than the even share split, which keeps a ragged batch from waiting on its
 longest row. Rows shorter than two minimal splits stay in one program: there the merge costs
 more than the tiles a second split would take over. Counts round up because splits own whole
-tiles: 14 splits of a 3,712-token row (29 tiles) take 3 tiles each and leave 4 idle (8.6 us
-against 7.9 in 15)."""
+tiles: rounding down leaves some splits idle while the others take an extra tile (the sizing's
+measurements: NOTES.md, "Measured choices in the code")."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -23,8 +23,7 @@ import torch
 MAX_SPLITS_CAP = 64
 MIN_SPLIT_TOKENS = 256  # heads of 64 (128-key tiles)
 # Heads of 128 read twice the bytes a token in 64-key tiles, so one tile's worth already pays
-# for the merge (H200, one row of the 8B model's heads, 384 tokens: 12.5 us whole, 5.9 in
-# 64-token splits; 128 tokens 4.4 whole, 5.1 in two; scripts/bench_fewrow_gemm.py).
+# for the merge (docs/notes/journal.md, item 82).
 MIN_SPLIT_TOKENS_WIDE_HEADS = 64
 SPLIT_WAVES = 2  # program slots: about two (sequence, KV head, split) programs per SM
 WIDE_SPLITS = 3  # width and share's waves for 17-32 rows (8 KV heads, 132 SMs) that may split
@@ -56,8 +55,8 @@ class DecodeWorkspace:
 
 
 def min_split_tokens(head_dim: int) -> int:
-    """The fewest KV tokens a split of a row gets; rows under twice that stay whole (H200, heads
-    of 64, 384 tokens: 5.5 us in one split, 6.4 us in two)."""
+    """The fewest KV tokens a split of a row gets; rows under twice that stay whole, where a
+    second split costs more than it takes over (journal items 15 and 82)."""
     return MIN_SPLIT_TOKENS if head_dim <= 64 else MIN_SPLIT_TOKENS_WIDE_HEADS
 
 
@@ -66,14 +65,10 @@ def max_splits_for(batch_size: int, num_kv_heads: int, num_sms: int, may_split: 
     """Grid width for a batch size: enough (sequence, KV head, split) programs to fill about
     `waves` waves of SMs. Batches of up to twice that many programs get a width all the same
     when a row of theirs may split (`may_split`: one holds at least twice `min_split_tokens`):
-    without it a ragged batch waits on the program of its longest row (H200, 28-32 rows of
-    64-2,176 tokens: 34-35 us a layer in one split, 28-29 with the longest rows split at the
-    two-wave share; uniform rows of the same total 23-25). Those of up to two waves of
-    programs get WIDE_SPLITS, the others 2 (H200, rows of 64-2,176 tokens at WIDE_SPLITS
-    against 2: 20-24 rows 20.5-20.8 us a layer against 24.4-25.3, 32 rows 24.2 against 27.2, 48
-    rows 37.4 against 42.2, but 64 rows 51.6 against 53.9 and 48 rows of 2,100 tokens 71.8
-    against 61.1). Where no row can split, more splits would only cost time (32 rows of 128-384
-    tokens at width 2: a decode step 28 us longer)."""
+    without it a ragged batch waits on the program of its longest row (journal item 41).
+    Those of up to two waves of programs get WIDE_SPLITS, the others 2, which measured faster
+    up to 48 rows of mixed lengths and slower beyond (items 43 and 44). Where no row can split,
+    more splits would only cost time."""
     programs = max(1, batch_size * num_kv_heads)
     width = waves * num_sms // programs
     if width < 2 and may_split and programs < 2 * waves * num_sms:

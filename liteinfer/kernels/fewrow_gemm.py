@@ -1,10 +1,8 @@
 """Linear layers of a few rows (decode steps of 2 to FEWROW_MAX_ROWS sequences) as one GEMM.
 
 A decode step of a few sequences still reads every weight once and does little arithmetic, but
-cuBLAS(Lt)'s kernels for such shapes stream the weight well below the copy bandwidth: on the
-8B model's projections at 32 rows (H200), the e4m3 `torch._scaled_mm` reads 30-63% of the byte
-floor's rate (down 37.5 us against 13.9) and bf16 cuBLAS 62-91%
-(`benchmarks/experiments/fp8-kernels-8b-h200-2026-12-01-139f8e9.json`). e4m3 operands (the
+cuBLAS(Lt)'s kernels for such shapes stream the weight well below the copy bandwidth, its e4m3
+ones (`torch._scaled_mm`) most of all (docs/notes/journal.md, item 81). e4m3 operands (the
 weight and the activation quantized per token by the norm or SwiGLU that produced it) multiply
 on the tensor cores with fp32 accumulation, so no thread widens an e4m3 element; their
 per-token and per-channel scales multiply the fp32 tile. The residual add of an output
@@ -14,10 +12,10 @@ projection is the epilogue. Two kernels, by the number of rows:
   their weight rows through Triton's software pipeline in BLOCK_K-wide tiles; the few input rows
   (padded to BLOCK_M >= 16 for tl.dot) come from L2 with each tile and are the MMA's M side.
 - 65-128 rows, `_fewrow_gemm_swapped_kernel`: y^T = W x^T, so 64 weight rows are wgmma's M side
-  and the 128 input rows its N (m64n128 instead of m64n32-64), both operands by TMA (8B, 128
-  rows, H200: qkv 12.3 -> 10.3 us, o 9.9 -> 8.6). Where a projection has too few tiles to fill
-  the GPU and long rows (a down projection), K is cut among 2-4 programs a tile whose fp32
-  partials the last to arrive sums in a fixed order (8B down 25.5 -> 21.7 us in two).
+  and the 128 input rows its N (m64n128 instead of m64n32-64), both operands by TMA. Where a
+  projection has too few tiles to fill the GPU and long rows (a down projection), K is cut
+  among 2-4 programs a tile whose fp32 partials the last to arrive sums in a fixed order
+  (journal item 100).
 
 On Hopper and later both are programmatic dependent launches, as the GEMV kernel is.
 """
@@ -37,19 +35,13 @@ FEWROW_MAX_ROWS = 128
 # From this many rows the weight is the MMA's row operand (the swapped kernel below).
 SWAPPED_MIN_ROWS = 65
 # Programs (BLOCK_N features each) a projection is cut into at least, and the count past which a
-# shallower pipeline pays (two programs an SM). H200 sweeps of e4m3 tiles (row tiles of 16, 64
-# and 128, three widths, two depths, two K widths) at 4-64 rows over the 1B and 8B projections
-# (scripts/bench_fewrow_gemm.py, benchmarks/experiments/fewrow-gemm-h200-2026-12-02-*.json): the
-# rule below picks the second sweep's best tile for every projection at every row count (a row
-# tile of 64 on wgmma beats one of 16 on mma even at 4 rows: 8B, 16 rows, 66.6 us a layer
-# against 73.3).
+# shallower pipeline pays (two programs an SM): with these, the rule below picks the best tile
+# of item 81's sweeps (scripts/bench_fewrow_gemm.py) for every projection at every row count.
 MIN_PROGRAMS = 96
 MANY_PROGRAMS = 192
 # The swapped kernel's K range a program keeps at least when K is cut among programs, and its
-# tile: 64 weight rows (one warpgroup's m64) by 256 bytes of K, four stages. The best of 9 tiles
-# x 1-4 splits x TMA or pointer loads over the 1B and 8B projections at 128 rows
-# (benchmarks/experiments/fewrow-swap-h100-2026-12-05-9af365e.json, an H100; the H200's figures:
-# fewrow-swapped-h200-2026-12-05.json; scripts/bench_fewrow_gemm.py sweeps these tiles).
+# tile: 64 weight rows (one warpgroup's m64) by 256 bytes of K, four stages, the best of item
+# 100's sweep (scripts/bench_fewrow_gemm.py).
 SPLIT_MIN_K = 4096
 SWAPPED_BLOCK_N = 64
 SWAPPED_BLOCK_K_BYTES = 256
@@ -68,9 +60,8 @@ class FewRowTiles:
 
 def fewrow_tiles(rows: int, n: int, k: int, itemsize: int, sms: int) -> FewRowTiles | None:
     """The tile for `rows` rows of a projection [n, k] with weights of `itemsize` bytes on a GPU
-    of `sms` SMs, or None where cuBLAS is as fast: in bf16 (within a few percent either way at
-    4-64 rows, in the same sweep), and for a wide projection (gate/up) at over 64 rows (H200,
-    128 rows: the 8B's gate/up 39.5 us in cuBLASLt, 41.3 swapped)."""
+    of `sms` SMs, or None where cuBLAS is as fast: in bf16, and for a wide projection (gate/up)
+    at over 64 rows (journal items 81 and 100)."""
     if itemsize != 1 or rows > FEWROW_MAX_ROWS:
         return None
     if rows < SWAPPED_MIN_ROWS:

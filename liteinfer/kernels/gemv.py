@@ -2,10 +2,10 @@
 
 A decode step of one sequence reads every weight once and does almost no math, so a projection
 costs the time to stream its weight in; cuBLAS's kernels for this are latency-bound on the
-small matrices (qkv and o at 2.2 and 1.45 TB/s on the H200), and each RMSNorm or SiLU kernel
-between the projections costs a launch of its own. Here each program owns BLOCK_N output
-features and loads their whole weight rows [BLOCK_N, K] at once, so every SM has many bytes in
-flight, then reads the input row and reduces. Fused in:
+small matrices, well under the copy bandwidth (NOTES.md, "Measured choices in the code"), and
+each RMSNorm or SiLU kernel between the projections costs a launch of its own. Here each
+program owns BLOCK_N output features and loads their whole weight rows [BLOCK_N, K] at once, so
+every SM has many bytes in flight, then reads the input row and reduces. Fused in:
 
 - `norm`: the input (the residual stream) is RMS-normalized first. Each program normalizes the
   row itself: K values, nothing next to its weight tile.
@@ -43,17 +43,16 @@ import triton.language as tl
 from liteinfer.kernels import supports_pdl
 from liteinfer.kernels.prefetch import prefetch_lines, prefetch_weight
 
-# Weight bytes a program loads: 8k bf16 or 16k e4m3 elements. The H200 sweeps (bench_gemv.py,
-# the 1B model in bf16; bench_fp8.py --sweep, the 8B in both) found 8-32 KiB within a few
-# percent on nearly every projection.
+# Weight bytes a program loads: 8k bf16 or 16k e4m3 elements; tiles of 8-32 KiB measured within
+# a few percent of each other on nearly every projection (docs/notes/journal.md, items 16 and
+# 64; scripts/bench_fp8.py --sweep).
 TILE_BYTES = 16384
 # Weight bytes each thread holds, which sets the warps; wider rows (K past 8k, e.g. an 8B
-# model's down) get more. Per byte, not per element: e4m3 at the 64 elements per thread that
-# suit bf16 took 39.5 us on the 8B's gate/up against 33.2 at 128 (the same bytes as bf16's).
+# model's down) get more. Per byte, not per element: e4m3 at bf16's elements per thread was
+# slower than at bf16's bytes (item 64).
 BYTES_PER_THREAD = 128
 # Rows longer than this go through the chunked kernel, in tiles of (rows, chunk elements,
-# warps, pipeline stages): 8B ITL fp8 2.834 -> 2.572 ms, bf16 4.076 -> 4.042; every e4m3
-# projection chunked, 2.897 (NOTES.md, measured choices).
+# warps, pipeline stages); shorter rows lose to the plain kernel when chunked (items 90, 91).
 CHUNKED_MIN_K = 8192
 CHUNKED_TILE = (8, 1024, 4, 3)
 

@@ -6,12 +6,12 @@ running (PDL) may start streaming its weight at once; only its activations must 
 line is in flight, so a program can have a long stretch of its weight on its way, not only the
 tiles its pipeline has room for, and its loop then reads those lines from L2. The chunked GEMV
 (kernels/gemv.py) does this: the 8B's down at one request starts streaming while the GEMV before
-it ends (8B fp8 ITL 2.994 -> 2.955 ms on an H100). The few-row GEMMs gained nothing from it
-(W=32 +0.3%, W=128 0; docs/notes/journal.md, item 102), so they wait before their first load.
+it ends. The few-row GEMMs gained nothing from it (docs/notes/journal.md, items 102 and 103), so
+they wait before their first load.
 
-The lines one launch prefetches are capped at a third of the L2 (16.7 MB on the H100 and
-H200), leaving room for the activations and the previous kernel's own traffic, so the lines
-are still there when the loop reaches them.
+The lines one launch prefetches are capped at a third of the L2, leaving room for the
+activations and the previous kernel's own traffic, so the lines are still there when the loop
+reaches them.
 """
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ the decode kernel's split-K epilogue), so their memory-bound programs share the 
 compute-bound prompt tiles instead of running as a launch of their own. Such a launch ends
 when the last decoding row's serial chain of KV tiles does, so there every loop looks the next
 tile's block ids up ahead and its K/V copies overlap the current tile's softmax; a launch of
-prompts alone is faster without (H200: 28 rows of ~1,100 tokens + a 2,016-token prompt 76.4 ->
-69.3 us, the prompt alone 50.5 -> 56.1).
+prompts alone is faster without (docs/notes/journal.md, item 52).
 """
 from __future__ import annotations
 

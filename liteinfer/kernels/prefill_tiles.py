@@ -15,10 +15,9 @@ import numpy as np
 from liteinfer.utils import next_power_of_2, ragged_index
 
 MAX_TILE_ROWS = 128
-# A decoding row's programs in the prefill launch each take at least this many KV tokens. Beside
-# a 2k-token prompt piece, rows of up to 2k tokens ran fastest whole (H200: 28 rows of 64-2,176
-# tokens 77.5 us a layer whole, 85.1 in programs of 1,024 tokens), and a 15k-token row in
-# programs of 1-4k tokens (65-71 us, against 217 whole).
+# A decoding row's programs in the prefill launch each take at least this many KV tokens: beside
+# a 2k-token prompt piece, rows of up to 2k tokens ran fastest whole, and a 15k-token row in
+# programs of a few thousand tokens (docs/notes/journal.md, item 42).
 DECODE_CHUNK_TOKENS = 4096
 DECODE_SPLIT_BITS = 8  # a decoding split's map entry packs (split << 8) | splits, negated
 
@@ -41,12 +40,11 @@ def prefill_tile_tokens(max_seqlen_q: int, group_size: int) -> int:
 
 def prefill_tiles(head_dim: int, block_size: int, tile_tokens: int,
                   group_size: int) -> PrefillTiles:
-    """Hopper choice for tiles of `tile_tokens` query tokens. For head_dim 64, 128 rows against
-    64-key tiles with 8 warps measured best on the H200 (scripts/bench_kernels.py --sweep): 15%
-    faster than 128 rows of one head against 128-key tiles at one 2,016-token prompt, 2% at
-    15,360 tokens. Three stages give the K/V tiles looked up ahead in launches with decoding rows
-    their second buffer, and prompts alone are as fast or faster with them (50.5 against 52.7 us
-    at one 2,016-token prompt, 2,575 against 2,637 at 15,360)."""
+    """Hopper choice for tiles of `tile_tokens` query tokens. For head_dim 64, 128 rows (a KV
+    head's query group) against 64-key tiles with 8 warps measured best
+    (scripts/bench_kernels.py --sweep; docs/notes/journal.md, items 33 and 52). Three stages
+    give the K/V tiles looked up ahead in launches with decoding rows their second buffer, and
+    prompts alone are as fast or faster with them."""
     rows = next_power_of_2(tile_tokens * group_size)
     num_warps = 8 if rows == MAX_TILE_ROWS else 4
     return PrefillTiles(rows, max(64, block_size), num_warps, num_stages=3)

@@ -37,7 +37,8 @@ from liteinfer.utils import ReadableWait, cpus_to_spin
 
 __all__ = ["ALLOWED", "FORBIDDEN", "TERMINATED", "GrammarBitmask", "GrammarWorkerDied",
            "StructuredOutputManager", "apply_grammar_bitmask"]
-# Fill threads in the grammar process: the H200 host's best (worker.py); half the cores at most.
+# Fill threads in the grammar process: the best count measured (worker.py); half the cores at
+# most.
 FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 COMPILE_THREADS = 2
 # `poll` asks at most this often: an idle core steps in a tight loop while a grammar compiles,

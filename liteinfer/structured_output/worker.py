@@ -1,8 +1,8 @@
 """The grammar process: every constrained request's xgrammar matcher, advanced by the tokens the
 engine core samples, and each step's bitmask rows, filled into host memory the core shares.
 
-xgrammar's bitmask fill holds the GIL: on the H200 host another thread's Python ran at ~34% of
-its speed while one filled. In the core's process no thread could overlap it with the step
+xgrammar's bitmask fill holds the GIL, so another thread's Python crawls while one fills
+(docs/notes/journal.md, item 69). In the core's process no thread could overlap it with the step
 loop's own work; in a process of its own it runs while the core hands out the last step's
 outputs and schedules the next one.
 
@@ -79,9 +79,7 @@ class GrammarWorker:
         # Bitmask rows that allow every token as they stand: a step's unconstrained rows are
         # mostly last step's too, and rewriting them (16 KB a row) would delay each fill.
         self.allowing_all: set[int] = set()
-        # On the H200 host 16 rows took 1.02 ms on one thread, 0.38-0.41 on four and 0.44 on
-        # eight (xgrammar's "auto"), and rows that allow few tokens 0.15 ms on four against
-        # 0.33 on eight (the threads' start).
+        # A few threads fill fastest: more cost more to start than they take over (item 69).
         self.batch = xgr.BatchGrammarMatcher(fill_threads)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder()

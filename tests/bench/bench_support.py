@@ -3,9 +3,14 @@ with the interface the harness drives (add_request / step / has_unfinished_reque
 model_config.vocab_size). Tiny models come from ../conftest.py."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 from liteinfer.bench.cli import build_parser
+from liteinfer.bench.lineage import load_lineage
+
+REPO = Path(__file__).resolve().parents[2]
+LINEAGE = load_lineage(REPO / "benchmarks" / "lineage.toml")  # the report's, as committed
 
 
 def cli(*argv: object) -> None:

@@ -10,6 +10,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from bench_support import LINEAGE
 
 from liteinfer.bench.report import render_markdown
 from liteinfer.bench.report_html import render_html
@@ -24,7 +25,7 @@ GOLDEN = HERE / "golden"
 
 @pytest.fixture(scope="module")
 def page():
-    return build_page(load_rows(RESULTS, REFERENCE))
+    return build_page(load_rows(RESULTS, REFERENCE), LINEAGE)
 
 
 @pytest.mark.parametrize("name, render", [("BENCHMARKS.md", render_markdown),

@@ -100,6 +100,9 @@ def test_cli_run_and_report(fake_llms, tiny_llama_dir, tmp_path, capsys):
     cli("report", "--results", out.parent, "--reference", REFERENCE, "--md", md, "--html", html)
     assert "## throughput · tiny-llama · ISL=16 OSL=4" in md.read_text()
     assert "<svg" in html.read_text()
+    with pytest.raises(ValueError, match=r"no lineage file at .*nowhere\.toml"):
+        cli("report", "--results", out.parent, "--lineage", tmp_path / "nowhere.toml",
+            "--md", md, "--html", html)
 
 
 def test_cli_keeps_going_past_a_broken_config(fake_llms, monkeypatch, tmp_path):
@@ -133,6 +136,10 @@ def test_cli_plan_errors(monkeypatch):
         cli("run", "--all", "--config", registry.DEFAULT, "overlap", "--dry-run")
     with pytest.raises(ValueError, match=r"paged-b4 is removed .*none under benchmarks/results/"):
         cli("run", "throughput", "--config", "paged-b4", "--dry-run")
+    with pytest.raises(ValueError, match="prompt-graphs is called default now"):
+        cli("run", "--quick", "--config", "prompt-graphs", "--dry-run")
+    with pytest.raises(ValueError, match="unknown benchmark config 'nosuch'; those that run: "):
+        cli("run", "--quick", "--config", "nosuch", "--dry-run")
 
 
 def test_transformers_baseline_on_cpu(tiny_llama_dir):

@@ -1,20 +1,21 @@
 """Ratios, `~` marks, lineage resolution and the loading of result and reference rows."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from bench_support import LINEAGE, REPO
 
 from liteinfer.bench import registry
+from liteinfer.bench.lineage import load_lineage
 from liteinfer.bench.serve import offline_row
 from liteinfer.bench.store import append_row, engine_commit, latest, load_rows, results_file
 from liteinfer.bench.tables import SPANS_ENGINES, build_page, ratio
 from liteinfer.bench.workloads import fingerprint, make_prompts
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def row(config, kind="latency", isl=128, osl=256, width=1, **extra):
@@ -45,12 +46,94 @@ def test_ratio_direction_above_one_is_better():
 
 
 def test_lineage_walks_through_removed_configs():
-    assert registry.lineage("continuous") == ["paged-b4", "paged", "native-eager", "eager",
-                                              "nocache"]
-    assert registry.lineage("splitk")[:4] == ["graphs", "paged-attn", "sdpa", "continuous"]
-    assert registry.lineage("packed") == ["graphs-mixed"]
-    for c in registry.CONFIGS:  # every base names a config, and no lineage loops
-        assert all(a in registry.BY_NAME for a in registry.lineage(c.name))
+    assert LINEAGE.ancestors("continuous") == ["paged-b4", "paged", "native-eager", "eager",
+                                               "nocache"]
+    assert LINEAGE.ancestors("splitk")[:4] == ["graphs", "paged-attn", "sdpa", "continuous"]
+    assert LINEAGE.ancestors("packed") == ["graphs-mixed"]
+    assert LINEAGE.ancestors(registry.DEFAULT)[:2] == ["mixed", "gemv"]
+    # The configurations that run are the registry's, with the lineage's bases; the rest are
+    # history.
+    for c in LINEAGE.configs:
+        if c.name in registry.BY_NAME:
+            assert c == dataclasses.replace(registry.get(c.name), base=c.base)
+        else:
+            assert c.status == registry.REMOVED and not c.runs()
+    assert LINEAGE.get("paged-b4").width == 4 and LINEAGE.get("continuous").width == 32
+
+
+def write_lineage(tmp_path, text):
+    path = tmp_path / "lineage.toml"
+    path.write_text(text)
+    return path
+
+
+RUNNING = "".join(f'[[config]]\nname = "{c.name}"\n' for c in registry.CONFIGS)
+
+
+def test_the_report_reads_its_lineage_from_the_data(tmp_path):
+    """A history written as data orders the page, names each row's base and marks it removed;
+    rows stored under a renamed configuration's old name are read as the new one's."""
+    lineage = load_lineage(write_lineage(tmp_path, f"""
+[renamed]
+old-default = "default"
+
+[[config]]
+name = "first-try"
+description = "A step of the history"
+width = 4
+
+{RUNNING}
+
+[[config]]
+name = "second-try"
+base = "first-try"
+description = "Its successor"
+"""))
+    names = [c.name for c in lineage.configs]
+    assert (names[0], names[-1]) == ("first-try", "second-try")
+    assert lineage.get("first-try").width == 4 and lineage.get("second-try").width == 32
+    rows = [row("second-try", itl_p50=5.0), row("first-try", itl_p50=10.0),
+            row("old-default", itl_p50=2.0)]
+    t = table(build_page(rows, lineage), "latency")
+    assert [x.label for x in t.lines] == [
+        "liteinfer-first-try", "liteinfer-default", "liteinfer-second-try"]
+    second = line(t, "liteinfer-second-try")
+    assert texts(second)[:2] == ["2.00x", "2.00x"]
+    assert second.notes == ["Its successor", "improves on liteinfer-first-try",
+                            registry.REMOVED, SPANS_ENGINES]
+    assert line(t, "liteinfer-default").row["itl_p50"] == 2.0
+    # A configuration the data does not hold is left off the page.
+    assert "liteinfer-paged" not in [x.label for x in t.lines]
+    assert [x.label for x in table(build_page([row("paged")] + rows, lineage),
+                                   "latency").lines] == [x.label for x in t.lines]
+
+
+@pytest.mark.parametrize("text, error", [
+    ('[[config]]\nname = "x"\n', "needs a description"),
+    (f'{RUNNING}[[config]]\nname = "x"\ndescription = "d"\nbase = "y"\n', "names 'y'"),
+    (f'{RUNNING}[[config]]\nname = "x"\ndescription = "d"\nbase = "z"\n'
+     f'[[config]]\nname = "z"\ndescription = "d"\nbase = "x"\n', "loops"),
+    (f'{RUNNING}[[config]]\nname = "default"\n', "named twice"),
+    ('[[config]]\nname = "default"\n', "leaves out the configurations that run"),
+    (f'{RUNNING}[[config]]\nname = "x"\ndescription = "d"\ncolour = 1\n', "unknown keys"),
+    ('[[config]]\nname = "default"\nwidth = 4\n' + RUNNING, "only its base belongs here"),
+    (f'{RUNNING}[renamed]\nx = "nowhere"\n', "renames 'x' to 'nowhere'"),
+])
+def test_a_lineage_that_does_not_hold_together_is_refused(tmp_path, text, error):
+    with pytest.raises(ValueError, match=error):
+        load_lineage(write_lineage(tmp_path, text))
+
+
+def test_the_committed_lineage_reads_every_stored_row():
+    """Every row under benchmarks/results names a configuration of the lineage, under its name
+    now or a name it had."""
+    rows = load_rows(REPO / "benchmarks" / "results", None)
+    assert rows
+    unknown = {r["config"] for r in map(LINEAGE.current, rows)
+               if r["kind"] != "serve" and r["config"] not in LINEAGE.by_name}
+    assert not unknown
+    assert "prompt-graphs" in {r["config"] for r in rows}  # stored rows keep their old name
+    assert LINEAGE.current({"config": "prompt-graphs"}) == {"config": registry.DEFAULT}
 
 
 def test_vs_base_vs_first_and_removed_bases():
@@ -58,7 +141,7 @@ def test_vs_base_vs_first_and_removed_bases():
             row("eager", itl_p50=16.0, engine="transformers"),
             row("native-eager", itl_p50=15.0, commit="0" * 40),
             row("continuous", itl_p50=10.0), row("sdpa", itl_p50=8.0)]
-    t = table(build_page(rows), "latency")
+    t = table(build_page(rows, LINEAGE), "latency")
     eager, native, cont, sdpa = (line(t, f"liteinfer-{n}")
                                  for n in ("eager", "native-eager", "continuous", "sdpa"))
     assert texts(line(t, "liteinfer-nocache"))[:2] == ["—", "—"]
@@ -79,7 +162,7 @@ def test_vs_base_vs_first_and_removed_bases():
 
 def test_vs_first_is_the_earliest_ancestor_with_a_row():
     t = table(build_page([row("paged-attn", itl_p50=12.0), row("graphs", itl_p50=6.0),
-                          row("splitk", itl_p50=4.0)]), "latency")
+                          row("splitk", itl_p50=4.0)], LINEAGE), "latency")
     assert texts(line(t, "liteinfer-paged-attn"))[:2] == ["—", "—"]
     assert texts(line(t, "liteinfer-splitk"))[:2] == ["1.50x", "3.00x"]
 
@@ -90,7 +173,7 @@ def test_approximate_ratios_say_why():
             row("vllm", itl_p50=2.0, engine="vllm", commit=None, version="0.26.0"),
             row("graphs-16k", isl=15360, osl=128, gpu="H"),
             row("vllm", isl=15360, osl=128, engine="vllm", commit=None, version="0.26.0")]
-    page = build_page(rows)
+    page = build_page(rows, LINEAGE)
     t = table(page, "latency")
     splitk = line(t, "liteinfer-splitk")
     assert texts(splitk) == ["1.20x~", "1.20x~", "0.40x"]  # vs vLLM: other engine, same prompts
@@ -113,17 +196,17 @@ def test_vs_vllm_divides_only_rows_of_one_machine():
     """A vLLM row is the reference of liteinfer's rows on its own machine (GPU and host) only:
     the newest vLLM row of another machine never is, nor a row that recorded no host."""
     vllm = {"engine": "vllm", "commit": None, "version": "0.26.0"}
-    rows = [row("prompt-graphs", "throughput", width=32, tok_s=1200.0, host="a",
+    rows = [row(registry.DEFAULT, "throughput", width=32, tok_s=1200.0, host="a",
                 timestamp="2026-03-01T00:00:00+00:00"),
             row("vllm-continuous", "throughput", width=32, tok_s=1000.0, host="a", **vllm),
             row("vllm-continuous", "throughput", width=32, tok_s=400.0, host="b", **vllm,
                 timestamp="2026-04-01T00:00:00+00:00"),
-            row("prompt-graphs", "throughput", width=128, tok_s=3000.0, host=None),
+            row(registry.DEFAULT, "throughput", width=128, tok_s=3000.0, host=None),
             row("vllm-b128", "throughput", width=128, tok_s=2000.0, host="a", **vllm)]
-    t = table(build_page(rows), "throughput")
-    assert texts(line(t, "liteinfer-prompt-graphs"))[2] == "1.20x"  # host a's, not b's
+    t = table(build_page(rows, LINEAGE), "throughput")
+    assert texts(line(t, "liteinfer-default"))[2] == "1.20x"  # host a's, not b's
     assert line(t, "vllm-continuous").row["host"] == "b"  # the table shows the newest row
-    w128 = line(t, "liteinfer-prompt-graphs · W=128")
+    w128 = line(t, "liteinfer-default · W=128")
     assert texts(w128)[2] == "—" and t.footnotes[w128.ratios[2].note - 1].startswith(
         "no vs vLLM ratio: no vLLM row of W=128")
 
@@ -137,7 +220,7 @@ def test_throughput_widths():
             row("graphs-b128", "throughput", width=128, tok_s=3000.0),
             row("vllm-b4", "throughput", width=4, tok_s=600.0, engine="vllm", commit=None),
             row("vllm-b128", "throughput", width=128, tok_s=6000.0, engine="vllm", commit=None)]
-    t = table(build_page(rows), "throughput")
+    t = table(build_page(rows, LINEAGE), "throughput")
     assert [x.label for x in t.lines] == [
         "liteinfer-eager", "liteinfer-eager-b4", "liteinfer-graphs", "liteinfer-splitk · W=4",
         "liteinfer-splitk", "liteinfer-graphs-b128", "vllm-b4", "vllm-b128"]
@@ -147,7 +230,7 @@ def test_throughput_widths():
     assert texts(line(t, "liteinfer-graphs-b128")) == ["—", "—", "0.50x"]
     assert line(t, "vllm-b128").standing == 1.0
     assert line(t, "liteinfer-eager").standing == pytest.approx(50 / 6000)
-    pivot = next(p for p in build_page(rows).pivots if p.kind == "throughput")
+    pivot = next(p for p in build_page(rows, LINEAGE).pivots if p.kind == "throughput")
     assert ("liteinfer-splitk · W=4", [300.0]) in pivot.rows
 
 
@@ -159,7 +242,7 @@ def test_latest_row_wins(tmp_path):
         append_row(r, tmp_path / "a.jsonl")
     rows = latest(load_rows(tmp_path, None))
     assert sorted(r["itl_p50"] for r in rows) == [1.0, 5.0]
-    page = build_page(rows, model="m")
+    page = build_page(rows, LINEAGE, model="m")
     assert [x.row["itl_p50"] for x in page.tables[0].lines] == [5.0]
 
 
@@ -169,7 +252,7 @@ def test_a_serving_runs_offline_baseline_stays_out_of_the_offline_tables():
     page_row = row("splitk", itl_p50=5.0, timestamp="2026-01-01T00:00:00+00:00")
     baseline = row("splitk", itl_p50=9.0, prompts=16, run_id="serving-1",
                    timestamp="2026-02-01T00:00:00+00:00")
-    page = build_page([page_row, baseline], model="m")
+    page = build_page([page_row, baseline], LINEAGE, model="m")
     assert [x.row["itl_p50"] for x in page.tables[0].lines] == [5.0]
     served = row("splitk", kind="serve", run_id="serving-1", timestamp="2026-02-01T00:01:00+00:00")
     newer = row("splitk", itl_p50=7.0, timestamp="2026-03-01T00:00:00+00:00")
@@ -243,30 +326,30 @@ def test_each_precision_gets_its_own_tables_compared_with_vllm_at_that_precision
     fp8 = {"engine_args": {"quantization": "fp8"}}
     fp8_kv = {"engine_args": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
     vllm = {"engine": "vllm", "commit": None, "version": "0.26.0"}
-    rows = [row("prompt-graphs", itl_p50=1.0), row("vllm", itl_p50=2.0, **vllm),
+    rows = [row("default", itl_p50=1.0), row("vllm", itl_p50=2.0, **vllm),
             # The same config at fp8 is not the bf16 row's newer measurement.
-            row("prompt-graphs", itl_p50=0.5, timestamp="2026-02-01T00:00:00+00:00", **fp8),
+            row("default", itl_p50=0.5, timestamp="2026-02-01T00:00:00+00:00", **fp8),
             row("vllm", itl_p50=0.8, **vllm, **fp8),
-            row("prompt-graphs", itl_p50=0.4, **fp8_kv)]
-    page = build_page(rows)
+            row("default", itl_p50=0.4, **fp8_kv)]
+    page = build_page(rows, LINEAGE)
     assert [t.title for t in page.tables] == [
         "latency · m · ISL=128 OSL=256", "latency · m · fp8 · ISL=128 OSL=256",
         "latency · m · fp8 + fp8 KV · ISL=128 OSL=256"]
     bf16, at_fp8, at_fp8_kv = page.tables
-    assert texts(line(bf16, "liteinfer-prompt-graphs")) == ["—", "—", "2.00x"]
-    assert texts(line(at_fp8, "liteinfer-prompt-graphs")) == ["—", "—", "1.60x"]
-    assert texts(line(at_fp8_kv, "liteinfer-prompt-graphs")) == ["—", "—", "—"]
+    assert texts(line(bf16, "liteinfer-default")) == ["—", "—", "2.00x"]
+    assert texts(line(at_fp8, "liteinfer-default")) == ["—", "—", "1.60x"]
+    assert texts(line(at_fp8_kv, "liteinfer-default")) == ["—", "—", "—"]
     # The across-shapes pivots hold the default precision's rows only.
     (pivot,) = page.pivots
-    assert dict(pivot.rows) == {"liteinfer-prompt-graphs": [1.0], "vllm": [2.0]}
+    assert dict(pivot.rows) == {"liteinfer-default": [1.0], "vllm": [2.0]}
 
 
 def test_batch_invariant_rows_get_their_own_tables_beside_the_default():
     invariant = {"engine_args": {"batch_invariant": True}}
-    rows = [row("prompt-graphs", itl_p50=1.0),
-            row("prompt-graphs", itl_p50=1.02, timestamp="2026-02-01T00:00:00+00:00",
+    rows = [row(registry.DEFAULT, itl_p50=1.0),
+            row(registry.DEFAULT, itl_p50=1.02, timestamp="2026-02-01T00:00:00+00:00",
                 **invariant)]
-    page = build_page(rows)
+    page = build_page(rows, LINEAGE)
     assert [t.title for t in page.tables] == [
         "latency · m · ISL=128 OSL=256", "latency · m · bf16 + batch-invariant · ISL=128 OSL=256"]
 
@@ -279,11 +362,11 @@ def test_vllm_rows_of_another_model_and_precision_stay_theirs(tmp_path):
            "engine_args": {"quantization": "fp8"}, "kind": "latency", "isl": 128, "osl": 256,
            "prompts": 50, "width": 1, "seed": 1234, "itl_p50": 3.5, "tok_s": 280.0, "at": 1.0e9}
     (tmp_path / "vllm-fp8.jsonl").write_text(json.dumps(raw) + "\n")
-    ours = row("prompt-graphs", model="llama-3.1-8b-instruct", itl_p50=2.5,
+    ours = row("default", model="llama-3.1-8b-instruct", itl_p50=2.5,
                engine_args={"quantization": "fp8"}, fingerprint=fingerprint(make_prompts(128, 50)))
     (vllm,) = load_rows(None, tmp_path)
     assert (vllm["model"], vllm["config"]) == ("llama-3.1-8b-instruct", "vllm")
-    page = build_page([ours, vllm], "llama-3.1-8b-instruct")
+    page = build_page([ours, vllm], LINEAGE, "llama-3.1-8b-instruct")
     (t,) = page.tables
     assert t.title == "latency · llama-3.1-8b-instruct · fp8 · ISL=128 OSL=256"
-    assert texts(line(t, "liteinfer-prompt-graphs"))[2] == "1.40x"
+    assert texts(line(t, "liteinfer-default"))[2] == "1.40x"

@@ -283,3 +283,16 @@ def serve(engine: Any, model_name: str, args: Any = None) -> Iterator[str]:
     finally:
         server.uvicorn.should_exit = True
         thread.join()
+
+
+def greedy_completion_texts(url: str, prompt: str, max_tokens: int) -> tuple[str, str]:
+    """A greedy completion of `prompt` over HTTP with the openai client (forced length), whole
+    and streamed: the two texts."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    args = dict(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0].text
+    chunks = client.completions.create(**args, stream=True)
+    return whole, "".join(c.choices[0].text for c in chunks if c.choices)

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from fixtures import build_llm, make_tiny_llama_dir, serve
+from fixtures import build_llm, greedy_completion_texts, make_tiny_llama_dir, serve
 from liteinfer import SamplingParams
 from liteinfer.cli import build_parser, engine_kwargs
 from liteinfer.config import EngineConfig, SpeculativeConfig
@@ -156,7 +156,6 @@ def test_method_is_inferred_from_the_model_as_vllm_does():
 
 
 def test_server_with_speculative_config_flag(tiny_llm, tiny_llama_dir):
-    from openai import OpenAI
 
     args = build_parser().parse_args([
         "serve", str(tiny_llama_dir), "--speculative-config",
@@ -166,13 +165,6 @@ def test_server_with_speculative_config_flag(tiny_llm, tiny_llama_dir):
     ref = tiny_llm.generate([prompt], greedy(30), use_tqdm=False)[0].outputs[0].text
     try:
         with serve(engine, "tiny") as url:
-            client = OpenAI(base_url=url + "/v1", api_key="unused")
-            whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=30,
-                                              temperature=0, extra_body={"ignore_eos": True})
-            assert whole.choices[0].text == ref
-            chunks = list(client.completions.create(
-                model="tiny", prompt=prompt, max_tokens=30, temperature=0, stream=True,
-                extra_body={"ignore_eos": True}))
-            assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+            assert greedy_completion_texts(url, prompt, 30) == (ref, ref)
     finally:
         engine.shutdown()

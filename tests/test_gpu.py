@@ -83,19 +83,25 @@ def test_fp32_token_for_token(model_dir, prompts, fp32_reference, name):
     assert alone == fp32_reference[0]
 
 
-@pytest.mark.parametrize("name", ["eager", "default", "chunked"])
-def test_draft_model_token_for_token(model_dir, prompts, fp32_reference, name):
-    """The model drafting for itself through the Triton kernels (its catch-up's packed
-    prefill, its proposals' split-K decode), beside eager and captured target steps:
-    transformers' tokens, and nearly every draft accepted."""
-    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 4}
+def _speculate(model_dir, prompts, fp32_reference, name, spec):
+    """Eight prompts in a batch, then one alone, speculating with `spec` under config `name`:
+    transformers' tokens; returns the speculation counters."""
     llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024,
                     speculative_config=spec, **{"max_num_seqs": 48, **CONFIGS[name]})
     outputs = llm.generate(prompts[:8], greedy(20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == fp32_reference[:8]
     alone = llm.generate(prompts[8:9], greedy(20), use_tqdm=False)[0].outputs[0].token_ids
     assert alone == fp32_reference[8]
-    stats = llm.engine.core.scheduler.stats().spec_decoding
+    return llm.engine.core.scheduler.stats().spec_decoding
+
+
+@pytest.mark.parametrize("name", ["eager", "default", "chunked"])
+def test_draft_model_token_for_token(model_dir, prompts, fp32_reference, name):
+    """The model drafting for itself through the Triton kernels (its catch-up's packed
+    prefill, its proposals' split-K decode), beside eager and captured target steps:
+    transformers' tokens, and nearly every draft accepted."""
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 4}
+    stats = _speculate(model_dir, prompts, fp32_reference, name, spec)
     assert stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens
 
 
@@ -106,13 +112,7 @@ def test_speculative_decoding_token_for_token(model_dir, prompts, fp32_reference
     drafts all right or half wrong: still transformers' tokens, in a batch and alone."""
     spec = {"method": "reference", "num_speculative_tokens": 4, "corrupt_probability": corrupt,
             "reference_outputs": [[p, o] for p, o in zip(prompts, fp32_reference)]}
-    llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024,
-                    speculative_config=spec, **{"max_num_seqs": 48, **CONFIGS[name]})
-    outputs = llm.generate(prompts[:8], greedy(20), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == fp32_reference[:8]
-    alone = llm.generate(prompts[8:9], greedy(20), use_tqdm=False)[0].outputs[0].token_ids
-    assert alone == fp32_reference[8]
-    stats = llm.engine.core.scheduler.stats().spec_decoding
+    stats = _speculate(model_dir, prompts, fp32_reference, name, spec)
     assert stats.num_drafts > 0
     assert (stats.num_accepted_tokens == stats.num_draft_tokens) == (corrupt == 0.0)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fixtures import ENGINES, build_llm, make_tiny_llama_dir, serve
+from fixtures import ENGINES, build_llm, greedy_completion_texts, make_tiny_llama_dir, serve
 from liteinfer import SamplingParams
 from liteinfer.config import EngineConfig, SpeculativeConfig
 from liteinfer.engine.async_llm import AsyncLLM
@@ -428,7 +428,6 @@ def test_drafting_models_under_tensor_parallelism_are_refused_clearly(tiny_llama
 
 
 def test_server_speculates_streamed_and_whole_and_counts(tiny_llm, tiny_llama_dir):
-    from openai import OpenAI
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     engine = AsyncLLM.from_args(str(tiny_llama_dir), speculative_config=spec, **ENGINE)
@@ -436,14 +435,7 @@ def test_server_speculates_streamed_and_whole_and_counts(tiny_llm, tiny_llama_di
     ref = tiny_llm.generate([prompt], greedy(40), use_tqdm=False)[0].outputs[0].text
     try:
         with serve(engine, "tiny") as url:
-            client = OpenAI(base_url=url + "/v1", api_key="unused")
-            whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=40,
-                                              temperature=0, extra_body={"ignore_eos": True})
-            assert whole.choices[0].text == ref
-            chunks = list(client.completions.create(
-                model="tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True,
-                extra_body={"ignore_eos": True}))
-            assert "".join(c.choices[0].text for c in chunks if c.choices) == ref
+            assert greedy_completion_texts(url, prompt, 40) == (ref, ref)
             with httpx.Client(base_url=url) as c:
                 metrics = scrape(c)
                 text = c.get("/metrics").text

@@ -25,7 +25,7 @@ from liteinfer.config import ModelConfig
 from liteinfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from liteinfer.layers.norm_act import RMSNorm
 from liteinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from liteinfer.models.llama import LayerOps, LlamaForCausalLM, LlamaMLP
+from liteinfer.models.llama import LayerOps, LlamaForCausalLM, LlamaMLP, load_tensor
 
 NUM_AUX_LAYERS = 3
 
@@ -136,16 +136,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in an EAGLE-3 "
                                  f"head")
-            param = params[name]
-            with torch.no_grad():
-                loader = getattr(param, "weight_loader", None)
-                if loader is not None:
-                    loader(param, tensor.to(param.dtype), shard)
-                elif param.shape != tensor.shape:
-                    raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != "
-                                     f"the head's {tuple(param.shape)}")
-                else:
-                    param.copy_(tensor)
+            load_tensor(params[name], tensor, shard, ckpt_name)
             loaded.add(name)
         missing = sorted({n for n in params if n != "embed_tokens.weight"} - loaded)
         if missing:

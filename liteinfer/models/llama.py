@@ -113,6 +113,20 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp(x, self.post_attention_layernorm)
 
 
+@torch.no_grad()
+def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard: Any, name: str) -> None:
+    """One checkpoint tensor into its parameter: through the parameter's loader (a shard of a
+    fused or split layer), else copied whole."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor.to(param.dtype), shard)
+        return
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
+                         f"{tuple(param.shape)}")
+    param.copy_(tensor)
+
+
 class LlamaForCausalLM(nn.Module):
     # Checkpoint projections that live inside a fused parameter: name -> (fused name, shard).
     stacked_params: ClassVar[dict[str, tuple[str, str]]] = {
@@ -185,16 +199,7 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in the "
                                  f"{self.config.model_type} model")
-            param = params[name]
-            with torch.no_grad():
-                loader = getattr(param, "weight_loader", None)
-                if loader is not None:
-                    loader(param, tensor.to(param.dtype), shard)
-                else:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
-                                         f"!= model shape {tuple(param.shape)}")
-                    param.copy_(tensor)
+            load_tensor(params[name], tensor, shard, name)
             loaded.add((name, shard))
         expected = set()
         for name, param in params.items():

@@ -208,12 +208,16 @@ def test_logprobs_stops_n_and_penalties_match_plain_decoding(tiny_llm, tiny_llam
         release(llm)
 
 
-def test_preempted_sequences_stay_exact(tiny_llm, tiny_llama_dir):
-    """A pool so small that sequences verifying drafts are preempted and recomputed."""
+@pytest.mark.parametrize("method", ["reference", "draft_model"])
+def test_preempted_sequences_stay_exact(tiny_llm, tiny_llama_dir, method):
+    """A pool so small that sequences verifying drafts are preempted and recomputed (a draft
+    model's KV too, and its room ahead)."""
     prompts = random_prompts(6, 384, 20, 40, seed=11)
     ref = token_ids(tiny_llm.generate(prompts, greedy(48), use_tqdm=False))
+    spec = (reference_config(prompts, ref, 0.3) if method == "reference" else
+            {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 4})
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128,
-                    num_kv_blocks=14, speculative_config=reference_config(prompts, ref, 0.3))
+                    num_kv_blocks=14, speculative_config=spec)
     try:
         assert token_ids(llm.generate(prompts, greedy(48), use_tqdm=False)) == ref
         assert llm.engine.core.scheduler.num_preemptions > 0

@@ -391,6 +391,11 @@ class EngineConfig:
         spec = self.speculative
         return 0 if spec is None else spec.num_speculative_tokens
 
+    @property
+    def max_sampled_rows(self) -> int:
+        """Most rows a step samples: one per sequence, and one more per draft it verifies."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
+
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """EngineConfig fields from KEY=VALUE pairs (`--set`); values are JSON where they parse

@@ -152,10 +152,9 @@ class EngineCore:
                                    config.max_num_batched_tokens, self.max_model_len,
                                    config.mixed_prompt_tokens, self.eos_token_ids, speculator)
         self.inflight: InFlight | None = None
-        # A step's rows: one per sequence, and one more per draft it verifies.
         self.structured_output = StructuredOutputManager(
             source.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            config.max_num_seqs * (1 + config.num_speculative_tokens))
+            config.max_sampled_rows)
         # Constrained requests whose grammar is still compiling; queued once it is ready.
         self.compiling: list[Sequence] = []
         self.recorder: StepRecorder | None = None

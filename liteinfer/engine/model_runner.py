@@ -88,9 +88,7 @@ class ModelRunner:
             workspace = DecodeWorkspace.allocate(
                 config.max_num_seqs, self.num_q_heads, model_config.head_dim,
                 max_splits_for(1, self.num_kv_heads, sms), self.device)
-        # A sequence verifying drafts samples a row per draft beside its next token's.
-        max_sampled_rows = config.max_num_seqs * (1 + config.num_speculative_tokens)
-        self.step_model = StepModel(self.model, max_sampled_rows, self.num_kv_heads,
+        self.step_model = StepModel(self.model, config.max_sampled_rows, self.num_kv_heads,
                                     model_config.head_dim, sms,
                                     workspace, self.device)
         self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)

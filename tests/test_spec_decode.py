@@ -17,6 +17,7 @@ from fixtures import ENGINES, build_llm, greedy_completion_texts, make_tiny_llam
 from liteinfer import SamplingParams
 from liteinfer.config import EngineConfig, SpeculativeConfig
 from liteinfer.engine.async_llm import AsyncLLM
+from liteinfer.spec_decode import Speculator
 from liteinfer.spec_decode.draft_length import (
     PROBE_INTERVAL,
     RETRY_INTERVAL,
@@ -408,6 +409,51 @@ def test_acceptance_estimate_is_the_geometric_rate():
         assert sum(estimates) / len(estimates) == pytest.approx(rate, abs=0.04)
 
 
+def test_measured_verification_cost_turns_speculation_off_where_it_loses():
+    """At a per-token acceptance of 1/3, the model alone expects drafts to pay at 8 in flight;
+    once verifying steps are measured at 1.7 times a plain step's time (a host round trip and
+    the prompt-shaped kernels), they do not, and at a high acceptance they still do."""
+    policy = DraftLengthPolicy(max_drafts=4, knee_tokens=128, sync_cost=0.1)
+    for _ in range(300):
+        policy.record(4, 1)
+        policy.record(4, 0)
+    assert policy.acceptance == pytest.approx(1 / 3, abs=0.02)
+    assert policy.draft_length(8) == 4
+    policy.record_step_time(40, True, 10.0)  # a kind's first step (compilation) is left out
+    for _ in range(40):
+        policy.record_step_time(8, False, 0.0060)
+        policy.record_step_time(40, True, 0.0103)
+    assert policy.verify_overhead == pytest.approx(0.0103 / 0.0060, rel=0.01)
+    assert policy.draft_length(8) == 0
+    policy.record_step_time(40, True, 1.0)  # one slow moment moves the estimate a little
+    assert policy.verify_overhead < 2.0
+    for _ in range(300):
+        policy.record(4, 4)
+    assert policy.draft_length(8) == 4
+
+
+def test_decode_steps_are_timed_from_one_reading_to_the_next():
+    """Only decode steps are timed, each from the previous step's reading (a step with prompts
+    still starts the next one's time); a pause restarts the clock; untimed engines (CPU,
+    torchrun) keep the modelled costs."""
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    speculator = Speculator(spec, 100, time_steps=True)
+    policy = speculator.policy
+    speculator.step_read(0.0, 100, verified=False, decode_only=False)  # a prompt step
+    for i in range(1, 4):  # the first of each kind is left out
+        speculator.step_read(0.006 * i, 8, verified=False, decode_only=True)
+    assert policy.plain_time == pytest.approx(0.006)
+    speculator.paused()
+    speculator.step_read(5.0, 40, verified=True, decode_only=True)  # after a pause: untimed
+    speculator.step_read(5.009, 40, verified=True, decode_only=True)  # first verifying step
+    speculator.step_read(5.018, 40, verified=True, decode_only=True)
+    assert policy.verify_overhead == pytest.approx(1.5)
+    untimed = Speculator(spec, 100, time_steps=False)
+    for i in range(5):
+        untimed.step_read(0.01 * i, 8, verified=i % 2 == 1, decode_only=True)
+    assert untimed.policy.plain_time is None and untimed.policy.verify_time is None
+
+
 def test_bad_speculative_configs_are_clear_errors():
     for config, match in (({"method": "eagle7", "num_speculative_tokens": 2}, "method"),
                           ({"method": "ngram"}, "num_speculative_tokens"),
@@ -452,10 +498,8 @@ def test_server_speculates_streamed_and_whole_and_counts(tiny_llm, tiny_llama_di
 
 def test_draft_combinations_cover_every_position():
     """The per-position counter counts position p only when drafts 0..p were accepted."""
-    from liteinfer.spec_decode import Speculator
-
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
-    speculator = Speculator(spec, vocab_size=10)
+    speculator = Speculator(spec, vocab_size=10, time_steps=False)
     for drafted, accepted in product([1, 2, 3], repeat=2):
         if accepted <= drafted:
             speculator.record(drafted, accepted)

@@ -26,6 +26,7 @@ from liteinfer.bench.spec import add_spec_parser
 from liteinfer.bench.store import (
     REFERENCE_DIR,
     RESULTS_DIR,
+    SPEC_DIR,
     Row,
     append_row,
     environment,
@@ -35,7 +36,7 @@ from liteinfer.bench.store import (
     row_key,
     stored_rows,
 )
-from liteinfer.bench.tables import build_page, mismatches, ratio, vllm_counterpart
+from liteinfer.bench.tables import build_page, mismatches, ratio, spec_tables, vllm_counterpart
 from liteinfer.bench.timeline import format_account, format_comparison, read_timeline
 from liteinfer.bench.workloads import HEADLINE, MODEL, Shape
 from liteinfer.config import EngineConfig, parse_overrides
@@ -115,6 +116,9 @@ def add_report_parser(subparsers: Any) -> None:
     p.add_argument("--html", type=Path, default=Path("benchmarks/report.html"),
                    help="default: %(default)s")
     p.add_argument("--model", help="model whose rows to show (default: the newest row's)")
+    p.add_argument("--spec", type=Path, default=SPEC_DIR,
+                   help="directory (or file) of speculative decoding rows, every model's "
+                        "(default: %(default)s)")
     p.add_argument("--timeline", type=Path, action="append", default=[], metavar="PATH",
                    help="a run timeline (run --timeline, scripts/bench_vllm.py --timeline) to "
                         "show step by step; repeat it to set runs side by side")
@@ -295,6 +299,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     page = build_page(load_rows(args.results, args.reference), load_lineage(args.lineage),
                       args.model)
     page.timelines = [read_timeline(p) for p in args.timeline]
+    page.spec = spec_tables(load_rows(args.spec, None))
     for path, text in ((args.md, render_markdown(page)), (args.html, render_html(page))):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")

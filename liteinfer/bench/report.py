@@ -10,6 +10,8 @@ from liteinfer.bench.tables import (
     Page,
     Pivot,
     ServingTable,
+    SpecLine,
+    SpecTable,
     Table,
 )
 from liteinfer.bench.timeline import format_account
@@ -69,6 +71,41 @@ def _serving(t: ServingTable) -> list[str]:
     return out + [""]
 
 
+SPEC_INTRO = ("`liteinfer-bench spec`: tok/s with speculation, over the same run's tok/s "
+              "without it (x off) and over vLLM's speculating the same way on the same machine "
+              "and prompts (x vLLM). Forced rows: the benchmark-only reference proposer at a set "
+              "mean accepted length (dummy weights); measured: real drafts on real weights. "
+              "Mean length: tokens kept per verification, the drafts accepted and one more.")
+
+
+SPEC_COLUMNS = ("width", "drafts", "off tok/s", "tok/s", "x off", "mean length", "vLLM tok/s",
+                "x vLLM")
+
+
+def spec_cells(line: SpecLine) -> list[str]:
+    """One SPEC_COLUMNS line, as text (Markdown and HTML alike)."""
+    r = line.row
+    return [str(line.width), line.setting, fmt(line.off["tok_s"] if line.off else None),
+            fmt(r["tok_s"]), _times(line.vs_off), _two(r.get("spec_mean_acceptance_length")),
+            fmt(line.vllm["tok_s"] if line.vllm else None), _times(line.vs_vllm)]
+
+
+def _spec(t: SpecTable) -> list[str]:
+    out = [f"## {t.title}", "", SPEC_INTRO, "", f"Builds: {', '.join(t.builds)}.", ""]
+    out.append(_row(list(SPEC_COLUMNS)))
+    out.append(_row(["---:", "---"] + ["---:"] * (len(SPEC_COLUMNS) - 2)))
+    out += [_row(spec_cells(line)) for line in t.lines]
+    return out + [""]
+
+
+def _times(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _two(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
 def render_markdown(page: Page) -> str:
     out = ["# liteinfer benchmarks", "", INTRO, ""]
     out += [f"- **{key}** {value}" for key, value in page.header] + [""]
@@ -78,6 +115,8 @@ def render_markdown(page: Page) -> str:
         out += _pivot(p)
     for s in page.serving:
         out += _serving(s)
+    for t in page.spec:
+        out += _spec(t)
     if page.timelines:
         out += ["## run timelines", ""]
         for t in page.timelines:

@@ -8,7 +8,7 @@ from html import escape
 from liteinfer.bench.lineage import Lineage
 from liteinfer.bench.plots import PALETTE, REFERENCE_COLOR, Series, bar, line_chart
 from liteinfer.bench.registry import REMOVED, VLLM
-from liteinfer.bench.report import fmt
+from liteinfer.bench.report import SPEC_COLUMNS, SPEC_INTRO, fmt, spec_cells
 from liteinfer.bench.store import DEFAULT_PRECISION
 from liteinfer.bench.tables import (
     FLOOR,
@@ -18,6 +18,7 @@ from liteinfer.bench.tables import (
     Cell,
     Page,
     Pivot,
+    SpecTable,
     Table,
     standing,
 )
@@ -208,12 +209,22 @@ def _document(title: str, body: list[str]) -> str:
             "</head><body><main>\n" + "\n".join(b for b in body if b) + "\n</main></body></html>\n")
 
 
+def _spec(t: SpecTable) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in SPEC_COLUMNS)
+    body = "".join("<tr>" + "".join(f'<td class="num">{escape(c)}</td>' for c in spec_cells(line))
+                   + "</tr>" for line in t.lines)
+    return (f'<section class="table"><h2>{escape(t.title)}</h2><p>{escape(SPEC_INTRO)} Builds: '
+            f'{escape(", ".join(t.builds))}.</p><table><thead><tr>{head}</tr></thead><tbody>'
+            f"{body}</tbody></table></section>")
+
+
 def render_html(page: Page) -> str:
     header = "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>"
                      for k, v in page.header)
     body = ["<h1>liteinfer benchmarks</h1>", f'<p class="intro">{escape(INTRO)}</p>',
             f'<dl class="header">{header}</dl>', _charts(page)]
     body += [_table(t) for t in page.tables] + [_pivot(p) for p in page.pivots]
+    body += [_spec(t) for t in page.spec]
     if page.timelines:
         body.append(_timeline(page.timelines))
     return _document(f"liteinfer benchmarks · {page.model}", body)

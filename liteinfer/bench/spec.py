@@ -35,7 +35,7 @@ import torch
 
 from liteinfer.bench.registry import LITEINFER, Run
 from liteinfer.bench.runner import BENCH_MAX_MODEL_LEN, drive, make_row, workload
-from liteinfer.bench.store import append_row, environment, now_iso, results_file
+from liteinfer.bench.store import SPEC_DIR, append_row, environment, now_iso, results_file
 from liteinfer.bench.workloads import SEED, WARMUP_SEED, Shape
 from liteinfer.engine.messages import SpecDecodingStats
 from liteinfer.llm import LLM
@@ -157,7 +157,7 @@ def cmd_spec(args: argparse.Namespace) -> None:
                                  "max_num_seqs": max(args.widths)}
     load_format = "dummy" if args.method == "reference" else "auto"
     synthetic = args.method in ("reference", "draft_model")  # no tokenizer needed
-    out = results_file(args.out, environment()["gpu"], now_iso())
+    out = results_file(args.out or SPEC_DIR, environment()["gpu"], now_iso())
     plain = LLM(args.model, load_format=load_format, **base_args)
     vocab = plain.engine.model_config.vocab_size
     if synthetic:
@@ -253,5 +253,6 @@ def add_spec_parser(subparsers: Any) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=min(BENCH_MAX_MODEL_LEN, 4096))
     p.add_argument("--tokens-out", type=Path, help="write the prompts' token ids (JSON) here")
-    p.add_argument("--out", type=Path, help="results .jsonl file or directory")
+    p.add_argument("--out", type=Path,
+                   help=f"results .jsonl file or directory (default: {SPEC_DIR})")
     p.set_defaults(func=cmd_spec)

@@ -23,6 +23,7 @@ Row = dict[str, Any]
 
 RESULTS_DIR = Path("benchmarks/results")
 REFERENCE_DIR = Path("benchmarks/reference")
+SPEC_DIR = Path("benchmarks/spec")  # `liteinfer-bench spec` rows, and vLLM's speculating rows
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 

@@ -203,6 +203,77 @@ def serving_tables(rows: list[Row], model: str) -> list[ServingTable]:
     return tables
 
 
+SPEC_OFF = "spec-off"
+
+
+@dataclass
+class SpecLine:
+    width: int
+    setting: str  # the forced acceptance level, or the method's draft count
+    row: Row  # with speculation
+    off: Row | None  # the same run's row without it
+    vllm: Row | None  # vLLM speculating the same way on the same machine and prompts
+
+    @property
+    def vs_off(self) -> float | None:
+        return self.row["tok_s"] / self.off["tok_s"] if self.off else None
+
+    @property
+    def vs_vllm(self) -> float | None:
+        return self.row["tok_s"] / self.vllm["tok_s"] if self.vllm else None
+
+
+@dataclass
+class SpecTable:
+    model: str
+    gpu: str
+    method: str
+    builds: list[str]
+    lines: list[SpecLine]
+
+    @property
+    def title(self) -> str:
+        return f"speculative decoding · {self.model} · {self.method} · {self.gpu}"
+
+
+def _spec_setting(row: Row) -> str:
+    level = row.get("spec_target_acceptance_length")
+    return f"forced {level:g}" if level is not None else "measured"
+
+
+def _spec_off_row(row: Row, offs: list[Row]) -> Row | None:
+    """The row without speculation that the same `liteinfer-bench spec` run measured first."""
+    same = [r for r in offs if r["timestamp"] <= row["timestamp"] and all(
+        r.get(k) == row.get(k) for k in ("model", "gpu", "host", "commit", "width", "isl"))]
+    return max(same, key=lambda r: r["timestamp"]) if same else None
+
+
+def _vllm_spec_row(row: Row, method: str, vllm: list[Row]) -> Row | None:
+    same = [r for r in vllm if same_machine(row, r) and r["width"] == row["width"]
+            and r["isl"] == row["isl"] and r["speculative_config"].get("method") == method]
+    return max(same, key=lambda r: r["at"]) if same else None
+
+
+def spec_tables(rows: list[Row]) -> list[SpecTable]:
+    """The newest speculating row per (model, GPU, method, width, setting), each beside the
+    same run's row without speculation and vLLM's speculating row of the same machine."""
+    own = [r for r in rows if r.get("engine") == LITEINFER]
+    vllm = [r for r in rows if r.get("engine") == VLLM and r.get("speculative_config")]
+    offs = [r for r in own if r["config"] == SPEC_OFF]
+    speculating = latest([r for r in own if r["config"] != SPEC_OFF], lambda r: (
+        r["model"], r["gpu"], r["config"], r["width"], _spec_setting(r)))
+    tables = []
+    for key in sorted({(r["model"], r["gpu"], r["config"]) for r in speculating}):
+        of_table = sorted((r for r in speculating if (r["model"], r["gpu"], r["config"]) == key),
+                          key=lambda r: (r["width"], _spec_setting(r)))
+        method = key[2].removeprefix("spec-")
+        lines = [SpecLine(r["width"], _spec_setting(r), r, _spec_off_row(r, offs),
+                          _vllm_spec_row(r, method, vllm)) for r in of_table]
+        builds = sorted({short_build(build_of(r)) for r in of_table})
+        tables.append(SpecTable(key[0], key[1], method, builds, lines))
+    return tables
+
+
 @dataclass
 class Page:
     lineage: Lineage
@@ -213,6 +284,7 @@ class Page:
     pivots: list[Pivot]
     serving: list[ServingTable] = field(default_factory=list)
     timelines: list[Timeline] = field(default_factory=list)  # runs shown step by step
+    spec: list[SpecTable] = field(default_factory=list)
 
 
 def _is_primary(kind: str, config: BenchConfig, width: int) -> bool:

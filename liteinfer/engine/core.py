@@ -147,7 +147,13 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         spec = config.speculative
-        speculator = None if spec is None else Speculator(spec, self.model_config.vocab_size)
+        # Steps are timed for the draft-length policy on CUDA alone: a CPU step's time is the
+        # host's (and would make CPU runs schedule differently from run to run), and cores in
+        # lockstep under torchrun must decide alike without sharing a clock.
+        time_steps = (torch.device(config.device).type == "cuda"
+                      and self.external_rank is None)
+        speculator = None if spec is None else Speculator(spec, self.model_config.vocab_size,
+                                                          time_steps)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    config.mixed_prompt_tokens, self.eos_token_ids, speculator)

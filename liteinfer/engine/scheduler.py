@@ -1,6 +1,7 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each computes."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -180,6 +181,8 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.step_scheduled(drafted=bool(verifies), asked=asked)
         out = self._schedule_prompts(decodes, verifies) or self._decode_batch(decodes)
+        if out is None and self.speculator is not None and not self.running:
+            self.speculator.paused()
         if out is not None and self.speculator is not None and self.speculator.drafts_on_device:
             out.num_lookahead_tokens = self._reserve_lookahead(out)
         return out
@@ -207,6 +210,10 @@ class Scheduler:
         for (i, _, _), entries in zip(out.prompt_logprob_spans, runner_output.prompt_logprobs):
             out.seqs[i].prompt_logprobs.extend(entries)
         sampled = runner_output.wait()
+        if self.speculator is not None:
+            self.speculator.step_read(time.perf_counter(), sum(out.num_tokens),
+                                      verified=any(out.draft_token_ids),
+                                      decode_only=len(out.sampling_seqs) == sum(out.num_tokens))
         if out.draft_token_ids:
             outputs = self._update_verified(out, sampled)
         else:

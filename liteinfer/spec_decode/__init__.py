@@ -41,7 +41,7 @@ def build_proposer(spec: SpeculativeConfig, vocab_size: int) -> Proposer:
 class Speculator:
     """The proposer, the draft-length policy and the counters, as the scheduler uses them."""
 
-    def __init__(self, spec: SpeculativeConfig, vocab_size: int):
+    def __init__(self, spec: SpeculativeConfig, vocab_size: int, time_steps: bool):
         self.proposer = build_proposer(spec, vocab_size)
         # Benchmarks only: the reference proposer decides acceptance (config.py says why).
         self.forced = self.proposer if spec.force_acceptance else None
@@ -49,6 +49,10 @@ class Speculator:
         self.policy = DraftLengthPolicy(spec.num_speculative_tokens, KNEE_TOKENS, SYNC_COST)
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens)
+        # Whether steps are timed for the policy (else it keeps its modelled costs), and when
+        # the host last read a step's results (None after a pause).
+        self.time_steps = time_steps
+        self.last_step_read: float | None = None
 
     def draft_length(self, num_decoding: int) -> int:
         return self.policy.draft_length(num_decoding)
@@ -58,6 +62,17 @@ class Speculator:
 
     def step_scheduled(self, drafted: bool, asked: bool) -> None:
         self.policy.step_scheduled(drafted, asked)
+
+    def step_read(self, now: float, num_tokens: int, verified: bool, decode_only: bool) -> None:
+        """The host has read a step's results at `now`: a decode step (`decode_only`) is timed
+        from the previous step's reading, for the policy's cost of verifying."""
+        last, self.last_step_read = self.last_step_read, now
+        if self.time_steps and last is not None and decode_only:
+            self.policy.record_step_time(num_tokens, verified, now - last)
+
+    def paused(self) -> None:
+        """No step is running: the next one's time starts with it."""
+        self.last_step_read = None
 
     def propose(self, request_id: str, prompt_len: int, token_ids: list[int],
                 max_tokens: int) -> list[int]:

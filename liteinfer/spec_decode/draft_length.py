@@ -4,10 +4,14 @@ batch width.
 A verification step of B sequences with k drafts each computes B(k + 1) tokens. While that is
 below the width where a step stops being bound by reading the weights (`knee_tokens`), the
 extra tokens cost little; past it, step time grows with the tokens. A step that verifies
-drafts also gives up the overlap of the next step's scheduling with this one's run
-(engine/core.py), since the next step's inputs depend on what is accepted (`sync_cost`, a
-fraction of a step). With a per-token acceptance rate a, k drafts yield 1 + a + ... + a^k
-tokens a step; the policy picks the k with the most tokens per unit of step time, and 0 (no
+drafts also costs more than that model says: it gives up the overlap of the next step's
+scheduling with this one's run (engine/core.py), since the next step's inputs depend on what
+is accepted; it runs the prompt-shaped kernels rather than the decode ones; and a drafting
+model's proposals run inside it. That overhead is measured: the time of each step between
+the host seeing its predecessor's results and its own, over the model's cost, kept apart for
+plain and verifying steps (`sync_cost`, a fraction of a step, stands in until both are
+measured). With a per-token acceptance rate a, k drafts yield 1 + a + ... + a^k tokens a
+step; the policy picks the k with the most tokens per unit of step time, and 0 (no
 speculation, steps overlapped) wherever none beats plain decoding.
 """
 from __future__ import annotations
@@ -15,12 +19,17 @@ from __future__ import annotations
 # Acceptance assumed before any draft is verified, and the weight of each step's measurement.
 PRIOR_ACCEPTANCE = 0.6
 ACCEPTANCE_SMOOTHING = 0.05
-# With speculation off for low acceptance, every this many steps draft anyway to measure again.
+# With speculation off at a width where drafts are cheap to verify, every this many steps draft
+# anyway to measure acceptance and cost again.
 PROBE_INTERVAL = 64
 # A step that proposed nothing gave up its overlap for nothing (the proposers found no match);
 # after one, they are asked again only every this many steps, and the steps between overlap
 # as without speculation.
 RETRY_INTERVAL = 8
+# The weight of each step's time in its kind's moving average, and how far one step may move
+# it (a step after a pause, or behind a slow host moment, is not the steady cost).
+STEP_TIME_SMOOTHING = 0.1
+STEP_TIME_CLAMP = 2.0
 
 
 class DraftLengthPolicy:
@@ -35,6 +44,11 @@ class DraftLengthPolicy:
         self.steps_without_drafts = 0
         # Steps left before the proposers are asked again, after a step they found nothing in.
         self.retry_in = 0
+        # Seconds per unit of modelled cost, of plain and of verifying steps (None: unmeasured).
+        self.plain_time: float | None = None
+        self.verify_time: float | None = None
+        # The kinds whose first step was seen: it is left out (compilation, first allocations).
+        self.timed_kinds: set[bool] = set()
 
     def _cost(self, tokens: int) -> float:
         """A step's time relative to one bound by reading the weights."""
@@ -45,11 +59,20 @@ class DraftLengthPolicy:
         """The estimated per-token acceptance rate."""
         return self.mean_accepted / self.mean_trials
 
+    @property
+    def verify_overhead(self) -> float:
+        """A verifying step's time over a plain step's of the same modelled cost."""
+        if self.plain_time is None or self.verify_time is None:
+            return 1.0 + self.sync_cost
+        return self.verify_time / self.plain_time
+
     def _gain(self, batch: int, k: int) -> float:
-        """Tokens per unit of step time with k drafts per sequence."""
+        """Tokens per unit of plain step time with k drafts per sequence."""
+        if k == 0:
+            return batch / self._cost(batch)
         a = self.acceptance
         expected = sum(a ** i for i in range(k + 1))
-        return batch * expected / (self._cost(batch * (k + 1)) + (self.sync_cost if k else 0.0))
+        return batch * expected / (self._cost(batch * (k + 1)) * self.verify_overhead)
 
     def draft_length(self, batch: int) -> int:
         """Drafts per sequence for a step of `batch` decoding sequences."""
@@ -58,7 +81,7 @@ class DraftLengthPolicy:
         best = max(range(self.max_drafts + 1), key=lambda k: (self._gain(batch, k), -k))
         if best == 0 and self.steps_without_drafts >= PROBE_INTERVAL and \
                 batch * 2 <= self.knee_tokens:
-            return 1  # off for low acceptance alone: measure it again
+            return 1  # off where drafts would be cheap to verify: measure it again
         return best
 
     def wants_host_tokens(self, batch: int) -> bool:
@@ -78,6 +101,24 @@ class DraftLengthPolicy:
             self.retry_in = RETRY_INTERVAL - 1
         elif self.retry_in:
             self.retry_in -= 1
+
+    def record_step_time(self, num_tokens: int, verified: bool, seconds: float) -> None:
+        """A decode step of `num_tokens` tokens (drafts included) took `seconds`, from the host
+        reading its predecessor's results to reading its own."""
+        if verified not in self.timed_kinds:
+            self.timed_kinds.add(verified)
+            return
+        per_cost = seconds / self._cost(num_tokens)
+        mean = self.verify_time if verified else self.plain_time
+        if mean is None:
+            mean = per_cost
+        else:
+            per_cost = min(max(per_cost, mean / STEP_TIME_CLAMP), mean * STEP_TIME_CLAMP)
+            mean += STEP_TIME_SMOOTHING * (per_cost - mean)
+        if verified:
+            self.verify_time = mean
+        else:
+            self.plain_time = mean
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """One sequence's verification: `num_accepted` of its `num_drafted` drafts kept. The

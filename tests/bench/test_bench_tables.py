@@ -14,7 +14,7 @@ from liteinfer.bench import registry
 from liteinfer.bench.lineage import load_lineage
 from liteinfer.bench.serve import offline_row
 from liteinfer.bench.store import append_row, engine_commit, latest, load_rows, results_file
-from liteinfer.bench.tables import SPANS_ENGINES, build_page, ratio
+from liteinfer.bench.tables import SPANS_ENGINES, build_page, ratio, spec_tables
 from liteinfer.bench.workloads import fingerprint, make_prompts
 
 
@@ -370,3 +370,27 @@ def test_vllm_rows_of_another_model_and_precision_stay_theirs(tmp_path):
     (t,) = page.tables
     assert t.title == "latency · llama-3.1-8b-instruct · fp8 · ISL=128 OSL=256"
     assert texts(line(t, "liteinfer-default"))[2] == "1.40x"
+
+
+def _spec_row(config, width, tok_s, when, **extra):
+    return {"engine": "liteinfer", "config": config, "model": "m", "gpu": "G", "host": "h",
+            "commit": "abc1234", "width": width, "isl": 128, "tok_s": tok_s,
+            "timestamp": f"2026-12-06T00:00:{when:02d}+00:00", **extra}
+
+
+def test_speculation_rows_sit_beside_their_runs_off_row_and_vllms_of_one_machine():
+    vllm = {"engine": "vllm", "model": "m-hf", "gpu": "G", "host": "h", "width": 8, "isl": 128,
+            "tok_s": 50.0, "at": 1.0, "speculative_config": {"method": "ngram"}}
+    rows = [_spec_row("spec-off", 8, 100.0, 1),
+            _spec_row("spec-ngram", 8, 150.0, 2, spec_mean_acceptance_length=2.5),
+            _spec_row("spec-off", 8, 80.0, 3),  # a later run: its own off row
+            _spec_row("spec-ngram", 8, 200.0, 4),
+            _spec_row("spec-ngram", 32, 300.0, 5),  # no off row and no vLLM row at 32
+            vllm, {**vllm, "host": "other", "tok_s": 1.0, "at": 2.0}]
+    (table,) = spec_tables(rows)
+    assert (table.model, table.method) == ("m", "ngram")
+    at8, at32 = table.lines
+    assert at8.row["tok_s"] == 200.0 and at8.vs_off == 2.5 and at8.vs_vllm == 4.0
+    assert at32.vs_off is None and at32.vs_vllm is None
+    forced = _spec_row("spec-reference", 1, 10.0, 6, spec_target_acceptance_length=2.5)
+    assert [t.lines[0].setting for t in spec_tables([forced])] == ["forced 2.5"]

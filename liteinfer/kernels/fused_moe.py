@@ -1,15 +1,24 @@
 """The mixture-of-experts MLP in Triton: the router, and each token's experts as SwiGLU GEMMs.
 
-- `moe_router`: one kernel computes a tile of tokens' router logits (x W_gate^T), picks each
-  token's top-k experts and their weights: the softmax over all experts' logits, renormalized
-  over the chosen ones when the family asks (which is the softmax of the chosen logits alone).
+- `moe_router`: each token's router logits (x W_gate^T), its top-k experts and their weights:
+  the softmax over all experts' logits, renormalized over the chosen ones when the family asks
+  (which is the softmax of the chosen logits alone). A wide step computes a tile of tokens'
+  logits and their top-k in one program. A step of few tokens would leave that to one or two
+  programs streaming the whole router weight, so its logits are split over programs by experts
+  and by K (ROUTER_SPLITS parts, summed in a second launch that picks the top-k); either way
+  the logits are the same ROUTER_SPLITS partial sums added in the same order.
 - `fused_moe`: the experts of every (token, choice) row. Wide steps (prefill, many decoding
-  rows) group the rows by expert (`moe_align`: a stable sort, each expert's rows padded to a
-  multiple of BLOCK_M) so that every program multiplies one tile of one expert's rows as a GEMM;
-  experts that received no row get no program. A step of a few tokens skips the grouping:
-  each row streams its expert's weights as a GEMV, as kernels/gemv.py does for dense layers.
-  Either way two launches: gate/up with SwiGLU in the epilogue into an [rows, I] intermediate,
-  then down, scaled by the routing weight, into [tokens, top_k, H], summed over the choices.
+  rows) group the rows by expert (`moe_align`: one program counts each expert's rows and writes
+  them, padded to a multiple of BLOCK_M, in expert order) so that every program multiplies one
+  tile of one expert's rows as a GEMM; experts that received no row get no work. Their tiles
+  (`grouped_tiles`) follow the rows: few rows an expert at decode widths, so narrow N tiles
+  and deep pipelines keep enough programs streaming weights. A step of a few tokens skips the
+  grouping: each row streams its expert's gate/up weights as a GEMV, and each token's down
+  program streams all its experts' rows at once and sums them.
+- The sum over a token's choices is written once per token, never accumulated by atomics: the
+  down GEMV sums them in registers; the grouped down GEMM writes each (token, choice) row and
+  a last launch sums each token's rows. Given the residual stream, that write adds to it in
+  place (rounded as `residual + y` in the model dtype), so the block adds no launch of its own.
 
 Weights are stacked per expert, [E, 2I, H] (gate rows, then up rows) and [E, H, I], in the model
 dtype or e4m3 with one fp32 scale per row (FP8 experts): e4m3 tiles are widened in registers
@@ -22,32 +31,29 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import dot_precision
+from liteinfer.kernels import dot_precision, num_sms
+from liteinfer.kernels.gemv import BYTES_PER_THREAD, TILE_BYTES
 
 # Rows (tokens x top_k) up to which fused_moe streams each row's expert as a GEMV instead of
-# grouping rows by expert: at one to a few tokens the grouping's sort costs more than it saves.
+# grouping rows by expert: at one to a few tokens the grouping costs more than it saves.
 GEMV_MAX_ROWS = 32
+# Parts of K the router's logits are summed in, on both of its paths (so that a token's experts
+# do not depend on how many tokens share its step), and the tokens and experts of a program.
+ROUTER_SPLITS = 4
+ROUTER_BLOCK_T = 16
+ROUTER_SPLIT_BLOCK_E = 16
+# Rows up to which moe_align groups in one Triton program; its passes over the rows are serial,
+# so above this (long prompts) a device sort in torch's launches is faster.
+ALIGN_MAX_ROWS = 4096
+ALIGN_BLOCK_R = 128
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, weights_ptr, ids_ptr, num_tokens, hidden, stride_x,
-                   NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                   K_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    experts = tl.arange(0, BLOCK_E)
-    row_ok = rows < num_tokens
-    expert_ok = experts < NUM_EXPERTS
-    logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-    for k0 in range(0, hidden, BLOCK_H):
-        ks = k0 + tl.arange(0, BLOCK_H)
-        k_ok = ks < hidden
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + experts[:, None] * hidden + ks[None, :],
-                    mask=expert_ok[:, None] & k_ok[None, :], other=0.0)
-        logits = tl.dot(x, tl.trans(w), logits, input_precision=DOT_PRECISION)
-    logits = tl.where(expert_ok[None, :], logits, float("-inf"))
+def _top_k(logits, experts, rows, row_ok, weights_ptr, ids_ptr, TOP_K: tl.constexpr,
+           RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+           K_PAD: tl.constexpr):
+    """Stores each row's TOP_K experts and weights from its logits [rows, BLOCK_E] (-inf past
+    the last expert): the softmax over all logits, or over the chosen ones (RENORMALIZE)."""
     top = tl.max(logits, 1)
     total = tl.sum(tl.exp(logits - top[:, None]), 1)  # the softmax's denominator, all experts
     choices = tl.arange(0, K_PAD)
@@ -71,6 +77,80 @@ def _router_kernel(x_ptr, w_ptr, weights_ptr, ids_ptr, num_tokens, hidden, strid
     tl.store(ids_ptr + out, ids, mask=mask)
 
 
+@triton.jit
+def _router_part(x_ptr, w_ptr, rows, row_ok, experts, expert_ok, hidden, stride_x, k_start,
+                 k_end, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """The logits [rows, experts] over the columns k_start..k_end of x and the router."""
+    part = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_ok = ks < hidden
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + experts[:, None] * hidden + ks[None, :],
+                    mask=expert_ok[:, None] & k_ok[None, :], other=0.0)
+        part = tl.dot(x, tl.trans(w), part, input_precision=DOT_PRECISION)
+    return part
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, partial_ptr, weights_ptr, ids_ptr, num_tokens, hidden,
+                   stride_x, split_k, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+                   RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr, FUSED_TOP_K: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                   K_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Logits of BLOCK_T tokens against BLOCK_E experts. FUSED_TOP_K: the program holds every
+    expert, sums all SPLITS parts of split_k columns in order and picks the top-k; else it
+    stores the part of axis 2 to partial [SPLITS, T, E]."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    expert_ok = experts < NUM_EXPERTS
+    if FUSED_TOP_K:
+        logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+        for split in tl.static_range(SPLITS):
+            logits += _router_part(x_ptr, w_ptr, rows, row_ok, experts, expert_ok, hidden,
+                                   stride_x, split * split_k,
+                                   tl.minimum((split + 1) * split_k, hidden), BLOCK_T, BLOCK_E,
+                                   BLOCK_H, DOT_PRECISION)
+        logits = tl.where(expert_ok[None, :], logits, float("-inf"))
+        _top_k(logits, experts, rows, row_ok, weights_ptr, ids_ptr, TOP_K, RENORMALIZE,
+               BLOCK_T, BLOCK_E, K_PAD)
+    else:
+        split = tl.program_id(2)
+        part = _router_part(x_ptr, w_ptr, rows, row_ok, experts, expert_ok, hidden, stride_x,
+                            split * split_k, tl.minimum((split + 1) * split_k, hidden),
+                            BLOCK_T, BLOCK_E, BLOCK_H, DOT_PRECISION)
+        out = (split * num_tokens + rows)[:, None] * NUM_EXPERTS + experts[None, :]
+        tl.store(partial_ptr + out, part, mask=row_ok[:, None] & expert_ok[None, :])
+
+
+@triton.jit
+def _router_top_k_kernel(partial_ptr, weights_ptr, ids_ptr, num_tokens,
+                         NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+                         RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):
+    """Sums BLOCK_T tokens' partial logits in split order and picks their top-k."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_tokens
+    mask = row_ok[:, None] & (experts < NUM_EXPERTS)[None, :]
+    logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for split in tl.static_range(SPLITS):
+        at = (split * num_tokens + rows)[:, None] * NUM_EXPERTS + experts[None, :]
+        logits += tl.load(partial_ptr + at, mask=mask, other=0.0)
+    logits = tl.where((experts < NUM_EXPERTS)[None, :], logits, float("-inf"))
+    _top_k(logits, experts, rows, row_ok, weights_ptr, ids_ptr, TOP_K, RENORMALIZE, BLOCK_T,
+           BLOCK_E, K_PAD)
+
+
+def router_splits_experts(num_tokens: int, device: torch.device) -> bool:
+    """Whether moe_router splits the logits over experts and K: when its token tiles alone
+    would give fewer programs than half the SMs."""
+    return triton.cdiv(num_tokens, ROUTER_BLOCK_T) < num_sms(device) // 2
+
+
 def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's top_k experts of x [T, H] under the router gate_weight [E, H]: fp32 weights
@@ -80,13 +160,65 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
     num_experts = gate_weight.shape[0]
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
-    block_t = 16
-    _router_kernel[(triton.cdiv(num_tokens, block_t),)](
-        x, gate_weight, weights, ids, num_tokens, hidden, x.stride(0),
-        NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t,
-        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), BLOCK_H=64,
-        K_PAD=triton.next_power_of_2(top_k), DOT_PRECISION=dot_precision(x.dtype))
+    block_h = 64
+    split_k = triton.cdiv(triton.cdiv(hidden, ROUTER_SPLITS), block_h) * block_h
+    all_experts = max(16, triton.next_power_of_2(num_experts))
+    common = dict(NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize,
+                  SPLITS=ROUTER_SPLITS, BLOCK_T=ROUTER_BLOCK_T,
+                  K_PAD=triton.next_power_of_2(top_k))
+    token_tiles = triton.cdiv(num_tokens, ROUTER_BLOCK_T)
+    if not router_splits_experts(num_tokens, x.device):
+        _router_kernel[(token_tiles, 1, 1)](
+            x, gate_weight, weights, weights, ids, num_tokens, hidden, x.stride(0), split_k,
+            FUSED_TOP_K=True, BLOCK_E=all_experts, BLOCK_H=block_h,
+            DOT_PRECISION=dot_precision(x.dtype), **common)
+        return weights, ids
+    partial = torch.empty(ROUTER_SPLITS, num_tokens, num_experts, dtype=torch.float32,
+                          device=x.device)
+    block_e = min(ROUTER_SPLIT_BLOCK_E, all_experts)
+    _router_kernel[(token_tiles, triton.cdiv(num_experts, block_e), ROUTER_SPLITS)](
+        x, gate_weight, partial, weights, ids, num_tokens, hidden, x.stride(0), split_k,
+        FUSED_TOP_K=False, BLOCK_E=block_e, BLOCK_H=block_h,
+        DOT_PRECISION=dot_precision(x.dtype), **common)
+    _router_top_k_kernel[(token_tiles,)](partial, weights, ids, num_tokens, BLOCK_E=all_experts,
+                                         **common)
     return weights, ids
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ids_ptr, tile_experts_ptr, num_rows, num_tiles,
+                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    """moe_align in one program: count each expert's rows, lay the experts' padded tiles out in
+    order, fill every slot with the padding value, then write each row at its expert's start
+    plus the rows of that expert before it; last, each tile's expert."""
+    experts = tl.arange(0, BLOCK_E)
+    r = tl.arange(0, BLOCK_R)
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    for r0 in range(0, num_rows, BLOCK_R):
+        ids = tl.load(ids_ptr + r0 + r, mask=r0 + r < num_rows, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    seen = ends - padded  # each expert's next free slot
+    for p0 in range(0, num_tiles * BLOCK_M, BLOCK_R):
+        tl.store(sorted_ids_ptr + p0 + r, tl.zeros((BLOCK_R,), tl.int32) + num_rows,
+                 mask=p0 + r < num_tiles * BLOCK_M)
+    # The padding's stores and the rows' stores below may hit the same slots from other threads.
+    tl.debug_barrier()
+    for r0 in range(0, num_rows, BLOCK_R):
+        rows = r0 + r
+        ids = tl.load(ids_ptr + rows, mask=rows < num_rows, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, 0) - hit  # the chunk's earlier rows of the same expert
+        slot = tl.sum(hit * (before + seen[None, :]), 1)
+        tl.store(sorted_ids_ptr + slot, rows, mask=rows < num_rows)
+        seen += tl.sum(hit, 0)
+    for t0 in range(0, num_tiles, BLOCK_R):
+        tiles = t0 + r
+        # A tile's expert: how many experts' tiles end at or before its first slot.
+        e = tl.sum((ends[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(tile_experts_ptr + tiles, tl.where(e < NUM_EXPERTS, e, -1), mask=tiles < num_tiles)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -94,7 +226,24 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     """The (token, choice) rows grouped by expert for tiles of block_m rows: row ids [P] (index
     into topk_ids.flatten(); the padding of each expert's last tile holds the row count, which
     no row has) and each tile's expert [P / block_m] (-1 past the last tile in use). P is the
-    most the rows can pad to, so that nothing is read back to the host."""
+    most the rows can pad to, so that nothing is read back to the host. Within an expert the
+    rows keep their order."""
+    rows = topk_ids.numel()
+    tiles = triton.cdiv(rows, block_m) + min(num_experts, rows)
+    if rows > ALIGN_MAX_ROWS:
+        return _align_sort(topk_ids, num_experts, block_m, tiles)
+    sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=topk_ids.device)
+    tile_experts = torch.empty(tiles, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](topk_ids, sorted_ids, tile_experts, rows, tiles,
+                        NUM_EXPERTS=num_experts, BLOCK_M=block_m,
+                        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=ALIGN_BLOCK_R,
+                        num_warps=8)
+    return sorted_ids, tile_experts
+
+
+def _align_sort(topk_ids: torch.Tensor, num_experts: int, block_m: int, tiles: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align through a stable device sort, for more rows than one program groups fast."""
     flat = topk_ids.flatten().long()
     rows = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
@@ -104,7 +253,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     order = torch.sort(flat, stable=True).indices
     expert_of = flat[order]
     rank = torch.arange(rows, device=flat.device) - (counts.cumsum(0) - counts)[expert_of]
-    tiles = triton.cdiv(rows, block_m) + min(num_experts, rows)
     sorted_ids = torch.full((tiles * block_m,), rows, dtype=torch.int32, device=flat.device)
     sorted_ids[(ends - padded)[expert_of] + rank] = order.to(torch.int32)
     tile_starts = torch.arange(0, tiles * block_m, block_m, device=flat.device)
@@ -114,25 +262,41 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def _epilogue(acc, up, rows, ns, n_ok, row_ok, e, scale_ptr, routing_ptr, out_ptr, out_stride,
-              N, GATED: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """Scales, SwiGLU (GATED: acc is the gate, `up` the up projection) or the routing weight,
-    and the store of an [rows, ns] tile of one expert's output, rounded to the output dtype
-    where Hugging Face's separate layers round."""
+def _gate_up_epilogue(gate, up, rows, ns, n_ok, row_ok, e, scale_ptr, out_ptr, N,
+                      HAS_SCALE: tl.constexpr):
+    """Scales and SwiGLU of an [rows, ns] tile of one expert's gate and up products, stored to
+    the intermediate [rows, N], rounded to its dtype where Hugging Face's separate layers
+    round."""
     dtype = out_ptr.dtype.element_ty
     if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + e * (2 * N if GATED else N) + ns, mask=n_ok, other=0.0)
-        if GATED:
-            up = up * tl.load(scale_ptr + e * 2 * N + N + ns, mask=n_ok, other=0.0)
-    if GATED:
-        gate = acc.to(dtype).to(tl.float32)
-        y = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
-    else:
-        routing = tl.load(routing_ptr + rows, mask=row_ok, other=0.0)
-        y = acc.to(dtype).to(tl.float32) * routing[:, None]
-    mask = row_ok[:, None] & n_ok[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_stride + ns[None, :], y.to(dtype),
-             mask=mask)
+        gate = gate * tl.load(scale_ptr + e * 2 * N + ns, mask=n_ok, other=0.0)
+        up = up * tl.load(scale_ptr + e * 2 * N + N + ns, mask=n_ok, other=0.0)
+    gate = gate.to(dtype).to(tl.float32)
+    y = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], y.to(dtype),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _weighted(acc, e, routing, ns, n_ok, scale_ptr, N, dtype: tl.constexpr,
+              HAS_SCALE: tl.constexpr):
+    """One expert's down products (the last axis ns) scaled, rounded to the model dtype, times
+    the routing weight and rounded again: each choice's term as Hugging Face adds it."""
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + e * N + ns, mask=n_ok, other=0.0)
+    return (acc.to(dtype).to(tl.float32) * routing).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _store_sum(total, out_ptr, res_ptr, tokens, ns, mask, N, ADD: tl.constexpr):
+    """A token's sum over its choices rounded to the output dtype, added to the residual stream
+    (read from res_ptr, which is out_ptr then) when ADD."""
+    dtype = out_ptr.dtype.element_ty
+    at = tokens.to(tl.int64)[:, None] * N + ns[None, :]
+    y = total.to(dtype)
+    if ADD:
+        y = (y.to(tl.float32) + tl.load(res_ptr + at, mask=mask).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + at, y, mask=mask)
 
 
 @triton.jit
@@ -142,8 +306,9 @@ def _grouped_kernel(x_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, sorted_ids_pt
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of one expert's grouped rows. GATED: x is the tokens
-    [T, K] (row r reads token r // TOP_K) against the expert's gate and up rows; else x is the
-    intermediate [rows, K], read by row id."""
+    [T, K] (row r reads token r // TOP_K) against the expert's gate and up rows, into the
+    intermediate [rows, N]; else x is the intermediate [rows, K], read by row id, and each row's
+    product times its routing weight goes to out [rows, N]."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     tile, pid_n = pid // num_n, pid % num_n
@@ -155,8 +320,7 @@ def _grouped_kernel(x_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, sorted_ids_pt
     src = (rows // TOP_K if GATED else rows).to(tl.int64)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
-    w_rows = 2 * N if GATED else N
-    w_base = w_ptr + e * w_rows * K
+    w_base = w_ptr + e * (2 * N if GATED else N) * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -170,79 +334,159 @@ def _grouped_kernel(x_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, sorted_ids_pt
         if GATED:
             u = tl.load(w_base + (N + ns)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
             up = tl.dot(a, tl.trans(u.to(a.dtype)), up, input_precision=DOT_PRECISION)
-    _epilogue(acc, up, rows, ns, n_ok, row_ok, e, scale_ptr, routing_ptr, out_ptr, N, N,
-              GATED, HAS_SCALE)
+    if GATED:
+        _gate_up_epilogue(acc, up, rows, ns, n_ok, row_ok, e, scale_ptr, out_ptr, N, HAS_SCALE)
+    else:
+        routing = tl.load(routing_ptr + rows, mask=row_ok, other=0.0)
+        y = _weighted(acc, e, routing[:, None], ns, n_ok, scale_ptr, N,
+                      out_ptr.dtype.element_ty, HAS_SCALE)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, topk_ids_ptr, N, K, stride_x,
-                 TOP_K: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """BLOCK_N outputs of one (token, choice) row, its expert's weight rows streamed once."""
-    row = tl.program_id(0)
-    e = tl.load(topk_ids_ptr + row).to(tl.int64)
-    src = (row // TOP_K if GATED else row).to(tl.int64)
+def _sum_kernel(y_ptr, out_ptr, res_ptr, N, TOP_K: tl.constexpr, ADD: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """out[t] = sum over j of y[t, j] (+ the residual), BLOCK_N features of one token."""
+    t = tl.program_id(0)
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
-    w_base = w_ptr + e * (2 * N if GATED else N) * K
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    up = tl.zeros((BLOCK_N,), tl.float32)
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        total += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * N + ns, mask=n_ok,
+                         other=0.0).to(tl.float32)
+    tokens = t + tl.zeros((1,), tl.int32)
+    _store_sum(total[None, :], out_ptr, res_ptr, tokens, ns, n_ok[None, :], N, ADD)
+
+
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, topk_ids_ptr, N, K, stride_x,
+                         TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """BLOCK_N gate and up outputs of one (token, choice) row, its expert's weight rows
+    streamed once, the products summed elementwise and reduced once at the end."""
+    row = tl.program_id(0)
+    e = tl.load(topk_ids_ptr + row).to(tl.int64)
+    src = (row // TOP_K).to(tl.int64)
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    w_base = w_ptr + e * 2 * N * K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        a = tl.load(x_ptr + src * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + ns[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
-        if GATED:
-            u = tl.load(w_base + (N + ns)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
-            up += tl.sum(u.to(tl.float32) * a[None, :], 1)
-    # One row as a [1, BLOCK_N] tile, so that the grouped kernel's epilogue serves it.
+        u = tl.load(w_base + (N + ns)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+        a = tl.load(x_ptr + src * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * a[None, :]
+        up += u.to(tl.float32) * a[None, :]
     rows = row + tl.zeros((1,), tl.int32)
-    _epilogue(acc[None, :], up[None, :], rows, ns, n_ok, rows >= 0, e, scale_ptr, routing_ptr,
-              out_ptr, N, N, GATED, HAS_SCALE)
+    _gate_up_epilogue(tl.sum(acc, 1)[None, :], tl.sum(up, 1)[None, :], rows, ns, n_ok,
+                      rows >= 0, e, scale_ptr, out_ptr, N, HAS_SCALE)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
-            routing: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor,
-            grouping: tuple[torch.Tensor, torch.Tensor, int] | None, gated: bool) -> None:
-    """One of fused_moe's two GEMMs (gated: gate/up into `out` [rows, I]; else down into
-    `out` [rows, H]) over the rows grouped by `grouping` (sorted ids, tile experts, BLOCK_M), or
-    one row at a time when it is None."""
-    n, k = out.shape[1], x.shape[1]
-    top_k = topk_ids.shape[1]
-    common = dict(TOP_K=top_k, GATED=gated, HAS_SCALE=scale is not None)
-    scale = w if scale is None else scale  # a placeholder pointer the kernel never reads
-    if grouping is None:
-        block_n = 32
-        _gemv_kernel[(topk_ids.numel(), triton.cdiv(n, block_n))](
-            x, w, scale, routing, out, topk_ids, n, k, x.stride(0), BLOCK_N=block_n,
-            BLOCK_K=128, **common)
-        return
-    sorted_ids, tile_experts, block_m = grouping
-    block_n = 64
-    grid = (tile_experts.numel() * triton.cdiv(n, block_n),)
-    _grouped_kernel[grid](x, w, scale, routing, out, sorted_ids, tile_experts, topk_ids.numel(),
-                          n, k, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
-                          DOT_PRECISION=dot_precision(x.dtype), **common)
+@triton.jit
+def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, topk_ids_ptr, N, K,
+                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BLOCK_N outputs of one token: all its choices' down rows streamed together as one
+    [K_PAD, BLOCK_N, BLOCK_K] tile, each choice weighted, summed over the choices."""
+    t = tl.program_id(0)
+    choices = tl.arange(0, K_PAD)
+    choice_ok = choices < TOP_K
+    rows = t * TOP_K + choices
+    e = tl.load(topk_ids_ptr + rows, mask=choice_ok, other=0).to(tl.int64)
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = (e * N)[:, None] + ns[None, :]  # [K_PAD, BLOCK_N]
+    w_ok = choice_ok[:, None] & n_ok[None, :]
+    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + kk
+        k_ok = ks < K
+        w = tl.load(w_ptr + w_rows[:, :, None] * K + ks[None, None, :],
+                    mask=w_ok[:, :, None] & k_ok[None, None, :], other=0.0)
+        h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+                    mask=choice_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * h[:, None, :]
+    routing = tl.load(routing_ptr + rows, mask=choice_ok, other=0.0)
+    y = _weighted(tl.sum(acc, 2), e[:, None], routing[:, None], ns[None, :], w_ok, scale_ptr,
+                  N, out_ptr.dtype.element_ty, HAS_SCALE)
+    tokens = t + tl.zeros((1,), tl.int32)
+    _store_sum(tl.sum(y, 0)[None, :], out_ptr, out_ptr, tokens, ns, n_ok[None, :], N, ADD)
+
+
+def gemv_tiles(k: int, rows_per_program: int, itemsize: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of an expert GEMV whose programs stream rows_per_program
+    weight rows for each output (gate and up: 2; a token's down: its choices, padded): tiles of
+    the dense GEMV's TILE_BYTES, walked along K, warps for its BYTES_PER_THREAD."""
+    block_k = min(256, triton.next_power_of_2(k))
+    block_n = max(1, TILE_BYTES // (rows_per_program * block_k * itemsize))
+    tile_bytes = rows_per_program * block_n * block_k * itemsize
+    return block_n, block_k, min(16, max(4, tile_bytes // (32 * BYTES_PER_THREAD)))
+
+
+def grouped_tiles(rows: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs over `rows`
+    (token, choice) rows. Decode widths give an expert a few rows (Qwen3-30B-A3B: 2 at 32
+    tokens, 8 at 128), so a tile is 16 rows, and narrow N tiles with deep pipelines give the
+    weight streams enough programs; prompts fill 64-row tiles."""
+    if rows <= 512:
+        return 16, 32, 128, 4, 4
+    if rows <= ALIGN_MAX_ROWS:
+        return 16, 64, 128, 4, 3
+    return 64, 64, 64, 4, 3
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, residual: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """sum over each token's choices j of topk_weights[t, j] * expert_e(x[t]), e = topk_ids[t, j],
     expert_e(x) = (silu(x G_e^T) * (x U_e^T)) D_e^T with w13[e] = [G_e; U_e] [2I, H] and
-    w2[e] = D_e [H, I]: [T, H] in x's dtype. e4m3 weights come with fp32 per-row scales
-    (w13_scale [E, 2I], w2_scale [E, H])."""
+    w2[e] = D_e [H, I]: [T, H] in x's dtype, or, given the residual stream [T, H], added to it
+    in place and returned. e4m3 weights come with fp32 per-row scales (w13_scale [E, 2I],
+    w2_scale [E, H])."""
     num_tokens, hidden = x.shape
-    rows = topk_ids.numel()
+    rows, top_k = topk_ids.numel(), topk_ids.shape[1]
     inter = w2.shape[2]
-    grouping = None
-    if rows > GEMV_MAX_ROWS:
-        block_m = 16 if rows <= 256 else 64
-        grouping = (*moe_align(topk_ids, w13.shape[0], block_m), block_m)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        assert residual.is_contiguous()
+    out = residual if residual is not None else x.new_empty(num_tokens, hidden)
+    add = residual is not None
+    s13 = w13 if w13_scale is None else w13_scale  # a placeholder pointer the kernel never reads
+    s2 = w2 if w2_scale is None else w2_scale
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    _launch(x, w13, w13_scale, topk_weights, h, topk_ids, grouping, gated=True)
-    y = torch.empty(num_tokens, topk_ids.shape[1], hidden, dtype=x.dtype, device=x.device)
-    _launch(h, w2, w2_scale, topk_weights, y.view(rows, hidden), topk_ids, grouping, gated=False)
-    return y.sum(1)
+    if rows <= GEMV_MAX_ROWS:
+        block_n, block_k, warps = gemv_tiles(hidden, 2, w13.element_size())
+        _gate_up_gemv_kernel[(rows, triton.cdiv(inter, block_n))](
+            x, w13, s13, h, topk_ids, inter, hidden, x.stride(0), TOP_K=top_k,
+            HAS_SCALE=w13_scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, num_stages=3)
+        k_pad = triton.next_power_of_2(top_k)
+        block_n, block_k, warps = gemv_tiles(inter, k_pad, w2.element_size())
+        _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+            h, w2, s2, topk_weights, out, topk_ids, hidden, inter, TOP_K=top_k, K_PAD=k_pad,
+            HAS_SCALE=w2_scale is not None, ADD=add, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=warps, num_stages=3)
+        return out
+    block_m, block_n, block_k, warps, stages = grouped_tiles(rows)
+    sorted_ids, tile_experts = moe_align(topk_ids, w13.shape[0], block_m)
+    tiles = tile_experts.numel()
+    common = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
+    _grouped_kernel[(tiles * triton.cdiv(inter, block_n),)](
+        x, w13, s13, topk_weights, h, sorted_ids, tile_experts, rows, inter, hidden,
+        x.stride(0), GATED=True, HAS_SCALE=w13_scale is not None, **common)
+    y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    _grouped_kernel[(tiles * triton.cdiv(hidden, block_n),)](
+        h, w2, s2, topk_weights, y, sorted_ids, tile_experts, rows, hidden, inter,
+        h.stride(0), GATED=False, HAS_SCALE=w2_scale is not None, **common)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](y, out, out, hidden, TOP_K=top_k,
+                                                           ADD=add, BLOCK_N=block_h)
+    return out

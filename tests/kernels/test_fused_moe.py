@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from liteinfer.kernels import fused_moe as fused_moe_module
-from liteinfer.kernels.fused_moe import (GEMV_MAX_ROWS, fused_moe, moe_align, moe_router,
-                                         router_splits_experts)
+from liteinfer.kernels.fused_moe import (
+    GEMV_MAX_ROWS,
+    fused_moe,
+    moe_align,
+    moe_router,
+    router_splits_experts,
+)
 from liteinfer.layers.quantization.fp8 import quantize_weight
 
 # (hidden, intermediate, experts, top_k): Qwen3-30B-A3B's and Mixtral-8x7B's experts on the

@@ -346,27 +346,28 @@ def bench_moe(rows: list[dict], fp8: bool, label: str = "", tokens=MOE_TOKENS,
 
 
 def sweep_moe(rows: list[dict], fp8: bool, layers: MoeLayers) -> None:
-    """The expert GEMVs' tile bytes and K widths at 1 and 4 tokens, the grouped GEMMs' tiles
-    (16-row tiles) at 32 and 128 (the kernels read their tile functions at call time)."""
+    """The expert GEMVs' tile elements and K widths at 1 and 4 tokens, the grouped GEMMs' tiles
+    at 32 and 128 (the kernels read their tile functions at call time)."""
     gemv_tiles, grouped_tiles = moe.gemv_tiles, moe.grouped_tiles
     try:
-        for tile_bytes, block_k in itertools.product((8192, 16384, 32768), (128, 256, 512)):
-            def tiles(k, rows_per_program, itemsize, tile_bytes=tile_bytes, block_k=block_k):
+        for elements, block_k in itertools.product((4096, 8192, 16384), (128, 256, 512)):
+            def tiles(k, rows_per_program, elements=elements, block_k=block_k):
                 bk = min(block_k, 1 << (k - 1).bit_length())
-                bn = max(1, tile_bytes // (rows_per_program * bk * itemsize))
-                return bn, bk, min(16, max(4, rows_per_program * bn * bk * itemsize // 4096))
+                bn = max(1, elements // (rows_per_program * bk))
+                return bn, bk, max(4, rows_per_program * bn * bk // 2048)
             moe.gemv_tiles = tiles
-            bench_moe(rows, fp8, f" gemv {tile_bytes // 1024}k k{block_k}", (1, 4), False,
-                      layers)
+            bench_moe(rows, fp8, f" gemv {elements // 1024}k k{block_k}", (1, 4), False, layers)
         moe.gemv_tiles = gemv_tiles
-        for n, k, w, s in ((32, 128, 4, 4), (32, 128, 4, 5), (32, 256, 4, 3), (64, 64, 4, 4),
-                           (64, 128, 4, 3), (64, 128, 8, 3), (64, 256, 4, 2), (128, 64, 8, 3),
-                           (128, 128, 8, 2), (128, 128, 4, 2)):
-            moe.grouped_tiles = lambda rows, n=n, k=k, w=w, s=s: (16, n, k, w, s)
+        for m, n, k, w, s in ((16, 32, 128, 4, 4), (16, 32, 128, 4, 5), (16, 32, 256, 4, 3),
+                              (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 64, 128, 8, 3),
+                              (16, 64, 256, 4, 2), (16, 128, 64, 8, 3), (16, 128, 128, 8, 2),
+                              (32, 64, 128, 4, 3), (32, 128, 64, 8, 3), (64, 64, 64, 4, 3)):
+            moe.grouped_tiles = lambda rows, t=(m, n, k, w, s): t
+            label = f" m{m} n{n} k{k} w{w} s{s}"
             try:
-                bench_moe(rows, fp8, f" n{n} k{k} w{w} s{s}", (32, 128), False, layers)
+                bench_moe(rows, fp8, label, (32, 128), False, layers)
             except OutOfResources:
-                rows.append(dict(kernel=f"moe n{n} k{k} w{w} s{s}: out of resources"))
+                rows.append(dict(kernel=f"moe{label}: out of resources"))
     finally:
         moe.gemv_tiles, moe.grouped_tiles = gemv_tiles, grouped_tiles
 

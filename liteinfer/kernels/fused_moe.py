@@ -31,12 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import dot_precision, num_sms
-from liteinfer.kernels.gemv import BYTES_PER_THREAD, TILE_BYTES
+from liteinfer.kernels import dot_precision, num_sms, supports_pdl
 
 # Rows (tokens x top_k) up to which fused_moe streams each row's expert as a GEMV instead of
 # grouping rows by expert: at one to a few tokens the grouping costs more than it saves.
 GEMV_MAX_ROWS = 32
+# Weight elements an expert GEMV program holds a K step of (gemv_tiles).
+GEMV_TILE_ELEMENTS = 8192
 # Parts of K the router's logits are summed in, on both of its paths (so that a token's experts
 # do not depend on how many tokens share its step), and the tokens and experts of a program.
 ROUTER_SPLITS = 4
@@ -46,6 +47,16 @@ ROUTER_SPLIT_BLOCK_E = 16
 # so above this (long prompts) a device sort in torch's launches is faster.
 ALIGN_MAX_ROWS = 4096
 ALIGN_BLOCK_R = 128
+
+
+@triton.jit
+def _wait_for_inputs(USE_PDL: tl.constexpr):
+    """Every kernel here is a programmatic dependent launch on Hopper and later, started while
+    the kernel before it finishes: it waits for that one before it reads or writes anything a
+    step produces, then lets the next kernel launch early in turn."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -99,10 +110,11 @@ def _router_kernel(x_ptr, w_ptr, partial_ptr, weights_ptr, ids_ptr, num_tokens, 
                    stride_x, split_k, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
                    RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr, FUSED_TOP_K: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                   K_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   K_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """Logits of BLOCK_T tokens against BLOCK_E experts. FUSED_TOP_K: the program holds every
     expert, sums all SPLITS parts of split_k columns in order and picks the top-k; else it
     stores the part of axis 2 to partial [SPLITS, T, E]."""
+    _wait_for_inputs(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -130,8 +142,9 @@ def _router_kernel(x_ptr, w_ptr, partial_ptr, weights_ptr, ids_ptr, num_tokens, 
 def _router_top_k_kernel(partial_ptr, weights_ptr, ids_ptr, num_tokens,
                          NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
                          RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):
+                         BLOCK_E: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     """Sums BLOCK_T tokens' partial logits in split order and picks their top-k."""
+    _wait_for_inputs(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
@@ -163,9 +176,10 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
     block_h = 64
     split_k = triton.cdiv(triton.cdiv(hidden, ROUTER_SPLITS), block_h) * block_h
     all_experts = max(16, triton.next_power_of_2(num_experts))
+    pdl = supports_pdl(x.device)
     common = dict(NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize,
                   SPLITS=ROUTER_SPLITS, BLOCK_T=ROUTER_BLOCK_T,
-                  K_PAD=triton.next_power_of_2(top_k))
+                  K_PAD=triton.next_power_of_2(top_k), USE_PDL=pdl, launch_pdl=pdl)
     token_tiles = triton.cdiv(num_tokens, ROUTER_BLOCK_T)
     if not router_splits_experts(num_tokens, x.device):
         _router_kernel[(token_tiles, 1, 1)](
@@ -188,10 +202,11 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ids_ptr, tile_experts_ptr, num_rows, num_tiles,
                   NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+                  BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     """moe_align in one program: count each expert's rows, lay the experts' padded tiles out in
     order, fill every slot with the padding value, then write each row at its expert's start
     plus the rows of that expert before it; last, each tile's expert."""
+    _wait_for_inputs(USE_PDL)
     experts = tl.arange(0, BLOCK_E)
     r = tl.arange(0, BLOCK_R)
     counts = tl.zeros((BLOCK_E,), tl.int32)
@@ -232,12 +247,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     tiles = triton.cdiv(rows, block_m) + min(num_experts, rows)
     if rows > ALIGN_MAX_ROWS:
         return _align_sort(topk_ids, num_experts, block_m, tiles)
+    pdl = supports_pdl(topk_ids.device)
     sorted_ids = torch.empty(tiles * block_m, dtype=torch.int32, device=topk_ids.device)
     tile_experts = torch.empty(tiles, dtype=torch.int32, device=topk_ids.device)
     _align_kernel[(1,)](topk_ids, sorted_ids, tile_experts, rows, tiles,
                         NUM_EXPERTS=num_experts, BLOCK_M=block_m,
                         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=ALIGN_BLOCK_R,
-                        num_warps=8)
+                        USE_PDL=pdl, num_warps=8, launch_pdl=pdl)
     return sorted_ids, tile_experts
 
 
@@ -304,11 +320,12 @@ def _grouped_kernel(x_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, sorted_ids_pt
                     tile_experts_ptr, num_rows, N, K, stride_x,
                     TOP_K: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of one expert's grouped rows. GATED: x is the tokens
     [T, K] (row r reads token r // TOP_K) against the expert's gate and up rows, into the
     intermediate [rows, N]; else x is the intermediate [rows, K], read by row id, and each row's
     product times its routing weight goes to out [rows, N]."""
+    _wait_for_inputs(USE_PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     tile, pid_n = pid // num_n, pid % num_n
@@ -346,8 +363,9 @@ def _grouped_kernel(x_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, sorted_ids_pt
 
 @triton.jit
 def _sum_kernel(y_ptr, out_ptr, res_ptr, N, TOP_K: tl.constexpr, ADD: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t] = sum over j of y[t, j] (+ the residual), BLOCK_N features of one token."""
+    _wait_for_inputs(USE_PDL)
     t = tl.program_id(0)
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
@@ -362,9 +380,10 @@ def _sum_kernel(y_ptr, out_ptr, res_ptr, N, TOP_K: tl.constexpr, ADD: tl.constex
 @triton.jit
 def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, topk_ids_ptr, N, K, stride_x,
                          TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """BLOCK_N gate and up outputs of one (token, choice) row, its expert's weight rows
     streamed once, the products summed elementwise and reduced once at the end."""
+    _wait_for_inputs(USE_PDL)
     row = tl.program_id(0)
     e = tl.load(topk_ids_ptr + row).to(tl.int64)
     src = (row // TOP_K).to(tl.int64)
@@ -390,9 +409,11 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, topk_ids_ptr, N, K, s
 @triton.jit
 def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, topk_ids_ptr, N, K,
                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SCALE: tl.constexpr,
-                      ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """BLOCK_N outputs of one token: all its choices' down rows streamed together as one
     [K_PAD, BLOCK_N, BLOCK_K] tile, each choice weighted, summed over the choices."""
+    _wait_for_inputs(USE_PDL)
     t = tl.program_id(0)
     choices = tl.arange(0, K_PAD)
     choice_ok = choices < TOP_K
@@ -419,14 +440,14 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, topk_ids_pt
     _store_sum(tl.sum(y, 0)[None, :], out_ptr, out_ptr, tokens, ns, n_ok[None, :], N, ADD)
 
 
-def gemv_tiles(k: int, rows_per_program: int, itemsize: int) -> tuple[int, int, int]:
+def gemv_tiles(k: int, rows_per_program: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of an expert GEMV whose programs stream rows_per_program
-    weight rows for each output (gate and up: 2; a token's down: its choices, padded): tiles of
-    the dense GEMV's TILE_BYTES, walked along K, warps for its BYTES_PER_THREAD."""
+    weight rows for each output (gate and up: 2; a token's down: its choices, padded). The
+    products are summed elementwise in fp32 over the tile, so the tile's elements (not its
+    bytes) are bounded: 8k, 64 accumulators a thread at 4 warps, as the dense chunked GEMV."""
     block_k = min(256, triton.next_power_of_2(k))
-    block_n = max(1, TILE_BYTES // (rows_per_program * block_k * itemsize))
-    tile_bytes = rows_per_program * block_n * block_k * itemsize
-    return block_n, block_k, min(16, max(4, tile_bytes // (32 * BYTES_PER_THREAD)))
+    block_n = max(1, GEMV_TILE_ELEMENTS // (rows_per_program * block_k))
+    return block_n, block_k, max(4, rows_per_program * block_n * block_k // 2048)
 
 
 def grouped_tiles(rows: int) -> tuple[int, int, int, int, int]:
@@ -461,24 +482,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     s13 = w13 if w13_scale is None else w13_scale  # a placeholder pointer the kernel never reads
     s2 = w2 if w2_scale is None else w2_scale
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    pdl = dict(USE_PDL=supports_pdl(x.device), launch_pdl=supports_pdl(x.device))
     if rows <= GEMV_MAX_ROWS:
-        block_n, block_k, warps = gemv_tiles(hidden, 2, w13.element_size())
+        block_n, block_k, warps = gemv_tiles(hidden, 2)
         _gate_up_gemv_kernel[(rows, triton.cdiv(inter, block_n))](
             x, w13, s13, h, topk_ids, inter, hidden, x.stride(0), TOP_K=top_k,
             HAS_SCALE=w13_scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, num_stages=3)
+            num_warps=warps, num_stages=3, **pdl)
         k_pad = triton.next_power_of_2(top_k)
-        block_n, block_k, warps = gemv_tiles(inter, k_pad, w2.element_size())
+        block_n, block_k, warps = gemv_tiles(inter, k_pad)
         _down_gemv_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
             h, w2, s2, topk_weights, out, topk_ids, hidden, inter, TOP_K=top_k, K_PAD=k_pad,
             HAS_SCALE=w2_scale is not None, ADD=add, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=warps, num_stages=3)
+            num_warps=warps, num_stages=3, **pdl)
         return out
     block_m, block_n, block_k, warps, stages = grouped_tiles(rows)
     sorted_ids, tile_experts = moe_align(topk_ids, w13.shape[0], block_m)
     tiles = tile_experts.numel()
     common = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages)
+                  DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **pdl)
     _grouped_kernel[(tiles * triton.cdiv(inter, block_n),)](
         x, w13, s13, topk_weights, h, sorted_ids, tile_experts, rows, inter, hidden,
         x.stride(0), GATED=True, HAS_SCALE=w13_scale is not None, **common)
@@ -488,5 +510,5 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         h.stride(0), GATED=False, HAS_SCALE=w2_scale is not None, **common)
     block_h = min(1024, triton.next_power_of_2(hidden))
     _sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](y, out, out, hidden, TOP_K=top_k,
-                                                           ADD=add, BLOCK_N=block_h)
+                                                           ADD=add, BLOCK_N=block_h, **pdl)
     return out

@@ -269,6 +269,7 @@ class MoeLayers:
 
     def __init__(self, fp8: bool):
         self.layers = []
+        self.norm_weight = torch.ones(MOE_HIDDEN, dtype=DTYPE, device=DEV)
         for _ in range(MOE_LAYERS):
             gate = torch.randn(MOE_EXPERTS, MOE_HIDDEN, device=DEV).mul_(0.02).to(DTYPE)
             w13 = torch.randn(MOE_EXPERTS, 2 * MOE_INTER, MOE_HIDDEN, device=DEV).mul_(0.02)
@@ -285,17 +286,20 @@ class MoeLayers:
         self.expert_bytes = sum(w[0].nbytes for w in (experts[0], experts[2])) + sum(
             s[0].nbytes for s in (experts[1], experts[3]) if s is not None)
 
-    def step(self, h: torch.Tensor, residual: torch.Tensor) -> None:
-        """Every layer's router and experts over h, added to the residual stream."""
+    def step(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """Every layer's RMSNorm and router over x (one kernel, as the model runs them) and its
+        experts, added to the residual stream (another tensor, so the routing stays put)."""
         for gate, w13, s13, w2, s2 in self.layers:
-            weights, ids = moe.moe_router(h, gate, MOE_TOP_K, True)
+            weights, ids, h = moe.moe_router(x, gate, MOE_TOP_K, True,
+                                             norm_weight=self.norm_weight, eps=1e-6)
             moe.fused_moe(h, w13, w2, weights, ids, s13, s2, residual=residual)
 
-    def floor_bytes(self, h: torch.Tensor) -> int:
+    def floor_bytes(self, x: torch.Tensor) -> int:
         """Bytes a step must read: each layer's router and the experts its routing touches."""
         total = 0
         for gate, *_ in self.layers:
-            ids = moe.moe_router(h, gate, MOE_TOP_K, True)[1]
+            ids = moe.moe_router(x, gate, MOE_TOP_K, True, norm_weight=self.norm_weight,
+                                 eps=1e-6)[1]
             total += gate.nbytes + ids.unique().numel() * self.expert_bytes
         return total
 
@@ -303,7 +307,7 @@ class MoeLayers:
         """The first layer's experts against the torch path in fp32 on the same weights: the
         relative norm of the error (raises past 2e-2, so a wrong kernel is never timed)."""
         gate, w13, s13, w2, s2 = self.layers[0]
-        weights, ids = moe.moe_router(h, gate, MOE_TOP_K, True)
+        weights, ids, _ = moe.moe_router(h, gate, MOE_TOP_K, True)
         w13f = w13.float() if s13 is None else w13.float() * s13[..., None]
         w2f = w2.float() if s2 is None else w2.float() * s2[..., None]
         out = moe.fused_moe(h, w13, w2, weights, ids, s13, s2).double()

@@ -2,7 +2,9 @@
 
 - `moe_router`: each token's router logits (x W_gate^T), its top-k experts and their weights:
   the softmax over all experts' logits, renormalized over the chosen ones when the family asks
-  (which is the softmax of the chosen logits alone). A wide step computes a tile of tokens'
+  (which is the softmax of the chosen logits alone). The RMSNorm in front of the block can run
+  in it: each program normalizes its columns of x and the first experts' programs store them
+  for the experts, so the norm costs no launch of its own. A wide step computes a tile of tokens'
   logits and their top-k in one program. A step of few tokens would leave that to one or two
   programs streaming the whole router weight, so its logits are split over programs by experts
   and by K (ROUTER_SPLITS parts, summed in a second launch that picks the top-k); either way
@@ -89,16 +91,39 @@ def _top_k(logits, experts, rows, row_ok, weights_ptr, ids_ptr, TOP_K: tl.conste
 
 
 @triton.jit
-def _router_part(x_ptr, w_ptr, rows, row_ok, experts, expert_ok, hidden, stride_x, k_start,
-                 k_end, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """The logits [rows, experts] over the columns k_start..k_end of x and the router."""
+def _inv_rms(x_ptr, rows, row_ok, hidden, stride_x, eps, BLOCK_T: tl.constexpr,
+             BLOCK_H: tl.constexpr):
+    """1 / RMS of each row of x, for the RMSNorm fused in front of the router."""
+    squares = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+    for k0 in range(0, hidden, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        xf = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
+                     mask=row_ok[:, None] & (ks < hidden)[None, :], other=0.0).to(tl.float32)
+        squares += xf * xf
+    return tl.rsqrt(tl.sum(squares, 1) / hidden + eps)
+
+
+@triton.jit
+def _router_part(x_ptr, w_ptr, norm_ptr, h_ptr, inv_rms, rows, row_ok, experts, expert_ok,
+                 hidden, stride_x, k_start, k_end, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The logits [rows, experts] over the columns k_start..k_end of x and the router. NORM: x
+    is RMS-normalized first (rounded as kernels/norm.py rounds), and the programs of the first
+    experts store those columns of it to h [T, hidden] for the experts."""
+    dtype = x_ptr.dtype.element_ty
     part = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
     for k0 in range(k_start, k_end, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
         k_ok = ks < hidden
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        mask = row_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
+        if NORM:
+            norm_w = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            normed = (x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32)
+            x = (norm_w[None, :] * normed).to(dtype)
+            first_experts = (tl.zeros((BLOCK_T,), tl.int32) + tl.program_id(1)) == 0
+            tl.store(h_ptr + rows[:, None] * hidden + ks[None, :], x,
+                     mask=mask & first_experts[:, None])
         w = tl.load(w_ptr + experts[:, None] * hidden + ks[None, :],
                     mask=expert_ok[:, None] & k_ok[None, :], other=0.0)
         part = tl.dot(x, tl.trans(w), part, input_precision=DOT_PRECISION)
@@ -106,11 +131,12 @@ def _router_part(x_ptr, w_ptr, rows, row_ok, experts, expert_ok, hidden, stride_
 
 
 @triton.jit
-def _router_kernel(x_ptr, w_ptr, partial_ptr, weights_ptr, ids_ptr, num_tokens, hidden,
-                   stride_x, split_k, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr, FUSED_TOP_K: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                   K_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+def _router_kernel(x_ptr, w_ptr, norm_ptr, h_ptr, partial_ptr, weights_ptr, ids_ptr,
+                   num_tokens, hidden, stride_x, split_k, eps, NUM_EXPERTS: tl.constexpr,
+                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr,
+                   FUSED_TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """Logits of BLOCK_T tokens against BLOCK_E experts. FUSED_TOP_K: the program holds every
     expert, sums all SPLITS parts of split_k columns in order and picks the top-k; else it
     stores the part of axis 2 to partial [SPLITS, T, E]."""
@@ -119,21 +145,25 @@ def _router_kernel(x_ptr, w_ptr, partial_ptr, weights_ptr, ids_ptr, num_tokens, 
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     row_ok = rows < num_tokens
     expert_ok = experts < NUM_EXPERTS
+    inv_rms = tl.zeros((BLOCK_T,), tl.float32)
+    if NORM:
+        inv_rms = _inv_rms(x_ptr, rows, row_ok, hidden, stride_x, eps, BLOCK_T, BLOCK_H)
     if FUSED_TOP_K:
         logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
         for split in tl.static_range(SPLITS):
-            logits += _router_part(x_ptr, w_ptr, rows, row_ok, experts, expert_ok, hidden,
-                                   stride_x, split * split_k,
-                                   tl.minimum((split + 1) * split_k, hidden), BLOCK_T, BLOCK_E,
-                                   BLOCK_H, DOT_PRECISION)
+            logits += _router_part(x_ptr, w_ptr, norm_ptr, h_ptr, inv_rms, rows, row_ok,
+                                   experts, expert_ok, hidden, stride_x, split * split_k,
+                                   tl.minimum((split + 1) * split_k, hidden), NORM, BLOCK_T,
+                                   BLOCK_E, BLOCK_H, DOT_PRECISION)
         logits = tl.where(expert_ok[None, :], logits, float("-inf"))
         _top_k(logits, experts, rows, row_ok, weights_ptr, ids_ptr, TOP_K, RENORMALIZE,
                BLOCK_T, BLOCK_E, K_PAD)
     else:
         split = tl.program_id(2)
-        part = _router_part(x_ptr, w_ptr, rows, row_ok, experts, expert_ok, hidden, stride_x,
-                            split * split_k, tl.minimum((split + 1) * split_k, hidden),
-                            BLOCK_T, BLOCK_E, BLOCK_H, DOT_PRECISION)
+        part = _router_part(x_ptr, w_ptr, norm_ptr, h_ptr, inv_rms, rows, row_ok, experts,
+                            expert_ok, hidden, stride_x, split * split_k,
+                            tl.minimum((split + 1) * split_k, hidden), NORM, BLOCK_T, BLOCK_E,
+                            BLOCK_H, DOT_PRECISION)
         out = (split * num_tokens + rows)[:, None] * NUM_EXPERTS + experts[None, :]
         tl.store(partial_ptr + out, part, mask=row_ok[:, None] & expert_ok[None, :])
 
@@ -164,15 +194,20 @@ def router_splits_experts(num_tokens: int, device: torch.device) -> bool:
     return triton.cdiv(num_tokens, ROUTER_BLOCK_T) < num_sms(device) // 2
 
 
-def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, *,
+               norm_weight: torch.Tensor | None = None, eps: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each token's top_k experts of x [T, H] under the router gate_weight [E, H]: fp32 weights
     [T, top_k] (the softmax over all E logits, renormalized over the chosen ones when
-    `renormalize`) and int32 expert ids [T, top_k], best first."""
+    `renormalize`), int32 expert ids [T, top_k], best first, and the experts' input: x, or,
+    given norm_weight, x RMS-normalized (with eps) before the router, as a new [T, H]."""
     num_tokens, hidden = x.shape
+    assert x.stride(-1) == 1
     num_experts = gate_weight.shape[0]
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    h = x if norm_weight is None else torch.empty(num_tokens, hidden, dtype=x.dtype,
+                                                  device=x.device)
     block_h = 64
     split_k = triton.cdiv(triton.cdiv(hidden, ROUTER_SPLITS), block_h) * block_h
     all_experts = max(16, triton.next_power_of_2(num_experts))
@@ -180,23 +215,24 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
     common = dict(NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize,
                   SPLITS=ROUTER_SPLITS, BLOCK_T=ROUTER_BLOCK_T,
                   K_PAD=triton.next_power_of_2(top_k), USE_PDL=pdl, launch_pdl=pdl)
+    args = (x, gate_weight, gate_weight if norm_weight is None else norm_weight, h)
+    router = dict(NORM=norm_weight is not None, BLOCK_H=block_h,
+                  DOT_PRECISION=dot_precision(x.dtype), **common)
     token_tiles = triton.cdiv(num_tokens, ROUTER_BLOCK_T)
     if not router_splits_experts(num_tokens, x.device):
         _router_kernel[(token_tiles, 1, 1)](
-            x, gate_weight, weights, weights, ids, num_tokens, hidden, x.stride(0), split_k,
-            FUSED_TOP_K=True, BLOCK_E=all_experts, BLOCK_H=block_h,
-            DOT_PRECISION=dot_precision(x.dtype), **common)
-        return weights, ids
+            *args, weights, weights, ids, num_tokens, hidden, x.stride(0), split_k, eps,
+            FUSED_TOP_K=True, BLOCK_E=all_experts, **router)
+        return weights, ids, h
     partial = torch.empty(ROUTER_SPLITS, num_tokens, num_experts, dtype=torch.float32,
                           device=x.device)
     block_e = min(ROUTER_SPLIT_BLOCK_E, all_experts)
     _router_kernel[(token_tiles, triton.cdiv(num_experts, block_e), ROUTER_SPLITS)](
-        x, gate_weight, partial, weights, ids, num_tokens, hidden, x.stride(0), split_k,
-        FUSED_TOP_K=False, BLOCK_E=block_e, BLOCK_H=block_h,
-        DOT_PRECISION=dot_precision(x.dtype), **common)
+        *args, partial, weights, ids, num_tokens, hidden, x.stride(0), split_k, eps,
+        FUSED_TOP_K=False, BLOCK_E=block_e, **router)
     _router_top_k_kernel[(token_tiles,)](partial, weights, ids, num_tokens, BLOCK_E=all_experts,
                                          **common)
-    return weights, ids
+    return weights, ids, h
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from liteinfer.layers.norm_act import silu_and_mul_torch
+from liteinfer.layers.norm_act import RMSNorm, silu_and_mul_torch
 from liteinfer.layers.quantization.base import MoEMethod
 
 if TYPE_CHECKING:
@@ -104,8 +104,19 @@ class MoeRouter(nn.Module):
         """fp32 routing weights and expert ids, [T, top_k] each."""
         if self.use_triton:
             from liteinfer.kernels.fused_moe import moe_router
-            return moe_router(x, self.weight, self.top_k, self.renormalize)
+            return moe_router(x, self.weight, self.top_k, self.renormalize)[:2]
         return route_torch(x, self.weight, self.top_k, self.renormalize)
+
+    def forward_normed(self, x: torch.Tensor, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routing of norm(x), and norm(x) itself for the experts: with the Triton norm
+        the router kernel normalizes (no launch of the norm's own)."""
+        if self.use_triton and norm.use_triton:
+            from liteinfer.kernels.fused_moe import moe_router
+            return moe_router(x, self.weight, self.top_k, self.renormalize,
+                              norm_weight=norm.weight, eps=norm.eps)
+        h = norm(x)
+        return (*self(h), h)
 
 
 class FusedMoE(nn.Module):

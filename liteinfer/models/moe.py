@@ -31,8 +31,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:
         """Adds the experts of norm(x) to the residual stream x, in place."""
-        h = norm(x)
-        topk_weights, topk_ids = self.gate(h)
+        topk_weights, topk_ids, h = self.gate.forward_normed(x, norm)
         if self.tp_size == 1:  # the experts' last kernel adds to x
             self.experts(h, topk_weights, topk_ids, residual=x)
             return

@@ -74,12 +74,33 @@ def test_router_picks_the_top_k_with_their_softmax_weights(device, full, renorma
         for num_tokens in token_counts:
             x = torch.randn(num_tokens, hidden, device=device)
             gate = torch.randn(num_experts, hidden, device=device) * hidden ** -0.5
-            weights, ids = moe_router(x, gate, top_k, renormalize)
+            weights, ids, h = moe_router(x, gate, top_k, renormalize)
+            assert h is x
             ref_weights, ref_ids = _router_ref(x, gate, top_k, renormalize)
             assert torch.equal(ids.long(), ref_ids)
             torch.testing.assert_close(weights.double(), ref_weights, rtol=1e-5, atol=1e-6)
             if renormalize:
                 torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights[:, 0]))
+
+
+def test_router_with_the_norm_in_front(assert_close, device, full):
+    """Given the RMSNorm's weight, the router normalizes x itself: the experts' input it returns
+    is the norm's output, and the routing is that of it, on both of the router's paths."""
+    token_counts = GPU_TOKENS if full else CPU_ROUTER_TOKENS
+    for hidden, _, num_experts, top_k in GPU_SHAPES if full else CPU_SHAPES:
+        gate = torch.randn(num_experts, hidden, device=device) * hidden ** -0.5
+        norm_weight = 1 + 0.1 * torch.randn(hidden, device=device)
+        for num_tokens in token_counts:
+            x = 3 * torch.randn(num_tokens, hidden, device=device)
+            weights, ids, h = moe_router(x, gate, top_k, True, norm_weight=norm_weight,
+                                         eps=1e-6)
+            x64 = x.double()
+            ref_h = norm_weight.double() * x64 * (x64.pow(2).mean(-1, keepdim=True)
+                                                  + 1e-6).rsqrt()
+            assert_close(h, ref_h)
+            ref_weights, ref_ids = _router_ref(h, gate, top_k, True)
+            assert torch.equal(ids.long(), ref_ids)
+            torch.testing.assert_close(weights.double(), ref_weights, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("block_m", [4, 16])
@@ -157,6 +178,6 @@ def test_router_and_experts_from_the_same_tokens(assert_close, device, full):
     w13, w2 = _experts(hidden, inter, num_experts, torch.float32, device)
     gate = torch.randn(num_experts, hidden, device=device) * hidden ** -0.5
     x = torch.randn(4, hidden, device=device).repeat(10, 1)
-    weights, ids = moe_router(x, gate, top_k, True)
+    weights, ids, _ = moe_router(x, gate, top_k, True)
     assert len({tuple(r) for r in ids.tolist()}) <= 4
     assert_close(fused_moe(x, w13, w2, weights, ids), _experts_ref(x, w13, w2, weights, ids))

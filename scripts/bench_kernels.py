@@ -255,6 +255,7 @@ def bench_elementwise(rows: list[dict]) -> None:
 MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MOE_TOP_K = 2048, 768, 128, 8
 MOE_TOKENS = (1, 8, 32, 128)
 MOE_LAYERS = 8  # 8 layers' experts (9.7 GB in bf16) in each timed graph: none stays in L2
+GEMV_SWEEP_ROWS = 64  # the sweep's 8 tokens through the GEMVs
 
 
 def copy_gbps() -> float:
@@ -351,7 +352,9 @@ def bench_moe(rows: list[dict], fp8: bool, label: str = "", tokens=MOE_TOKENS,
 
 def sweep_moe(rows: list[dict], fp8: bool, layers: MoeLayers) -> None:
     """The expert GEMVs' tile elements and K widths at 1 and 4 tokens, the grouped GEMMs' tiles
-    at 32 and 128 (the kernels read their tile functions at call time)."""
+    (each with N of 64 and more also swapped) at 32 and 128, and at 8 tokens the GEMVs against
+    the grouped GEMMs (the kernels read their tile functions and GEMV_MAX_ROWS at call
+    time)."""
     gemv_tiles, grouped_tiles = moe.gemv_tiles, moe.grouped_tiles
     try:
         for elements, block_k in itertools.product((4096, 8192, 16384), (128, 256, 512)):
@@ -362,16 +365,21 @@ def sweep_moe(rows: list[dict], fp8: bool, layers: MoeLayers) -> None:
             moe.gemv_tiles = tiles
             bench_moe(rows, fp8, f" gemv {elements // 1024}k k{block_k}", (1, 4), False, layers)
         moe.gemv_tiles = gemv_tiles
+        for gemv_rows in (GEMV_SWEEP_ROWS, moe.GEMV_MAX_ROWS):
+            moe.GEMV_MAX_ROWS, max_rows = gemv_rows, moe.GEMV_MAX_ROWS
+            bench_moe(rows, fp8, f" gemv up to {gemv_rows} rows", (8,), False, layers)
+            moe.GEMV_MAX_ROWS = max_rows
         for m, n, k, w, s in ((16, 32, 128, 4, 4), (16, 32, 128, 4, 5), (16, 32, 256, 4, 3),
                               (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 64, 128, 8, 3),
                               (16, 64, 256, 4, 2), (16, 128, 64, 8, 3), (16, 128, 128, 8, 2),
                               (32, 64, 128, 4, 3), (32, 128, 64, 8, 3), (64, 64, 64, 4, 3)):
-            moe.grouped_tiles = lambda rows, t=(m, n, k, w, s): t
-            label = f" m{m} n{n} k{k} w{w} s{s}"
-            try:
-                bench_moe(rows, fp8, label, (32, 128), False, layers)
-            except OutOfResources:
-                rows.append(dict(kernel=f"moe{label}: out of resources"))
+            for swapped in (False, True) if n >= 64 else (False,):
+                moe.grouped_tiles = lambda rows, e4m3, t=(m, n, k, w, s, swapped): t
+                label = f" m{m} n{n} k{k} w{w} s{s}{' swapped' if swapped else ''}"
+                try:
+                    bench_moe(rows, fp8, label, (32, 128), False, layers)
+                except OutOfResources:
+                    rows.append(dict(kernel=f"moe{label}: out of resources"))
     finally:
         moe.gemv_tiles, moe.grouped_tiles = gemv_tiles, grouped_tiles
 

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import dot_precision, num_sms, supports_pdl
+from liteinfer.kernels import FP8_DTYPE, dot_precision, num_sms, supports_pdl
 
 # Rows (tokens x top_k) up to which fused_moe streams each row's expert as a GEMV instead of
 # grouping rows by expert: at one to a few tokens the grouping costs more than it saves.
@@ -352,15 +352,30 @@ def _store_sum(total, out_ptr, res_ptr, tokens, ns, mask, N, ADD: tl.constexpr):
 
 
 @triton.jit
+def _expert_dot(a, w, acc, SWAPPED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a w^T for rows a [M, K] and an expert's weight tile w [N, K] widened to a's dtype;
+    SWAPPED: acc is [N, M] and gets the transpose, w a^T, so that the widened weight is
+    the MMA's row operand (wgmma takes that one from registers, the other from shared
+    memory: widened e4m3 need not go back through shared memory) and N, not the few rows,
+    fills its 64-row side."""
+    if SWAPPED:
+        out = tl.dot(w.to(a.dtype), tl.trans(a), acc, input_precision=DOT_PRECISION)
+    else:
+        out = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
+    return out
+
+
+@triton.jit
 def _grouped_kernel(x_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, sorted_ids_ptr,
                     tile_experts_ptr, num_rows, N, K, stride_x,
                     TOP_K: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                    SWAPPED: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of one expert's grouped rows. GATED: x is the tokens
     [T, K] (row r reads token r // TOP_K) against the expert's gate and up rows, into the
     intermediate [rows, N]; else x is the intermediate [rows, K], read by row id, and each row's
-    product times its routing weight goes to out [rows, N]."""
+    product times its routing weight goes to out [rows, N]. SWAPPED: the tile is computed
+    transposed (see _expert_dot)."""
     _wait_for_inputs(USE_PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -374,8 +389,11 @@ def _grouped_kernel(x_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, sorted_ids_pt
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     w_base = w_ptr + e * (2 * N if GATED else N) * K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAPPED:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = acc
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -383,10 +401,13 @@ def _grouped_kernel(x_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, sorted_ids_pt
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + ns[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
-        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
+        acc = _expert_dot(a, w, acc, SWAPPED, DOT_PRECISION)
         if GATED:
             u = tl.load(w_base + (N + ns)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
-            up = tl.dot(a, tl.trans(u.to(a.dtype)), up, input_precision=DOT_PRECISION)
+            up = _expert_dot(a, u, up, SWAPPED, DOT_PRECISION)
+    if SWAPPED:
+        acc = tl.trans(acc)
+        up = tl.trans(up)
     if GATED:
         _gate_up_epilogue(acc, up, rows, ns, n_ok, row_ok, e, scale_ptr, out_ptr, N, HAS_SCALE)
     else:
@@ -486,16 +507,19 @@ def gemv_tiles(k: int, rows_per_program: int) -> tuple[int, int, int]:
     return block_n, block_k, max(4, rows_per_program * block_n * block_k // 2048)
 
 
-def grouped_tiles(rows: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs over `rows`
-    (token, choice) rows. Decode widths give an expert a few rows (Qwen3-30B-A3B: 2 at 32
+def grouped_tiles(rows: int, e4m3: bool) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAPPED) of the grouped GEMMs over
+    `rows` (token, choice) rows. Decode widths give an expert a few rows (Qwen3-30B-A3B: 2 at 32
     tokens, 8 at 128), so a tile is 16 rows, and narrow N tiles with deep pipelines give the
-    weight streams enough programs; prompts fill 64-row tiles."""
+    weight streams enough programs; prompts fill 64-row tiles. e4m3 weights, widened in
+    registers, are the MMA's row operand (SWAPPED), which needs 64 of them a tile."""
     if rows <= 512:
-        return 16, 32, 128, 4, 4
-    if rows <= ALIGN_MAX_ROWS:
-        return 16, 64, 128, 4, 3
-    return 64, 64, 64, 4, 3
+        tiles = (16, 64 if e4m3 else 32, 128, 4, 4)
+    elif rows <= ALIGN_MAX_ROWS:
+        tiles = (16, 64, 128, 4, 3)
+    else:
+        tiles = (64, 64, 64, 4, 3)
+    return (*tiles, e4m3 and tiles[0] < 64)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -532,11 +556,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             HAS_SCALE=w2_scale is not None, ADD=add, BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=warps, num_stages=3, **pdl)
         return out
-    block_m, block_n, block_k, warps, stages = grouped_tiles(rows)
+    block_m, block_n, block_k, warps, stages, swapped = grouped_tiles(
+        rows, w13.dtype == FP8_DTYPE)
     sorted_ids, tile_experts = moe_align(topk_ids, w13.shape[0], block_m)
     tiles = tile_experts.numel()
     common = dict(TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **pdl)
+                  SWAPPED=swapped, DOT_PRECISION=dot_precision(x.dtype), num_warps=warps,
+                  num_stages=stages, **pdl)
     _grouped_kernel[(tiles * triton.cdiv(inter, block_n),)](
         x, w13, s13, topk_weights, h, sorted_ids, tile_experts, rows, inter, hidden,
         x.stride(0), GATED=True, HAS_SCALE=w13_scale is not None, **common)

@@ -93,7 +93,8 @@ def _top_k(logits, experts, rows, row_ok, weights_ptr, ids_ptr, TOP_K: tl.conste
 @triton.jit
 def _inv_rms(x_ptr, rows, row_ok, hidden, stride_x, eps, BLOCK_T: tl.constexpr,
              BLOCK_H: tl.constexpr):
-    """1 / RMS of each row of x, for the RMSNorm fused in front of the router."""
+    """1 / RMS of each row of x, for the RMSNorm fused in front of the router: a pass over
+    the rows (from L2) in wide steps, each step's loads a latency of their own."""
     squares = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     for k0 in range(0, hidden, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
@@ -135,8 +136,8 @@ def _router_kernel(x_ptr, w_ptr, norm_ptr, h_ptr, partial_ptr, weights_ptr, ids_
                    num_tokens, hidden, stride_x, split_k, eps, NUM_EXPERTS: tl.constexpr,
                    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SPLITS: tl.constexpr,
                    FUSED_TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, K_PAD: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_RMS: tl.constexpr,
+                   K_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """Logits of BLOCK_T tokens against BLOCK_E experts. FUSED_TOP_K: the program holds every
     expert, sums all SPLITS parts of split_k columns in order and picks the top-k; else it
     stores the part of axis 2 to partial [SPLITS, T, E]."""
@@ -147,7 +148,7 @@ def _router_kernel(x_ptr, w_ptr, norm_ptr, h_ptr, partial_ptr, weights_ptr, ids_
     expert_ok = experts < NUM_EXPERTS
     inv_rms = tl.zeros((BLOCK_T,), tl.float32)
     if NORM:
-        inv_rms = _inv_rms(x_ptr, rows, row_ok, hidden, stride_x, eps, BLOCK_T, BLOCK_H)
+        inv_rms = _inv_rms(x_ptr, rows, row_ok, hidden, stride_x, eps, BLOCK_T, BLOCK_RMS)
     if FUSED_TOP_K:
         logits = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
         for split in tl.static_range(SPLITS):
@@ -217,6 +218,7 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormali
                   K_PAD=triton.next_power_of_2(top_k), USE_PDL=pdl, launch_pdl=pdl)
     args = (x, gate_weight, gate_weight if norm_weight is None else norm_weight, h)
     router = dict(NORM=norm_weight is not None, BLOCK_H=block_h,
+                  BLOCK_RMS=min(512, triton.next_power_of_2(hidden)),
                   DOT_PRECISION=dot_precision(x.dtype), **common)
     token_tiles = triton.cdiv(num_tokens, ROUTER_BLOCK_T)
     if not router_splits_experts(num_tokens, x.device):

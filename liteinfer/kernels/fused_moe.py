@@ -8,7 +8,7 @@
   logits and their top-k in one program. A step of few tokens would leave that to one or two
   programs streaming the whole router weight, so its logits are split over programs by experts
   and by K (ROUTER_SPLITS parts, summed in a second launch that picks the top-k); either way
-  the logits are the same ROUTER_SPLITS partial sums added in the same order.
+  the logits are ROUTER_SPLITS partial sums added in split order.
 - `fused_moe`: the experts of every (token, choice) row. Wide steps (prefill, many decoding
   rows) group the rows by expert (`moe_align`: one program counts each expert's rows and writes
   them, padded to a multiple of BLOCK_M, in expert order) so that every program multiplies one
@@ -45,8 +45,8 @@ GEMV_TILE_ELEMENTS = 8192
 ROUTER_SPLITS = 4
 ROUTER_BLOCK_T = 16
 ROUTER_SPLIT_BLOCK_E = 16
-# Rows up to which moe_align groups in one Triton program; its passes over the rows are serial,
-# so above this (long prompts) a device sort in torch's launches is faster.
+# Rows up to which moe_align groups in one Triton program, whose passes over the rows are
+# serial; long prompts' rows go through a device sort instead (the crossover is not measured).
 ALIGN_MAX_ROWS = 4096
 ALIGN_BLOCK_R = 128
 

@@ -48,7 +48,7 @@ ROUTER_SPLIT_BLOCK_E = 16
 # Rows up to which moe_align groups in one Triton program, whose passes over the rows are
 # serial; long prompts' rows go through a device sort instead (the crossover is not measured).
 ALIGN_MAX_ROWS = 4096
-ALIGN_BLOCK_R = 128
+ALIGN_BLOCK_R = 64  # a chunk of rows against every expert: [64, 128] int32 over 8 warps
 
 
 @triton.jit

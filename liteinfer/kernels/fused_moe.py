@@ -466,13 +466,29 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, topk_ids_ptr, N, K, s
 
 
 @triton.jit
+def _down_weights(w_ptr, w_rows, w_ok, ks, K):
+    """A [K_PAD, BLOCK_N, BLOCK_K] tile of a token's experts' down rows, columns ks."""
+    return tl.load(w_ptr + w_rows[:, :, None] * K + ks[None, None, :],
+                   mask=w_ok[:, :, None] & (ks < K)[None, None, :], other=0.0)
+
+
+@triton.jit
+def _down_step(acc, w, h_ptr, rows, choice_ok, ks, K):
+    """acc plus the tile w times the token's intermediate rows, columns ks, elementwise."""
+    h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+                mask=choice_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+    return acc + w.to(tl.float32) * h[:, None, :]
+
+
+@triton.jit
 def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, topk_ids_ptr, N, K,
                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SCALE: tl.constexpr,
                       ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       USE_PDL: tl.constexpr):
     """BLOCK_N outputs of one token: all its choices' down rows streamed together as one
-    [K_PAD, BLOCK_N, BLOCK_K] tile, each choice weighted, summed over the choices."""
-    _wait_for_inputs(USE_PDL)
+    [K_PAD, BLOCK_N, BLOCK_K] tile, each choice weighted, summed over the choices. The experts
+    were chosen two launches back, before the gate/up launch it follows let it start (that one
+    does so only past its own wait), so their first tile is loaded before the wait."""
     t = tl.program_id(0)
     choices = tl.arange(0, K_PAD)
     choice_ok = choices < TOP_K
@@ -483,15 +499,14 @@ def _down_gemv_kernel(h_ptr, w_ptr, scale_ptr, routing_ptr, out_ptr, topk_ids_pt
     kk = tl.arange(0, BLOCK_K)
     w_rows = (e * N)[:, None] + ns[None, :]  # [K_PAD, BLOCK_N]
     w_ok = choice_ok[:, None] & n_ok[None, :]
-    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    w = _down_weights(w_ptr, w_rows, w_ok, kk, K)
+    _wait_for_inputs(USE_PDL)
+    acc = _down_step(tl.zeros((K_PAD, BLOCK_N, BLOCK_K), tl.float32), w, h_ptr, rows,
+                     choice_ok, kk, K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + kk
-        k_ok = ks < K
-        w = tl.load(w_ptr + w_rows[:, :, None] * K + ks[None, None, :],
-                    mask=w_ok[:, :, None] & k_ok[None, None, :], other=0.0)
-        h = tl.load(h_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
-                    mask=choice_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * h[:, None, :]
+        acc = _down_step(acc, _down_weights(w_ptr, w_rows, w_ok, ks, K), h_ptr, rows,
+                         choice_ok, ks, K)
     routing = tl.load(routing_ptr + rows, mask=choice_ok, other=0.0)
     y = _weighted(tl.sum(acc, 2), e[:, None], routing[:, None], ns[None, :], w_ok, scale_ptr,
                   N, out_ptr.dtype.element_ty, HAS_SCALE)

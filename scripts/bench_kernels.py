@@ -9,13 +9,18 @@ CUDA-graph replay, which is how the engine runs it, at 1, the engine's and 4x th
 width, and with this step's RoPE + KV write fused in (`decode+newkv`, the engine's path). Prefill
 is also timed as a graph replay, and compared with torch's SDPA (the engine's path for a lone
 prompt with nothing cached) and with PyTorch's varlen FlashAttention-2 on the packed projections.
+`--only moe` times one Qwen3-30B-A3B sparse layer instead (router and experts, 128 experts of
+2048 x 768, top-8; `--moe-dtype fp8` for e4m3 experts) at 1, 8, 32 and 128 tokens: a CUDA graph
+of MOE_LAYERS such layers (each its own weights, as a decode step walks through them) against
+the floor of the bytes their routing touches at the measured copy bandwidth, and each kernel's
+time a layer under torch.profiler; with `--sweep`, the expert GEMV and grouped GEMM tiles.
 Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>-<kv dtype>-d<D>.json.
 `--sweep` additionally times alternative tile configurations, prefill also at the sizes of mixed
 steps' prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
 decode sweep then times the engine's path alone (split policy, this step's K/V fused in).
 
     python scripts/bench_kernels.py [--sweep] [--pool token-major] [--head-dim 128]
-                                    [--only decode prefill elementwise]
+                                    [--only decode prefill elementwise moe] [--moe-dtype fp8]
                                     [--decode-shapes 1x256 128x256 ...] [--kv-dtype fp8]
 """
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench, do_bench_cudagraph
 
@@ -38,12 +44,15 @@ from liteinfer.attention.torch_backend import gather_kv
 from liteinfer.kernels import FP8_DTYPE
 from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import decode_splits as splits
+from liteinfer.kernels import fused_moe as moe
 from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
 from liteinfer.kernels.argmax import argmax_rows
 from liteinfer.kernels.kv_cache import rope_store_kv
 from liteinfer.kernels.norm import rms_norm
 from liteinfer.kernels.prefill_tiles import PrefillTiles, prefill_tile_map, prefill_tile_tokens
+from liteinfer.layers.fused_moe import fused_moe_torch
+from liteinfer.layers.quantization.fp8 import quantize_weight
 
 HQ, HKV, D, BLOCK_SIZE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192
 DTYPE = torch.bfloat16
@@ -242,6 +251,139 @@ def bench_elementwise(rows: list[dict]) -> None:
                 logits.nbytes)))
 
 
+# Qwen3-30B-A3B's sparse layer: hidden, expert channels, experts, choices a token.
+MOE_HIDDEN, MOE_INTER, MOE_EXPERTS, MOE_TOP_K = 2048, 768, 128, 8
+MOE_TOKENS = (1, 8, 32, 128)
+MOE_LAYERS = 8  # 8 layers' experts (9.7 GB in bf16) in each timed graph: none stays in L2
+GEMV_SWEEP_ROWS = 64  # the sweep's 8 tokens through the GEMVs
+
+
+def copy_gbps() -> float:
+    """The device's copy bandwidth (bytes read + written a second) over 1 GiB."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / 1e9 / (timed(lambda: dst.copy_(src)) / 1e3)
+
+
+class MoeLayers:
+    """MOE_LAYERS sparse layers of random weights (bf16, or e4m3 experts with row scales)."""
+
+    def __init__(self, fp8: bool):
+        self.layers = []
+        self.norm_weight = torch.ones(MOE_HIDDEN, dtype=DTYPE, device=DEV)
+        for _ in range(MOE_LAYERS):
+            gate = torch.randn(MOE_EXPERTS, MOE_HIDDEN, device=DEV).mul_(0.02).to(DTYPE)
+            w13 = torch.randn(MOE_EXPERTS, 2 * MOE_INTER, MOE_HIDDEN, device=DEV).mul_(0.02)
+            w2 = torch.randn(MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, device=DEV).mul_(0.02)
+            experts = []
+            for w in (w13, w2):
+                if fp8:
+                    q, scale = quantize_weight(w.reshape(-1, w.shape[-1]))
+                    experts += [q.reshape(w.shape), scale.reshape(w.shape[:2])]
+                else:
+                    experts += [w.to(DTYPE), None]
+                del w
+            self.layers.append((gate, *experts))
+        self.expert_bytes = sum(w[0].nbytes for w in (experts[0], experts[2])) + sum(
+            s[0].nbytes for s in (experts[1], experts[3]) if s is not None)
+
+    def step(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """Every layer's RMSNorm and router over x (one kernel, as the model runs them) and its
+        experts, added to the residual stream (another tensor, so the routing stays put)."""
+        for gate, w13, s13, w2, s2 in self.layers:
+            weights, ids, h = moe.moe_router(x, gate, MOE_TOP_K, True,
+                                             norm_weight=self.norm_weight, eps=1e-6)
+            moe.fused_moe(h, w13, w2, weights, ids, s13, s2, residual=residual)
+
+    def floor_bytes(self, x: torch.Tensor) -> int:
+        """Bytes a step must read: each layer's router and the experts its routing touches."""
+        total = 0
+        for gate, *_ in self.layers:
+            ids = moe.moe_router(x, gate, MOE_TOP_K, True, norm_weight=self.norm_weight,
+                                 eps=1e-6)[1]
+            total += gate.nbytes + ids.unique().numel() * self.expert_bytes
+        return total
+
+    def check(self, h: torch.Tensor) -> float:
+        """The first layer's experts against the torch path in fp32 on the same weights: the
+        relative norm of the error (raises past 2e-2, so a wrong kernel is never timed)."""
+        gate, w13, s13, w2, s2 = self.layers[0]
+        weights, ids, _ = moe.moe_router(h, gate, MOE_TOP_K, True)
+        w13f = w13.float() if s13 is None else w13.float() * s13[..., None]
+        w2f = w2.float() if s2 is None else w2.float() * s2[..., None]
+        out = moe.fused_moe(h, w13, w2, weights, ids, s13, s2).double()
+        ref = fused_moe_torch(h.float(), w13f, w2f, weights, ids.long()).double()
+        err = ((out - ref).norm() / ref.norm()).item()
+        if not math.isfinite(err) or err > 2e-2:
+            raise AssertionError(f"experts disagree with the torch path: {err:.3g}")
+        return err
+
+
+def moe_kernels_per_layer(layers: MoeLayers, h: torch.Tensor, residual: torch.Tensor,
+                          steps: int = 5) -> dict[str, float]:
+    """Each CUDA kernel's microseconds a layer, run eagerly under torch.profiler."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            layers.step(h, residual)
+        torch.cuda.synchronize()
+    return {ev.key[:48]: ev.device_time_total / (steps * MOE_LAYERS)
+            for ev in prof.key_averages() if ev.device_type.name == "CUDA"}
+
+
+def bench_moe(rows: list[dict], fp8: bool, label: str = "", tokens=MOE_TOKENS,
+              breakdown: bool = True, layers: MoeLayers | None = None) -> MoeLayers:
+    layers = layers or MoeLayers(fp8)
+    gbps = copy_gbps()
+    dtype = "fp8" if fp8 else "bf16"
+    for t in tokens:
+        h = torch.randn(t, MOE_HIDDEN, device=DEV).to(DTYPE)
+        residual = torch.zeros(t, MOE_HIDDEN, dtype=DTYPE, device=DEV)
+        err = layers.check(h)
+        graph_us = do_bench_cudagraph(lambda: layers.step(h, residual),
+                                      return_mode="median") * 1e3 / MOE_LAYERS
+        floor_us = layers.floor_bytes(h) / MOE_LAYERS / (gbps * 1e3)
+        rows.append(dict(kernel=f"moe layer {dtype}{label}", batch=t, graph_us=graph_us,
+                         floor_us=floor_us, pct_peak=100 * floor_us / graph_us, err=err))
+        if breakdown:
+            for name, us in moe_kernels_per_layer(layers, h, residual).items():
+                rows.append(dict(kernel=f"  {name}", batch=t, us=us))
+    return layers
+
+
+def sweep_moe(rows: list[dict], fp8: bool, layers: MoeLayers) -> None:
+    """The expert GEMVs' tile elements and K widths at 1 and 4 tokens, the grouped GEMMs' tiles
+    (each with N of 64 and more also swapped) at 32 and 128, and at 8 tokens the GEMVs against
+    the grouped GEMMs (the kernels read their tile functions and GEMV_MAX_ROWS at call
+    time)."""
+    gemv_tiles, grouped_tiles = moe.gemv_tiles, moe.grouped_tiles
+    try:
+        for elements, block_k in itertools.product((4096, 8192, 16384), (128, 256, 512)):
+            def tiles(k, rows_per_program, elements=elements, block_k=block_k):
+                bk = min(block_k, 1 << (k - 1).bit_length())
+                bn = max(1, elements // (rows_per_program * bk))
+                return bn, bk, max(4, rows_per_program * bn * bk // 2048)
+            moe.gemv_tiles = tiles
+            bench_moe(rows, fp8, f" gemv {elements // 1024}k k{block_k}", (1, 4), False, layers)
+        moe.gemv_tiles = gemv_tiles
+        for gemv_rows in (GEMV_SWEEP_ROWS, moe.GEMV_MAX_ROWS):
+            moe.GEMV_MAX_ROWS, max_rows = gemv_rows, moe.GEMV_MAX_ROWS
+            bench_moe(rows, fp8, f" gemv up to {gemv_rows} rows", (8,), False, layers)
+            moe.GEMV_MAX_ROWS = max_rows
+        for m, n, k, w, s in ((16, 32, 128, 4, 4), (16, 32, 128, 4, 5), (16, 32, 256, 4, 3),
+                              (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 64, 128, 8, 3),
+                              (16, 64, 256, 4, 2), (16, 128, 64, 8, 3), (16, 128, 128, 8, 2),
+                              (32, 64, 128, 4, 3), (32, 128, 64, 8, 3), (64, 64, 64, 4, 3)):
+            for swapped in (False, True) if n >= 64 else (False,):
+                moe.grouped_tiles = lambda rows, e4m3, t=(m, n, k, w, s, swapped): t
+                label = f" m{m} n{n} k{k} w{w} s{s}{' swapped' if swapped else ''}"
+                try:
+                    bench_moe(rows, fp8, label, (32, 128), False, layers)
+                except OutOfResources:
+                    rows.append(dict(kernel=f"moe{label}: out of resources"))
+    finally:
+        moe.gemv_tiles, moe.grouped_tiles = gemv_tiles, grouped_tiles
+
+
 def _bandwidth(fn: Callable[[], object], nbytes: int) -> dict:
     ms = timed(fn)
     return dict(us=ms * 1e3, gbps=nbytes / 1e9 / (ms / 1e3))
@@ -274,7 +416,8 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "gbps", "pct_peak",
+    cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "floor_us", "gbps",
+            "pct_peak",
             "tflops", "graph_tflops", "sdpa_tflops", "flash_varlen_tflops", "err"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = {float: "{:.3g}", int: "{}", str: "{}"}
@@ -290,13 +433,15 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
     parser.add_argument("--pool", choices=POOL_LAYOUTS, default=POOL_LAYOUTS[0],
                         help="memory order of the KV pool the attention kernels read")
-    parser.add_argument("--only", nargs="+", choices=("decode", "prefill", "elementwise"),
+    parser.add_argument("--only", nargs="+", choices=("decode", "prefill", "elementwise", "moe"),
                         help="time only these kernels (default: all)")
     parser.add_argument("--head-dim", type=int, default=64, help="attention head size")
     parser.add_argument("--decode-shapes", nargs="+", metavar="BATCHxCTX",
                         help="decode shapes to time (and sweep) instead of the defaults")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                         help="element type of the KV pool")
+    parser.add_argument("--moe-dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="element type of the experts in the moe part")
     args = parser.parse_args()
     global pool_layout, kv_dtype, D, SCALE
     pool_layout, kv_dtype = args.pool, KV_DTYPES[args.kv_dtype]
@@ -309,9 +454,13 @@ def main() -> None:
     rows: list[dict] = []
     parts = {"decode": lambda: bench_decode(rows, props.multi_processor_count,
                                             decode_shapes or DECODE_SHAPES),
-             "prefill": lambda: bench_prefill(rows), "elementwise": lambda: bench_elementwise(rows)}
+             "prefill": lambda: bench_prefill(rows), "elementwise": lambda: bench_elementwise(rows),
+             "moe": lambda: moe_layers.append(bench_moe(rows, fp8))}
+    fp8, moe_layers = args.moe_dtype == "fp8", []
     for name in args.only or parts:
         parts[name]()
+    if args.sweep and moe_layers:
+        sweep_moe(rows, fp8, moe_layers[0])
     if args.sweep:
         sweep(rows, props.multi_processor_count, args.only or list(parts), decode_shapes)
     print_table(rows)

@@ -3,7 +3,8 @@ size (captured graphs, as served), and a per-kernel breakdown of the same steps 
 under torch.profiler (each kernel's GPU time per step, and its launches per step).
 
     python scripts/profile_decode.py [--model llama-3.2-1b-instruct] [--batch 1 32 128]
-                                     [--ctx 128] [--set KEY=VALUE ...]
+                                     [--ctx 128] [--set KEY=VALUE ...] [--eager-only]
+`--eager-only` skips the captured runs (and building their graphs): the breakdown alone.
 With $OUT set, writes $OUT/profile-decode-<model>.json.
 """
 from __future__ import annotations
@@ -73,11 +74,13 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine arguments, as in `liteinfer-bench run --set`")
+    ap.add_argument("--eager-only", action="store_true",
+                    help="only the per-kernel breakdown, no captured step times")
     args = ap.parse_args()
     engine_args = {"dtype": "bfloat16", "max_num_seqs": max(args.batch),
                    "max_model_len": args.ctx + 10 * STEPS + 64, **parse_overrides(args.set)}
     report: dict[str, Any] = {"model": args.model, "engine_args": engine_args, "rows": {}}
-    for eager in (False, True):
+    for eager in (True,) if args.eager_only else (False, True):
         llm = LLM(args.model, load_format="dummy", **engine_args, enforce_eager=eager)
         for bs in args.batch:
             row = report["rows"].setdefault(bs, {"batch": bs, "ctx": args.ctx})

@@ -22,7 +22,10 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def test_a_sparse_layer_at_full_size(model: str, quantization: str | None) -> None:
     """One sparse layer of the real model (bf16, random weights) through the Triton router
     and experts, eager and replayed from a CUDA graph, against the torch path in float32 on the
-    same (for fp8: e4m3-rounded) weights, at 1, 8, 64 and 1,024 tokens."""
+    same (for fp8: e4m3-rounded) weights, at 1, 8, 64 and 1,024 tokens; and the whole block
+    (norm in the router, sum into the residual stream) against the norm and experts apart."""
+    from liteinfer.kernels.norm import rms_norm
+    from liteinfer.layers.norm_act import RMSNorm
     from liteinfer.layers.quantization import process_weights_after_loading
     from liteinfer.layers.quantization.fp8 import Fp8Config
     from liteinfer.models.llama import LayerOps
@@ -44,6 +47,9 @@ def test_a_sparse_layer_at_full_size(model: str, quantization: str | None) -> No
         block.experts.w13_weight.normal_(0, 0.02)
         block.experts.w2_weight.normal_(0, 0.02)
     process_weights_after_loading(block)
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=True).cuda().bfloat16()
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
     experts = block.experts
     w13, w2 = experts.w13_weight.float(), experts.w2_weight.float()
     if quantization:
@@ -70,3 +76,20 @@ def test_a_sparse_layer_at_full_size(model: str, quantization: str | None) -> No
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, out)
+        # The whole block as the model runs it: the norm inside the router kernel (its output
+        # that of the norm kernel), the sum added to the residual stream by the experts' last
+        # kernel, rounded as adding their output; replayed, the same.
+        x = torch.randn(tokens, cfg.hidden_size, device="cuda").bfloat16()
+        w_, ids_, h_ = block.gate.forward_normed(x, norm)
+        assert _relative_error(h_, rms_norm(x, norm.weight, norm.eps)) < 1e-3
+        stream = x.clone()
+        block(stream, norm)
+        assert torch.equal(stream, x + experts(h_, w_, ids_))
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            block(static_x, norm)
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_x, stream)

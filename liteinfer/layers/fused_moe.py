@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from liteinfer.layers.norm_act import silu_and_mul_torch
+from liteinfer.layers.norm_act import RMSNorm, silu_and_mul_torch
 from liteinfer.layers.quantization.base import MoEMethod
 
 if TYPE_CHECKING:
@@ -38,10 +38,11 @@ def route_torch(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormal
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    quantize: Callable[[torch.Tensor], torch.Tensor] | None = None
-                    ) -> torch.Tensor:
+                    quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
     """kernels/fused_moe.fused_moe in torch, expert by expert; `quantize` rounds each GEMM's
-    input (FP8 experts: per token, through e4m3 and back)."""
+    input (FP8 experts: per token, through e4m3 and back). Given the residual stream, the sum
+    is added to it in place and it is returned."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.flatten()
     flat_weights = topk_weights.flatten()
@@ -56,7 +57,7 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         # index_add_ takes ~0.1 s a call on the CPU builds of torch 2.13; a token is one of an
         # expert's rows at most once, so an accumulating put adds the same.
         out.index_put_((tokens,), (y * flat_weights[rows, None]).to(x.dtype), accumulate=True)
-    return out
+    return out if residual is None else residual.add_(out)
 
 
 class UnquantizedMoEMethod(MoEMethod):
@@ -69,11 +70,13 @@ class UnquantizedMoEMethod(MoEMethod):
         """Nothing to convert: the experts are used as loaded."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.use_triton:
             from liteinfer.kernels.fused_moe import fused_moe
-            return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-        return fused_moe_torch(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                             residual=residual)
+        return fused_moe_torch(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                               residual=residual)
 
 
 class MoeRouter(nn.Module):
@@ -101,8 +104,19 @@ class MoeRouter(nn.Module):
         """fp32 routing weights and expert ids, [T, top_k] each."""
         if self.use_triton:
             from liteinfer.kernels.fused_moe import moe_router
-            return moe_router(x, self.weight, self.top_k, self.renormalize)
+            return moe_router(x, self.weight, self.top_k, self.renormalize)[:2]
         return route_torch(x, self.weight, self.top_k, self.renormalize)
+
+    def forward_normed(self, x: torch.Tensor, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routing of norm(x), and norm(x) itself for the experts: with the Triton norm
+        the router kernel normalizes (no launch of the norm's own)."""
+        if self.use_triton and norm.use_triton:
+            from liteinfer.kernels.fused_moe import moe_router
+            return moe_router(x, self.weight, self.top_k, self.renormalize,
+                              norm_weight=norm.weight, eps=norm.eps)
+        h = norm(x)
+        return (*self(h), h)
 
 
 class FusedMoE(nn.Module):
@@ -142,6 +156,8 @@ class FusedMoE(nn.Module):
             start = 0 if kind == "gate" else n
             param.data[expert, start:start + n].copy_(loaded.narrow(0, self.tp_rank * n, n))
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, topk_weights, topk_ids)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's partial sum [T, H], or, given the residual stream, that sum added to it
+        in place (one rank only: the sum must be whole)."""
+        return self.quant_method.apply(self, x, topk_weights, topk_ids, residual)

@@ -31,11 +31,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:
         """Adds the experts of norm(x) to the residual stream x, in place."""
-        h = norm(x)
-        topk_weights, topk_ids = self.gate(h)
+        topk_weights, topk_ids, h = self.gate.forward_normed(x, norm)
+        if self.tp_size == 1:  # the experts' last kernel adds to x
+            self.experts(h, topk_weights, topk_ids, residual=x)
+            return
         y = self.experts(h, topk_weights, topk_ids)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
+        dist.all_reduce(y)
         x.add_(y)
 
 

@@ -1,19 +1,29 @@
 """The mixture-of-experts kernels against float64 references: the router (logits, top-k, softmax
-weights with and without renormalization), the grouping of rows by expert, and the experts'
-SwiGLU GEMMs on both paths (one GEMV per row for a few tokens, grouped GEMMs for wide steps),
-with experts that receive no token, experts shared by many tokens, and e4m3 experts."""
+weights with and without renormalization; split over experts for few tokens, whole for many),
+the grouping of rows by expert (one program, or a device sort for many rows), and the experts'
+SwiGLU GEMMs on both paths (GEMVs for a few tokens, grouped GEMMs for wide steps), with experts
+that receive no token, experts shared by many tokens, e4m3 experts, and the sum added to the
+residual stream."""
 import pytest
 import torch
 
-from liteinfer.kernels.fused_moe import GEMV_MAX_ROWS, fused_moe, moe_align, moe_router
+from liteinfer.kernels import fused_moe as fused_moe_module
+from liteinfer.kernels.fused_moe import (
+    GEMV_MAX_ROWS,
+    fused_moe,
+    moe_align,
+    moe_router,
+    router_splits_experts,
+)
 from liteinfer.layers.quantization.fp8 import quantize_weight
 
 # (hidden, intermediate, experts, top_k): Qwen3-30B-A3B's and Mixtral-8x7B's experts on the
 # GPU, small ones with widths that are not powers of two interpreted.
 GPU_SHAPES = [(2048, 768, 128, 8), (4096, 14336, 8, 2)]
 CPU_SHAPES = [(48, 40, 6, 2), (64, 24, 8, 3)]
-GPU_TOKENS = [1, 3, 32, 300]
+GPU_TOKENS = [1, 3, 32, 300, 1100]  # 1,100 tokens: the router's whole-expert programs
 CPU_TOKENS = [1, 5, 40]  # 40 x top_k rows take the grouped path
+CPU_ROUTER_TOKENS = [1, 40, 70]  # 70: the router's whole-expert programs under 8 "SMs"
 
 
 def _router_ref(x, gate_weight, top_k, renormalize):
@@ -58,11 +68,14 @@ def _choices(num_tokens, num_experts, top_k, device, unused=(), crowded=()):
 
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_router_picks_the_top_k_with_their_softmax_weights(device, full, renormalize):
+    token_counts = GPU_TOKENS if full else CPU_ROUTER_TOKENS
+    assert {router_splits_experts(t, torch.device(device)) for t in token_counts} == {True, False}
     for hidden, _, num_experts, top_k in GPU_SHAPES if full else CPU_SHAPES:
-        for num_tokens in GPU_TOKENS if full else CPU_TOKENS:
+        for num_tokens in token_counts:
             x = torch.randn(num_tokens, hidden, device=device)
             gate = torch.randn(num_experts, hidden, device=device) * hidden ** -0.5
-            weights, ids = moe_router(x, gate, top_k, renormalize)
+            weights, ids, h = moe_router(x, gate, top_k, renormalize)
+            assert h is x
             ref_weights, ref_ids = _router_ref(x, gate, top_k, renormalize)
             assert torch.equal(ids.long(), ref_ids)
             torch.testing.assert_close(weights.double(), ref_weights, rtol=1e-5, atol=1e-6)
@@ -70,10 +83,33 @@ def test_router_picks_the_top_k_with_their_softmax_weights(device, full, renorma
                 torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights[:, 0]))
 
 
+def test_router_with_the_norm_in_front(assert_close, device, full):
+    """Given the RMSNorm's weight, the router normalizes x itself: the experts' input it returns
+    is the norm's output, and the routing is that of it, on both of the router's paths."""
+    token_counts = GPU_TOKENS if full else CPU_ROUTER_TOKENS
+    for hidden, _, num_experts, top_k in GPU_SHAPES if full else CPU_SHAPES:
+        gate = torch.randn(num_experts, hidden, device=device) * hidden ** -0.5
+        norm_weight = 1 + 0.1 * torch.randn(hidden, device=device)
+        for num_tokens in token_counts:
+            x = 3 * torch.randn(num_tokens, hidden, device=device)
+            weights, ids, h = moe_router(x, gate, top_k, True, norm_weight=norm_weight,
+                                         eps=1e-6)
+            x64 = x.double()
+            ref_h = norm_weight.double() * x64 * (x64.pow(2).mean(-1, keepdim=True)
+                                                  + 1e-6).rsqrt()
+            assert_close(h, ref_h)
+            ref_weights, ref_ids = _router_ref(h, gate, top_k, True)
+            assert torch.equal(ids.long(), ref_ids)
+            torch.testing.assert_close(weights.double(), ref_weights, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("block_m", [4, 16])
-def test_align_groups_every_row_once_in_tiles_of_one_expert(device, block_m):
+@pytest.mark.parametrize("path", ["kernel", "sort"])
+def test_align_groups_every_row_once_in_tiles_of_one_expert(device, block_m, path, monkeypatch):
     num_experts, top_k = 7, 2
-    _, ids = _choices(23, num_experts, top_k, device, unused=(3,), crowded=(5,))
+    _, ids = _choices(123, num_experts, top_k, device, unused=(3,), crowded=(5,))
+    if path == "sort":
+        monkeypatch.setattr(fused_moe_module, "ALIGN_MAX_ROWS", ids.numel() - 1)
     sorted_ids, tile_experts = moe_align(ids, num_experts, block_m)
     rows = ids.numel()
     flat = ids.flatten().long()
@@ -90,8 +126,9 @@ def test_align_groups_every_row_once_in_tiles_of_one_expert(device, block_m):
     used = tile_experts[tile_experts >= 0].tolist()
     assert 3 not in used
     assert used.count(5) == -(-int(counts[5]) // block_m)
-    # Tiles in use come first, in ascending expert order.
+    # Tiles in use come first, in ascending expert order; an expert's rows keep their order.
     assert used == sorted(used) and tile_experts.tolist()[:len(used)] == used
+    assert torch.equal(real, torch.sort(flat, stable=True).indices)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -108,7 +145,12 @@ def test_experts_match_the_reference(assert_close, device, full, needs_dot, dtyp
                                     unused=(num_experts - 1,), crowded=crowded)
             out = fused_moe(x, w13, w2, weights, ids)
             assert out.shape == x.shape and out.dtype == dtype
-            assert_close(out, _experts_ref(x, w13, w2, weights, ids))
+            ref = _experts_ref(x, w13, w2, weights, ids)
+            assert_close(out, ref)
+            # Into the residual stream: residual + the sum, rounded as adding the two.
+            residual = torch.randn(num_tokens, hidden, device=device).to(dtype)
+            summed = fused_moe(x, w13, w2, weights, ids, residual=residual.clone())
+            assert torch.equal(summed, residual + out)
     assert max(GPU_TOKENS if full else CPU_TOKENS) * 2 > GEMV_MAX_ROWS  # both paths ran
 
 
@@ -136,6 +178,6 @@ def test_router_and_experts_from_the_same_tokens(assert_close, device, full):
     w13, w2 = _experts(hidden, inter, num_experts, torch.float32, device)
     gate = torch.randn(num_experts, hidden, device=device) * hidden ** -0.5
     x = torch.randn(4, hidden, device=device).repeat(10, 1)
-    weights, ids = moe_router(x, gate, top_k, True)
+    weights, ids, _ = moe_router(x, gate, top_k, True)
     assert len({tuple(r) for r in ids.tolist()}) <= 4
     assert_close(fused_moe(x, w13, w2, weights, ids), _experts_ref(x, w13, w2, weights, ids))

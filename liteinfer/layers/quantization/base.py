@@ -90,5 +90,6 @@ class MoEMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's sum over each token's chosen experts, weighted: [T, H] in x's dtype."""
+              topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's sum over each token's chosen experts, weighted: [T, H] in x's dtype; given
+        the residual stream [T, H], added to it in place and returned."""

@@ -226,14 +226,14 @@ class Fp8MoEMethod(MoEMethod):
             setattr(layer, f"{name}_scale", scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.use_triton:  # e4m3 with scales, or dequantized (scales None) off CUDA bf16
             from liteinfer.kernels.fused_moe import fused_moe
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                             layer.w13_scale, layer.w2_scale)
+                             layer.w13_scale, layer.w2_scale, residual)
         from liteinfer.layers.fused_moe import fused_moe_torch
         return fused_moe_torch(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                               _through_e4m3)
+                               _through_e4m3, residual)
 
 
 def _through_e4m3(x: torch.Tensor) -> torch.Tensor:

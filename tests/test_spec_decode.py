@@ -19,6 +19,9 @@ from liteinfer.config import EngineConfig, SpeculativeConfig
 from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.spec_decode import Speculator
 from liteinfer.spec_decode.draft_length import (
+    PLAIN_PROBE_FIRST,
+    PLAIN_PROBE_INTERVAL,
+    PLAIN_PROBE_STEPS,
     PROBE_INTERVAL,
     RETRY_INTERVAL,
     DraftLengthPolicy,
@@ -432,6 +435,30 @@ def test_measured_verification_cost_turns_speculation_off_where_it_loses():
     assert policy.draft_length(8) == 4
 
 
+@pytest.mark.parametrize("timed", [True, False])
+def test_plain_steps_are_interleaved_to_time_them(timed):
+    """While drafting pays, a timed policy still runs a few plain steps soon after drafting
+    starts and then every PLAIN_PROBE_INTERVAL steps, so that it knows what drafting saves; an
+    untimed one never does."""
+    policy = DraftLengthPolicy(max_drafts=4, knee_tokens=128, sync_cost=0.1, timed=timed)
+    lengths = []
+    for step in range(PLAIN_PROBE_INTERVAL + 20):
+        k = policy.draft_length(1)
+        lengths.append(k)
+        if k:
+            policy.record(k, k)
+        policy.step_scheduled(drafted=k > 0, asked=k > 0)
+        if step == PLAIN_PROBE_FIRST + PLAIN_PROBE_STEPS:
+            policy.plain_time = policy.verify_time = 0.005  # as if both were timed by now
+    plain = [i for i, k in enumerate(lengths) if k == 0]
+    if not timed:
+        assert plain == []
+        return
+    first = list(range(PLAIN_PROBE_FIRST, PLAIN_PROBE_FIRST + PLAIN_PROBE_STEPS))
+    again = PLAIN_PROBE_FIRST + PLAIN_PROBE_STEPS + PLAIN_PROBE_INTERVAL
+    assert plain == first + list(range(again, again + PLAIN_PROBE_STEPS))
+
+
 def test_decode_steps_are_timed_from_one_reading_to_the_next():
     """Only decode steps are timed, each from the previous step's reading (a step with prompts
     still starts the next one's time); a pause restarts the clock; untimed engines (CPU,
@@ -448,6 +475,8 @@ def test_decode_steps_are_timed_from_one_reading_to_the_next():
     speculator.step_read(5.009, 40, verified=True, decode_only=True)  # first verifying step
     speculator.step_read(5.018, 40, verified=True, decode_only=True)
     assert policy.verify_overhead == pytest.approx(1.5)
+    speculator.step_read(5.030, 8, verified=False, decode_only=True)  # holds the round trip
+    assert policy.plain_time == pytest.approx(0.006)
     untimed = Speculator(spec, 100, time_steps=False)
     for i in range(5):
         untimed.step_read(0.01 * i, 8, verified=i % 2 == 1, decode_only=True)

@@ -46,13 +46,14 @@ class Speculator:
         # Benchmarks only: the reference proposer decides acceptance (config.py says why).
         self.forced = self.proposer if spec.force_acceptance else None
         self.drafts_on_device = spec.drafts_on_device
-        self.policy = DraftLengthPolicy(spec.num_speculative_tokens, KNEE_TOKENS, SYNC_COST)
+        self.policy = DraftLengthPolicy(spec.num_speculative_tokens, KNEE_TOKENS, SYNC_COST,
+                                        time_steps)
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens)
-        # Whether steps are timed for the policy (else it keeps its modelled costs), and when
-        # the host last read a step's results (None after a pause).
-        self.time_steps = time_steps
+        # When the host last read a step's results (None after a pause), if steps are timed
+        # for the policy (else it keeps its modelled costs).
         self.last_step_read: float | None = None
+        self.last_step_verified = False
 
     def draft_length(self, num_decoding: int) -> int:
         return self.policy.draft_length(num_decoding)
@@ -67,7 +68,11 @@ class Speculator:
         """The host has read a step's results at `now`: a decode step (`decode_only`) is timed
         from the previous step's reading, for the policy's cost of verifying."""
         last, self.last_step_read = self.last_step_read, now
-        if self.time_steps and last is not None and decode_only:
+        after_verifying, self.last_step_verified = self.last_step_verified, verified
+        # A plain step after a verifying one was scheduled after the host read it: its time
+        # holds that round trip, which is the verifying step's cost, not its own.
+        steady = verified or not after_verifying
+        if self.policy.timed and last is not None and decode_only and steady:
             self.policy.record_step_time(num_tokens, verified, now - last)
 
     def paused(self) -> None:

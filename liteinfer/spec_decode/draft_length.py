@@ -26,6 +26,12 @@ PROBE_INTERVAL = 64
 # after one, they are asked again only every this many steps, and the steps between overlap
 # as without speculation.
 RETRY_INTERVAL = 8
+# While drafting, every this many steps (and soon after drafting starts, until plain steps are
+# timed) this many steps run without drafts, so that a plain step's time is measured again;
+# the first of them follows a verifying step's host round trip and is not timed.
+PLAIN_PROBE_INTERVAL = 256
+PLAIN_PROBE_FIRST = 4
+PLAIN_PROBE_STEPS = 3
 # The weight of each step's time in its kind's moving average, and how far one step may move
 # it (a step after a pause, or behind a slow host moment, is not the steady cost).
 STEP_TIME_SMOOTHING = 0.1
@@ -33,8 +39,12 @@ STEP_TIME_CLAMP = 2.0
 
 
 class DraftLengthPolicy:
-    def __init__(self, max_drafts: int, knee_tokens: int, sync_cost: float):
+    def __init__(self, max_drafts: int, knee_tokens: int, sync_cost: float,
+                 timed: bool = False):
+        """timed: steps' times will be recorded (`record_step_time`), so plain steps are
+        interleaved with drafting ones now and then to time them."""
         self.max_drafts = max_drafts
+        self.timed = timed
         self.knee_tokens = knee_tokens
         self.sync_cost = sync_cost
         # The geometric estimate accepted / (accepted + rejections), as a ratio of two moving
@@ -49,6 +59,8 @@ class DraftLengthPolicy:
         self.verify_time: float | None = None
         # The kinds whose first step was seen: it is left out (compilation, first allocations).
         self.timed_kinds: set[bool] = set()
+        self.steps_drafting = 0  # since the last plain probe
+        self.plain_probe_left = 0
 
     def _cost(self, tokens: int) -> float:
         """A step's time relative to one bound by reading the weights."""
@@ -76,7 +88,7 @@ class DraftLengthPolicy:
 
     def draft_length(self, batch: int) -> int:
         """Drafts per sequence for a step of `batch` decoding sequences."""
-        if batch == 0:
+        if batch == 0 or self.plain_probe_left:
             return 0
         best = max(range(self.max_drafts + 1), key=lambda k: (self._gain(batch, k), -k))
         if best == 0 and self.steps_without_drafts >= PROBE_INTERVAL and \
@@ -95,6 +107,13 @@ class DraftLengthPolicy:
         asked (all prefilling) is no failed retry: the next step stays read ahead."""
         if drafted:
             self.steps_without_drafts = self.retry_in = 0
+            self.steps_drafting += 1
+            if self.timed and self.steps_drafting >= (PLAIN_PROBE_INTERVAL if self.plain_time is not None
+                                       else PLAIN_PROBE_FIRST):
+                self.plain_probe_left, self.steps_drafting = PLAIN_PROBE_STEPS, 0
+            return
+        if self.plain_probe_left:
+            self.plain_probe_left -= 1
             return
         self.steps_without_drafts += 1
         if asked:

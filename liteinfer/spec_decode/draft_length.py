@@ -108,8 +108,8 @@ class DraftLengthPolicy:
         if drafted:
             self.steps_without_drafts = self.retry_in = 0
             self.steps_drafting += 1
-            if self.timed and self.steps_drafting >= (PLAIN_PROBE_INTERVAL if self.plain_time is not None
-                                       else PLAIN_PROBE_FIRST):
+            every = PLAIN_PROBE_INTERVAL if self.plain_time is not None else PLAIN_PROBE_FIRST
+            if self.timed and self.steps_drafting >= every:
                 self.plain_probe_left, self.steps_drafting = PLAIN_PROBE_STEPS, 0
             return
         if self.plain_probe_left:

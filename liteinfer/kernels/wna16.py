@@ -53,10 +53,13 @@ FEWROW_MAX = FEWROW_MAX_ROWS
 GEMV_TILE = (8, 8192, 4, 4)
 GEMV_MIN_WAVES = 2
 # The few-row kernel's tile: BLOCK_N features by FEWROW_BLOCK_K_BYTES of packed words a row
-# (256 4-bit codes) a step. K is cut among up to MAX_SPLITS programs a tile while the grid stays
-# within SPLIT_MAX_WAVES programs an SM and each keeps SPLIT_MIN_K codes.
+# (256 4-bit codes) a step, half that past WIDE_ROWS rows, whose input tiles (pipelined in
+# shared memory beside the weight's) grow with them. K is cut among up to MAX_SPLITS programs a
+# tile while the grid stays within SPLIT_MAX_WAVES programs an SM and each keeps SPLIT_MIN_K
+# codes.
 FEWROW_BLOCK_N = 64
 FEWROW_BLOCK_K_BYTES = 128
+WIDE_ROWS = 32
 MAX_SPLITS = 8
 SPLIT_MAX_WAVES = 4
 SPLIT_MIN_K = 1024
@@ -79,7 +82,8 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, sms: int) -> WNA16Tiles:
     """The few-row tile for `rows` rows of a projection [n, k] of `bits`-bit codes on a GPU of
     `sms` SMs: the most splits (a power of two) that keep the grid and each split's K within
     their bounds."""
-    block_k = min(FEWROW_BLOCK_K_BYTES * 8 // bits, triton.next_power_of_2(k))
+    row_bytes = FEWROW_BLOCK_K_BYTES // (2 if rows > WIDE_ROWS else 1)
+    block_k = min(row_bytes * 8 // bits, triton.next_power_of_2(k))
     tiles = triton.cdiv(n, FEWROW_BLOCK_N)
     splits = 1
     while (splits < MAX_SPLITS and tiles * splits * 2 <= SPLIT_MAX_WAVES * sms

@@ -19,11 +19,12 @@ from liteinfer.layers.quantization.wna16 import dequantize, pack_codes
 # (bits, group size) the layout holds: AWQ / GPTQ / int4-at-load groups, GGUF's small ones, a
 # group wider than a tile (one scale a row).
 FORMATS = [(4, 128), (4, 32), (8, 16), (2, 64), (4, 1024)]
-# (in features, out features): the 8B's projections on the GPU, small ones interpreted; N not a
-# multiple of any tile, and a K (576 = 9 groups of 64) that is not a multiple of the tile.
+# (in features, out features): the 8B's projections on the GPU (every format on the first,
+# AWQ's on the others), small ones interpreted; N not a multiple of any tile, and a K (576 = 9
+# groups of 64) that is not a multiple of the tile.
 GPU_SHAPES = [(4096, 6144), (4096, 4096), (14336, 4096), (4096, 28672)]
 CPU_SHAPES = [(1024, 40), (576, 136)]
-GPU_ROWS = [2, 5, 16, 17, 32, 64, 100, 128]
+GPU_ROWS = [2, 17, 64, 128]
 CPU_ROWS = [3, 33]
 
 
@@ -34,9 +35,14 @@ def _packed(n: int, k: int, bits: int, group: int, device: str):
     return pack_codes(codes, bits), scales, mins
 
 
-def _cases(full: bool, bits_group=FORMATS):
-    return [(k, n, bits, group) for k, n in (GPU_SHAPES if full else CPU_SHAPES)
-            for bits, group in bits_group if k % group == 0]
+def _cases(full: bool, formats=FORMATS):
+    """(k, n, bits, group) of every shape and format that divides its K."""
+    if full:
+        cases = [(*GPU_SHAPES[0], bits, group) for bits, group in formats]
+        cases += [(k, n, *formats[0]) for k, n in GPU_SHAPES[1:]]
+    else:
+        cases = [(k, n, bits, group) for k, n in CPU_SHAPES for bits, group in formats]
+    return [(k, n, bits, group) for k, n, bits, group in cases if k % group == 0]
 
 
 def _weight64(qweight, scales, mins, bits):

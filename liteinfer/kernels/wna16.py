@@ -2,16 +2,19 @@
 layers/quantization/wna16.py: codes int32 [N, K * bits / 32], fp32 scales and mins per group.
 
 A decode step is bound by reading the weight, a quarter (4-bit) of bf16's bytes here, so the
-kernels stream the packed words and dequantize them in registers, q * scale - min in fp32. A
-code becomes a float by OR-ing it into the mantissa of 2^23 and subtracting 2^23 (exact), not by
-an integer-to-float conversion: at the rate one word a lane streams in, those conversions would
-bound the kernel. Three paths, by the rows of a step:
+kernels stream the packed words and dequantize them in registers, q * scale - min in fp32. At
+copy bandwidth an SM takes in about 30 codes a cycle against 128 lanes, so the instructions a
+code costs decide whether a kernel keeps up: a code becomes a float by OR-ing it into the
+mantissa of 2^23 (2^23 + q, exact), never by an integer-to-float conversion (a quarter-rate
+instruction). Three paths, by the rows of a step:
 
 - one row, `wna16_gemv`: kernels/gemv.py's chunked GEMV over the packed rows. Each program owns
-  BLOCK_N output features and walks their rows in chunks that Triton's pipeline keeps in flight,
-  the products summed elementwise in fp32 and reduced once. The RMSNorm before a projection, the
-  SwiGLU after gate/up and the residual add of an output projection are fused in as there, and
-  under PDL the start of the program's rows is put in flight into L2 before the wait.
+  BLOCK_N output features and walks their rows in chunks that Triton's pipeline keeps in flight.
+  A code costs three instructions: one masks it in place in its word (`_code_floats`), one FMA
+  multiplies it by its input exactly and one adds it to its group's sum; scales and mins apply
+  once a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and the
+  residual add of an output projection are fused in as there, and under PDL the start of the
+  program's rows is put in flight into L2 before the wait.
 - 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM. Each program
   dequantizes a [BLOCK_N, BLOCK_K] weight tile to the activation dtype and multiplies it with
   the rows' tile on the tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter
@@ -48,8 +51,8 @@ FEWROW_MAX = FEWROW_MAX_ROWS
 # The one-row kernel's tile: features a program owns (fewer where the projection would then be
 # cut into under GEMV_MIN_WAVES programs an SM), codes a loop step multiplies over all its rows
 # (gate's and up's together), warps, pipeline stages. 8 x 1024 4-bit codes are 4 KiB a step:
-# kernels/gemv.py's chunked tile holds 16 KiB, but a code widens to an fp32 here, so its
-# registers bound the step and the pipeline's stages keep the bytes in flight instead.
+# kernels/gemv.py's chunked tile holds 16 KiB, but a code widens to an fp32 here, so registers
+# bound the step and the pipeline's stages keep the bytes in flight instead.
 GEMV_TILE = (8, 8192, 4, 4)
 GEMV_MIN_WAVES = 2
 # The few-row kernel's tile: BLOCK_N features by FEWROW_BLOCK_K_BYTES of packed words a row
@@ -94,13 +97,17 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, sms: int) -> WNA16Tiles:
 
 
 @triton.jit
-def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]; 0 past N and K
-    (where BLOCK_K holds whole groups; K is then a multiple of GROUP, else of BLOCK_K)."""
+def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, IN_PLACE: tl.constexpr):
+    """The codes of weight rows offs_n, columns k0..k0 + BLOCK_K, as 2^23 + code in fp32
+    [BLOCK_N, BLOCK_K] (code 0 past N and K): the code OR-ed into 2^23's mantissa. IN_PLACE:
+    each code masked where it sits in its word's 16-bit half, so that column k holds
+    q * 2^(BITS * (k % HALF)), HALF the codes a half holds: a code then costs one logic
+    instruction (the upper half's shift is one a word) and the caller scales its input column
+    by the inverse power of two instead (`_in_place_scales`)."""
     PER: tl.constexpr = 32 // BITS
+    HALF: tl.constexpr = PER // 2
     words = K // PER
-    groups = K // GROUP
     offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
     packed = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * words + offs_w[None, :],
                      mask=n_mask[:, None] & (offs_w < words)[None, :], other=0)
@@ -114,9 +121,31 @@ def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr
         packed = tl.interleave(packed, packed)
     if PER >= 16:
         packed = tl.interleave(packed, packed)
-    shifts = (tl.arange(0, BLOCK_K) % PER) * BITS
-    codes = ((packed >> shifts[None, :]) & ((1 << BITS) - 1)) | 0x4B000000
-    q = codes.to(tl.float32, bitcast=True) - 8388608.0
+    j = tl.arange(0, BLOCK_K) % PER
+    if IN_PLACE:
+        mask = ((1 << BITS) - 1) << ((j % HALF) * BITS)
+        codes = (packed >> ((j // HALF) * 16)[None, :]) & mask[None, :]
+    else:
+        codes = (packed >> (j * BITS)[None, :]) & ((1 << BITS) - 1)
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _in_place_scales(BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """2^-(BITS * (k % HALF)) for the columns of an IN_PLACE tile (exact: built from its
+    exponent bits)."""
+    HALF: tl.constexpr = 16 // BITS
+    exponent = 127 - (tl.arange(0, BLOCK_K) % HALF) * BITS
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]; 0 past N and K
+    (where BLOCK_K holds whole groups; K is then a multiple of GROUP, else of BLOCK_K)."""
+    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, BLOCK_N, BLOCK_K, False) - 8388608.0
+    groups = K // GROUP
     if GROUP >= BLOCK_K:  # one group a tile
         g = offs_n * groups + k0 // GROUP
         scale = tl.load(s_ptr + g, mask=n_mask, other=0.0)
@@ -135,11 +164,34 @@ def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr
 
 
 @triton.jit
+def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_in_place, x_bias, x_sums,
+               BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over k in k0..k0 + BLOCK_K of w[n, k] x[k] for the rows offs_n, by group of the
+    tile (GROUP_TILE columns each): [BLOCK_N, BLOCK_K // GROUP_TILE] fp32. Each code's product
+    with x is one FMA, exact before its one rounding: (2^23 + q 2^a) (x 2^-a) - 2^23 x 2^-a,
+    with x_in_place = x 2^-a and x_bias = -2^23 x 2^-a per column. A group's sum is scaled
+    once, and its min multiplies the group's sum of x (x_sums) instead of every code."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
+    f = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, BLOCK_N, BLOCK_K, True)
+    products = tl.fma(f, x_in_place[None, :], x_bias[None, :])
+    sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, GROUP_TILE)), 2)
+    groups = K // GROUP
+    offs_g = k0 // GROUP + tl.arange(0, GROUPS)
+    g = offs_n[:, None] * groups + offs_g[None, :]
+    g_mask = n_mask[:, None] & (offs_g < groups)[None, :]
+    scale = tl.load(s_ptr + g, mask=g_mask, other=0.0)
+    low = tl.load(m_ptr + g, mask=g_mask, other=0.0)
+    return sums * scale - low * x_sums[None, :]
+
+
+@triton.jit
 def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K,
-                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-                       GATED: tl.constexpr, USE_PDL: tl.constexpr,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                       ADD: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
                        PREFETCH_LINES: tl.constexpr):
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs < N
     k = tl.arange(0, BLOCK_K)
@@ -157,20 +209,23 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
     inv_rms = 1.0
     if NORM:
         inv_rms = row_inv_rms(x_ptr, K, eps, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    in_place = _in_place_scales(BITS, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     acc_up = acc
     for k0 in range(0, K, BLOCK_K):
         k_mask = k0 + k < K
         xf = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
         if NORM:
             xf = normalize(xf, norm_ptr + k0, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
-        w = _dequantized(qw_ptr, s_ptr, m_ptr, offs, n_mask, k0, K, BITS, GROUP, BLOCK_N,
-                         BLOCK_K)
-        acc += w * xf[None, :]
+        x_in_place = xf * in_place
+        x_bias = x_in_place * -8388608.0
+        x_sums = tl.sum(tl.reshape(xf, (GROUPS, GROUP_TILE)), 1)
+        acc += _gemv_step(qw_ptr, s_ptr, m_ptr, offs, n_mask, k0, K, x_in_place, x_bias,
+                          x_sums, BITS, GROUP, GROUP_TILE, BLOCK_N, BLOCK_K)
         if GATED:
-            w_up = _dequantized(qw_ptr + up_w, s_ptr + up_g, m_ptr + up_g, offs, n_mask, k0, K,
-                                BITS, GROUP, BLOCK_N, BLOCK_K)
-            acc_up += w_up * xf[None, :]
+            acc_up += _gemv_step(qw_ptr + up_w, s_ptr + up_g, m_ptr + up_g, offs, n_mask, k0,
+                                 K, x_in_place, x_bias, x_sums, BITS, GROUP, GROUP_TILE,
+                                 BLOCK_N, BLOCK_K)
     y = tl.sum(acc, 1)
     res = y
     if ADD:
@@ -266,7 +321,8 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     lines = prefetch_lines(qweight.shape[0], qweight.shape[1] * 4, x.device) if pdl else 0
     _wna16_gemv_kernel[(triton.cdiv(n, rows),)](
         x, qweight, scales, mins, out, norm_weight if norm_weight is not None else x, eps, n, k,
-        BITS=bits, GROUP=group, BLOCK_N=rows, BLOCK_K=block_k, NORM=norm_weight is not None,
+        BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_N=rows, BLOCK_K=block_k,
+        NORM=norm_weight is not None,
         ADD=residual is not None, GATED=gated, USE_PDL=pdl, PREFETCH_LINES=lines,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
     return out

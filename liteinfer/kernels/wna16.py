@@ -16,8 +16,9 @@ instruction). Three paths, by the rows of a step:
   residual add of an output projection are fused in as there, and under PDL the start of the
   program's rows is put in flight into L2 before the wait.
 - 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM. Each program
-  dequantizes a [BLOCK_N, BLOCK_K] weight tile to the activation dtype and multiplies it with
-  the rows' tile on the tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter
+  dequantizes a [BLOCK_N, BLOCK_K] weight tile to the activation dtype (a mask, an exact
+  subtraction and an FMA a code, `_dequantized`) and multiplies it with the rows' tile on the
+  tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter
   of a bf16 tile's bytes, so projections are cut along K too (`wna16_tiles`) until every SM
   has several programs streaming; the last split of a tile to arrive sums the partials
   (fewrow_gemm.sum_splits).
@@ -98,13 +99,12 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, sms: int) -> WNA16Tiles:
 
 @triton.jit
 def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, IN_PLACE: tl.constexpr):
-    """The codes of weight rows offs_n, columns k0..k0 + BLOCK_K, as 2^23 + code in fp32
-    [BLOCK_N, BLOCK_K] (code 0 past N and K): the code OR-ed into 2^23's mantissa. IN_PLACE:
-    each code masked where it sits in its word's 16-bit half, so that column k holds
-    q * 2^(BITS * (k % HALF)), HALF the codes a half holds: a code then costs one logic
-    instruction (the upper half's shift is one a word) and the caller scales its input column
-    by the inverse power of two instead (`_in_place_scales`)."""
+                 BLOCK_K: tl.constexpr):
+    """The codes of weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]
+    2^23 + q * 2^(BITS * (k % HALF)), HALF the codes of 16 bits (q 0 past N and K): each code
+    masked where it sits in its word's 16-bit half and OR-ed into 2^23's mantissa, one logic
+    instruction a code (the upper half's shift is one a word). Callers undo the power of two
+    on the code's scale or input (`_half_scales`)."""
     PER: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PER // 2
     words = K // PER
@@ -122,45 +122,47 @@ def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, BLOCK_N: tl.
     if PER >= 16:
         packed = tl.interleave(packed, packed)
     j = tl.arange(0, BLOCK_K) % PER
-    if IN_PLACE:
-        mask = ((1 << BITS) - 1) << ((j % HALF) * BITS)
-        codes = (packed >> ((j // HALF) * 16)[None, :]) & mask[None, :]
-    else:
-        codes = (packed >> (j * BITS)[None, :]) & ((1 << BITS) - 1)
+    mask = ((1 << BITS) - 1) << ((j % HALF) * BITS)
+    codes = (packed >> ((j // HALF) * 16)[None, :]) & mask[None, :]
     return (codes | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _in_place_scales(BITS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """2^-(BITS * (k % HALF)) for the columns of an IN_PLACE tile (exact: built from its
-    exponent bits)."""
+def _half_scales(BITS: tl.constexpr, LENGTH: tl.constexpr):
+    """2^-(BITS * (i % HALF)) for i < LENGTH: what undoes `_code_floats`' power of two of
+    column i (exact: built from its exponent bits)."""
     HALF: tl.constexpr = 16 // BITS
-    exponent = 127 - (tl.arange(0, BLOCK_K) % HALF) * BITS
+    exponent = 127 - (tl.arange(0, LENGTH) % HALF) * BITS
     return (exponent << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]; 0 past N and K
-    (where BLOCK_K holds whole groups; K is then a multiple of GROUP, else of BLOCK_K)."""
-    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, BLOCK_N, BLOCK_K, False) - 8388608.0
+def _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP: tl.constexpr,
+                  GROUPS: tl.constexpr):
+    """Scales and mins [BLOCK_N, GROUPS] of the groups from column k0 on (0 past N and K)."""
     groups = K // GROUP
-    if GROUP >= BLOCK_K:  # one group a tile
-        g = offs_n * groups + k0 // GROUP
-        scale = tl.load(s_ptr + g, mask=n_mask, other=0.0)
-        low = tl.load(m_ptr + g, mask=n_mask, other=0.0)
-        w = q * scale[:, None] - low[:, None]
-    else:
-        GROUPS: tl.constexpr = BLOCK_K // GROUP
-        offs_g = k0 // GROUP + tl.arange(0, GROUPS)
-        g = offs_n[:, None] * groups + offs_g[None, :]
-        g_mask = n_mask[:, None] & (offs_g < groups)[None, :]
-        scale = tl.load(s_ptr + g, mask=g_mask, other=0.0)
-        low = tl.load(m_ptr + g, mask=g_mask, other=0.0)
-        w = tl.reshape(q, (BLOCK_N, GROUPS, GROUP)) * scale[:, :, None] - low[:, :, None]
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
-    return w
+    offs_g = k0 // GROUP + tl.arange(0, GROUPS)
+    g = offs_n[:, None] * groups + offs_g[None, :]
+    g_mask = n_mask[:, None] & (offs_g < groups)[None, :]
+    return (tl.load(s_ptr + g, mask=g_mask, other=0.0),
+            tl.load(m_ptr + g, mask=g_mask, other=0.0))
+
+
+@triton.jit
+def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K] (0 past N and
+    K), the tile's groups GROUP_TILE columns each: (2^23 + q 2^a - 2^23) (scale 2^-a) - min, an
+    exact subtraction and one FMA a code, with scale 2^-a made once a group for each a."""
+    HALF: tl.constexpr = 16 // BITS
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
+    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, BLOCK_N, BLOCK_K) - 8388608.0
+    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
+    half_scales = scale[:, :, None] * _half_scales(BITS, HALF)[None, None, :]
+    w = (tl.reshape(q, (BLOCK_N, GROUPS, GROUP_TILE // HALF, HALF)) * half_scales[:, :, None, :]
+         - low[:, :, None, None])
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -173,15 +175,10 @@ def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_in_place, x_bias, 
     with x_in_place = x 2^-a and x_bias = -2^23 x 2^-a per column. A group's sum is scaled
     once, and its min multiplies the group's sum of x (x_sums) instead of every code."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
-    f = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, BLOCK_N, BLOCK_K, True)
+    f = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, BLOCK_N, BLOCK_K)
     products = tl.fma(f, x_in_place[None, :], x_bias[None, :])
     sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, GROUP_TILE)), 2)
-    groups = K // GROUP
-    offs_g = k0 // GROUP + tl.arange(0, GROUPS)
-    g = offs_n[:, None] * groups + offs_g[None, :]
-    g_mask = n_mask[:, None] & (offs_g < groups)[None, :]
-    scale = tl.load(s_ptr + g, mask=g_mask, other=0.0)
-    low = tl.load(m_ptr + g, mask=g_mask, other=0.0)
+    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
     return sums * scale - low * x_sums[None, :]
 
 
@@ -209,7 +206,7 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
     inv_rms = 1.0
     if NORM:
         inv_rms = row_inv_rms(x_ptr, K, eps, BLOCK_K)
-    in_place = _in_place_scales(BITS, BLOCK_K)
+    in_place = _half_scales(BITS, BLOCK_K)
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     acc_up = acc
     for k0 in range(0, K, BLOCK_K):
@@ -236,7 +233,8 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
 @triton.jit
 def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                          stride_xm, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLITS: tl.constexpr, PART_ROWS: tl.constexpr, ADD: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     # The splits of a tile are launch neighbours, so their partials meet in L2.
@@ -256,8 +254,8 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N,
-                         BLOCK_K)
+        w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
+                         BLOCK_N, BLOCK_K)
         x = tl.load(x_rows + k0 + offs_k[None, :],
                     mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
@@ -273,11 +271,13 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
 
 @triton.jit
 def _dequantize_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, BITS: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = offs_n < N
-    w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
+    w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
+                     BLOCK_N, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
              w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
@@ -349,8 +349,8 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     pdl = supports_pdl(x.device)
     _wna16_fewrow_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
         x, qweight, scales, mins, out, parts, counts, m, n, k, x.stride(0), out.stride(0),
-        BITS=bits, GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=block_k, SPLITS=tiles.splits, PART_ROWS=FEWROW_MAX_ROWS,
+        BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLITS=tiles.splits, PART_ROWS=FEWROW_MAX_ROWS,
         ADD=residual is not None, DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out
@@ -364,7 +364,8 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_k, group = _fit_group(qweight, scales, bits, min(128, triton.next_power_of_2(k)))
     _dequantize_kernel[(triton.cdiv(n, 16), triton.cdiv(k, block_k))](
-        qweight, scales, mins, w, n, k, BITS=bits, GROUP=group, BLOCK_N=16, BLOCK_K=block_k)
+        qweight, scales, mins, w, n, k, BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k),
+        BLOCK_N=16, BLOCK_K=block_k)
     return w
 
 

@@ -301,16 +301,24 @@ def _bandwidth(fn: Callable[[], object], nbytes: int) -> dict:
 def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) -> None:
     """Alternative tile configurations (the kernels read their config functions at call time)."""
     decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
-    gemv_tile, fewrow_tile = wna16.GEMV_TILE, (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES)
+    gemv_tile = wna16.GEMV_TILE
+    fewrow_tile = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES)
     try:
-        if "wna16" in parts:  # (rows, codes a step, warps, stages); (features, bytes a row)
+        if "wna16" in parts:
+            # (rows, codes a step, warps, stages)
             for tile in ((16, 8192, 4, 4), (8, 8192, 4, 3), (8, 16384, 8, 4), (4, 4096, 4, 6)):
                 wna16.GEMV_TILE = tile
                 bench_wna16(rows, f" gemv{tile}", row_counts=(1,))
             wna16.GEMV_TILE = gemv_tile
-            for tile in ((32, 128), (64, 64), (64, 256), (128, 64)):
-                wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES = tile
-                bench_wna16(rows, f" n{tile[0]} kb{tile[1]}", row_counts=(8, 32, 128))
+            # (features, bytes a row a step, programs an SM that K is cut towards)
+            for tile in ((64, 128, 8), (32, 128, 4), (64, 64, 4), (64, 256, 4), (128, 64, 4)):
+                (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES,
+                 wna16.SPLIT_MAX_WAVES) = tile
+                label = f" n{tile[0]} kb{tile[1]} w{tile[2]}"
+                try:
+                    bench_wna16(rows, label, row_counts=(8, 32, 128))
+                except OutOfResources:  # wide tiles: more shared memory than an SM has
+                    rows.append(dict(kernel=f"int4{label}: out of resources"))
         if "decode" in parts:
             shapes = decode_shapes or [(1, 15488), (32, 3712)]
             for n, w, s in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4)):
@@ -332,7 +340,7 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
     finally:
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
         wna16.GEMV_TILE = gemv_tile
-        wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES = fewrow_tile
+        wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES = fewrow_tile
 
 
 def print_table(rows: list[dict]) -> None:

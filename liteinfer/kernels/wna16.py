@@ -3,10 +3,11 @@ layers/quantization/wna16.py: codes int32 [N, K * bits / 32], fp32 scales and mi
 
 A decode step is bound by reading the weight, a quarter (4-bit) of bf16's bytes here, so the
 kernels stream the packed words and dequantize them in registers, q * scale - min in fp32. At
-copy bandwidth an SM takes in about 30 codes a cycle against 128 lanes, so the instructions a
-code costs decide whether a kernel keeps up: a code becomes a float by OR-ing it into the
-mantissa of 2^23 (2^23 + q, exact), never by an integer-to-float conversion (a quarter-rate
-instruction). Three paths, by the rows of a step:
+copy bandwidth an SM takes in codes nearly as fast as its lanes issue instructions (NOTES.md,
+"4-bit weights"), so the instructions a code costs decide whether a kernel keeps up: a code
+becomes a float by OR-ing it into the mantissa of 2^23 (2^23 + q, exact), never by an
+integer-to-float conversion, which issues at a fraction of the fp32 rate. Three paths, by the
+rows of a step:
 
 - one row, `wna16_gemv`: kernels/gemv.py's chunked GEMV over the packed rows. Each program owns
   BLOCK_N output features and walks their rows in chunks that Triton's pipeline keeps in flight.
@@ -18,9 +19,9 @@ instruction). Three paths, by the rows of a step:
 - 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM. Each program
   dequantizes a [BLOCK_N, BLOCK_K] weight tile to the activation dtype (a mask, an exact
   subtraction and an FMA a code, `_dequantized`) and multiplies it with the rows' tile on the
-  tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter
-  of a bf16 tile's bytes, so projections are cut along K too (`wna16_tiles`) until every SM
-  has several programs streaming; the last split of a tile to arrive sums the partials
+  tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter of a bf16 tile's
+  bytes, so projections are cut along K too (`wna16_tiles`) until every SM has several
+  programs streaming; the last split of a tile to arrive sums the partials
   (fewrow_gemm.sum_splits).
 - wider steps (prefill) are compute-bound: the weight is dequantized into a scratch tensor in
   the activation dtype (`dequantize_weight`) and multiplied by cuBLAS, whose tiles no
@@ -57,13 +58,12 @@ FEWROW_MAX = FEWROW_MAX_ROWS
 GEMV_TILE = (8, 8192, 4, 4)
 GEMV_MIN_WAVES = 2
 # The few-row kernel's tile: BLOCK_N features by FEWROW_BLOCK_K_BYTES of packed words a row
-# (256 4-bit codes) a step, half that past WIDE_ROWS rows, whose input tiles (pipelined in
-# shared memory beside the weight's) grow with them. K is cut among up to MAX_SPLITS programs a
-# tile while the grid stays within SPLIT_MAX_WAVES programs an SM and each keeps SPLIT_MIN_K
-# codes.
+# (256 4-bit codes) a step, fewer where the rows' tile would pass X_TILE_BYTES (it is pipelined
+# in shared memory beside the weight's). K is cut among up to MAX_SPLITS programs a tile while
+# the grid stays within SPLIT_MAX_WAVES programs an SM and each keeps SPLIT_MIN_K codes.
 FEWROW_BLOCK_N = 64
 FEWROW_BLOCK_K_BYTES = 128
-WIDE_ROWS = 32
+X_TILE_BYTES = 32768
 MAX_SPLITS = 8
 SPLIT_MAX_WAVES = 4
 SPLIT_MIN_K = 1024
@@ -82,19 +82,19 @@ class WNA16Tiles:
     num_stages: int = 3
 
 
-def wna16_tiles(rows: int, n: int, k: int, bits: int, sms: int) -> WNA16Tiles:
-    """The few-row tile for `rows` rows of a projection [n, k] of `bits`-bit codes on a GPU of
-    `sms` SMs: the most splits (a power of two) that keep the grid and each split's K within
-    their bounds."""
-    row_bytes = FEWROW_BLOCK_K_BYTES // (2 if rows > WIDE_ROWS else 1)
-    block_k = min(row_bytes * 8 // bits, triton.next_power_of_2(k))
+def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int) -> WNA16Tiles:
+    """The few-row tile for `rows` rows (of `itemsize` bytes an element) of a projection [n, k]
+    of `bits`-bit codes on a GPU of `sms` SMs: the most splits (a power of two) that keep the
+    grid and each split's K within their bounds."""
+    block_m = max(16, triton.next_power_of_2(rows))
+    block_k = min(FEWROW_BLOCK_K_BYTES * 8 // bits, X_TILE_BYTES // (block_m * itemsize),
+                  triton.next_power_of_2(k))
     tiles = triton.cdiv(n, FEWROW_BLOCK_N)
     splits = 1
     while (splits < MAX_SPLITS and tiles * splits * 2 <= SPLIT_MAX_WAVES * sms
            and k // (splits * 2) >= SPLIT_MIN_K):
         splits *= 2
-    return WNA16Tiles(block_m=max(16, triton.next_power_of_2(rows)), block_n=FEWROW_BLOCK_N,
-                      block_k=block_k, splits=splits)
+    return WNA16Tiles(block_m=block_m, block_n=FEWROW_BLOCK_N, block_k=block_k, splits=splits)
 
 
 @triton.jit
@@ -338,7 +338,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     n = qweight.shape[0]
     assert 1 <= m <= FEWROW_MAX and x.stride(-1) == 1 and qweight.is_contiguous()
     assert qweight.shape[1] * (32 // bits) == k
-    tiles = tiles or wna16_tiles(m, n, k, bits, num_sms(x.device))
+    tiles = tiles or wna16_tiles(m, n, k, bits, x.element_size(), num_sms(x.device))
     block_k, group = _fit_group(qweight, scales, bits, tiles.block_k)
     assert m <= tiles.block_m and block_k >= 16  # (tl.dot's least K)
     if residual is not None:

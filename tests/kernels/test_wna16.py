@@ -81,10 +81,11 @@ def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_r
         assert_close(got, y)
 
 
-def _tiles(rows: int, n: int, k: int, bits: int, device: str) -> list[WNA16Tiles]:
+def _tiles(rows: int, n: int, k: int, bits: int, itemsize: int,
+           device: str) -> list[WNA16Tiles]:
     """The rule's tile, and K cut among 4 programs of a narrower tile (at the CPU's shapes the
     last split then has an uneven share or none)."""
-    rule = wna16_tiles(rows, n, k, bits, 132 if device == "cuda" else 8)
+    rule = wna16_tiles(rows, n, k, bits, itemsize, 132 if device == "cuda" else 8)
     return [rule, WNA16Tiles(block_m=rule.block_m, block_n=32, block_k=rule.block_k, splits=4,
                              num_warps=4)]
 
@@ -103,7 +104,7 @@ def test_fewrow(assert_close, device, full, needs_dot, dtype, rounded):
             x = torch.randn(rows, k, device=device).to(dtype)
             # the tile is multiplied in the activation dtype: the reference's weight is too
             ref = x.double() @ w64.to(dtype).double().T
-            for tiles in _tiles(rows, n, k, bits, device):
+            for tiles in _tiles(rows, n, k, bits, x.element_size(), device):
                 for _ in range(2):
                     assert_close(wna16_gemm(x, *packed, bits, tiles=tiles), ref)
             residual = torch.randn(rows, n, dtype=dtype, device=device)
@@ -141,11 +142,13 @@ def test_dequantize_is_exact(device, bits, group):
 
 def test_tile_rule():
     """The 8B's projections on 132 SMs: K cut until the grid has about four programs an SM,
-    each keeping at least 1,024 codes; gate/up has tiles enough uncut."""
-    splits = {(n, k): wna16_tiles(32, n, k, 4, 132).splits
+    each keeping at least 1,024 codes; gate/up has tiles enough uncut. A step covers 128 bytes
+    of a 4-bit row, less where the rows' tile would pass 32 KiB."""
+    splits = {(n, k): wna16_tiles(32, n, k, 4, 2, 132).splits
               for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
     assert splits == {(6144, 4096): 4, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 8}
-    for rows in (2, 16, 17, 128):
-        tiles = wna16_tiles(rows, 4096, 4096, 4, 132)
+    for rows, itemsize, block_k in ((2, 2, 256), (17, 2, 256), (64, 2, 256), (65, 2, 128),
+                                    (128, 4, 64)):
+        tiles = wna16_tiles(rows, 4096, 4096, 4, itemsize, 132)
         assert tiles.block_m == max(16, 1 << (rows - 1).bit_length())
-        assert tiles.block_k * 4 // 8 == (128 if rows <= 32 else 64)  # a row's bytes a tile
+        assert tiles.block_k == block_k

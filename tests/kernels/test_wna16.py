@@ -152,3 +152,31 @@ def test_tile_rule():
         tiles = wna16_tiles(rows, 4096, 4096, 4, itemsize, 132)
         assert tiles.block_m == max(16, 1 << (rows - 1).bit_length())
         assert tiles.block_k == block_k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replays_in_a_cuda_graph(assert_close):
+    """A decode step's projections as the runners capture them, each run once eagerly first:
+    the one-row GEMV, and the few-row kernel with K cut among programs (its workspace made by
+    the eager run), replayed on new rows; a replay leaves the arrival counters at zero."""
+    k, n = 4096, 4096
+    packed = _packed(n, k, 4, 128, "cuda")
+    w64 = _weight64(*packed, 4)
+    xs = [torch.randn(rows, k, device="cuda").to(torch.bfloat16) for rows in (1, 32)]
+    assert wna16_tiles(32, n, k, 4, 2, torch.cuda.get_device_properties(0)
+                       .multi_processor_count).splits > 1
+
+    def step() -> list[torch.Tensor]:
+        return [wna16_gemv(xs[0], *packed, 4), wna16_gemm(xs[1], *packed, 4)]
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(2):
+        for x in xs:
+            x.copy_(torch.randn(x.shape, device="cuda"))
+        graph.replay()
+        for x, out in zip(xs, outs, strict=True):
+            assert_close(out, x.double() @ w64.to(torch.bfloat16).double().T)

@@ -19,9 +19,10 @@ class LinearMethod(ABC):
     tensors. A layer's input may be what the method's `apply_normed` returned for the layer
     before (an FP8 method hands an already-quantized activation from gate/up to down).
 
-    A one-row tensor into a `use_gemv` layer (a decode step of one sequence) goes through the GEMV
-    kernel, with the norm, SwiGLU or residual add fused in, whatever the method; every other
-    input through the method's `gemm` / `gemm_normed`."""
+    A one-row tensor into a `use_gemv` layer (a decode step of one sequence) goes through the
+    method's `gemv`, with the norm, SwiGLU or residual add fused in (kernels/gemv.py's kernel,
+    unless the method keeps a weight that kernel does not read); every other input through the
+    method's `gemm` / `gemm_normed`."""
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:

@@ -10,19 +10,20 @@ integer-to-float conversion, which issues at a fraction of the fp32 rate. Three 
 rows of a step:
 
 - one row, `wna16_gemv`: kernels/gemv.py's chunked GEMV over the packed rows. Each program owns
-  BLOCK_N output features and walks their rows in chunks that Triton's pipeline keeps in flight.
-  A code costs three instructions: one masks it in place in its word (`_code_floats`), one FMA
+  BLOCK_N output features and walks their rows in chunks (the loads in flight are those of the
+  programs resident on an SM: Triton does not pipeline a loop without a dot). A code's own
+  work is three instructions: one masks it in place in its word (`_code_floats`), one FMA
   multiplies it by its input exactly and one adds it to its group's sum; scales and mins apply
-  once a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and the
-  residual add of an output projection are fused in as there, and under PDL the start of the
-  program's rows is put in flight into L2 before the wait.
-- 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM. Each program
-  dequantizes a [BLOCK_N, BLOCK_K] weight tile to the activation dtype (a mask, an exact
-  subtraction and an FMA a code, `_dequantized`) and multiplies it with the rows' tile on the
-  tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter of a bf16 tile's
-  bytes, so projections are cut along K too (`wna16_tiles`) until every SM has several
-  programs streaming; the last split of a tile to arrive sums the partials
-  (fewrow_gemm.sum_splits).
+  once a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and
+  the residual add of an output projection are fused in as there, and under PDL the start of
+  the program's rows is put in flight into L2 before the wait.
+- 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM, swapped as its
+  wide kernel is (y^T = W x^T). Each program dequantizes a [BLOCK_N, BLOCK_K] weight tile to
+  the activation dtype (a mask, an exact subtraction and an FMA a code, `_dequantized`), the
+  MMA's row operand, and multiplies it with the rows' tile on the tensor cores (tl.dot, fp32
+  accumulation). A 4-bit tile holds a quarter of a bf16 tile's bytes, so projections are cut
+  along K too (`wna16_tiles`) until every SM has several programs streaming; the last split of
+  a tile to arrive sums the partials (fewrow_gemm.sum_splits).
 - wider steps (prefill) are compute-bound: the weight is dequantized into a scratch tensor in
   the activation dtype (`dequantize_weight`) and multiplied by cuBLAS, whose tiles no
   dequantizing kernel of ours beats there.
@@ -52,11 +53,12 @@ from liteinfer.kernels.prefetch import prefetch_lines, prefetch_weight
 FEWROW_MAX = FEWROW_MAX_ROWS
 # The one-row kernel's tile: features a program owns (fewer where the projection would then be
 # cut into under GEMV_MIN_WAVES programs an SM), codes a loop step multiplies over all its rows
-# (gate's and up's together), warps, pipeline stages. 8 x 1024 4-bit codes are 4 KiB a step:
+# (gate's and up's together), warps, pipeline stages. 16 x 512 4-bit codes are 4 KiB a step:
 # kernels/gemv.py's chunked tile holds 16 KiB, but a code widens to an fp32 here, so registers
-# bound the step and the pipeline's stages keep the bytes in flight instead.
-GEMV_TILE = (8, 8192, 4, 4)
-GEMV_MIN_WAVES = 2
+# bound the step; 16 rows a program spread the input's per-step work (its conversion to the
+# tile's layout, its group sums) over more codes than 8 do (NOTES.md, "4-bit weights").
+GEMV_TILE = (16, 8192, 4, 4)
+GEMV_MIN_WAVES = 1
 # The few-row kernel's tile: BLOCK_N features by FEWROW_BLOCK_K_BYTES of packed words a row
 # (256 4-bit codes) a step, fewer where the rows' tile would pass X_TILE_BYTES (it is pipelined
 # in shared memory beside the weight's). K is cut among up to MAX_SPLITS programs a tile while
@@ -64,6 +66,9 @@ GEMV_MIN_WAVES = 2
 FEWROW_BLOCK_N = 64
 FEWROW_BLOCK_K_BYTES = 128
 X_TILE_BYTES = 32768
+# Rows up to which a program has four warps (more codes a thread, so fewer instructions a code
+# for the tile's layout changes), eight above (the MMA's share grows with the rows).
+FOUR_WARPS_MAX_ROWS = 32
 MAX_SPLITS = 8
 SPLIT_MAX_WAVES = 4
 SPLIT_MIN_K = 1024
@@ -94,12 +99,13 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int) -
     while (splits < MAX_SPLITS and tiles * splits * 2 <= SPLIT_MAX_WAVES * sms
            and k // (splits * 2) >= SPLIT_MIN_K):
         splits *= 2
-    return WNA16Tiles(block_m=block_m, block_n=FEWROW_BLOCK_N, block_k=block_k, splits=splits)
+    return WNA16Tiles(block_m=block_m, block_n=FEWROW_BLOCK_N, block_k=block_k, splits=splits,
+                      num_warps=4 if block_m <= FOUR_WARPS_MAX_ROWS else 8)
 
 
 @triton.jit
-def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The codes of weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]
     2^23 + q * 2^(BITS * (k % HALF)), HALF the codes of 16 bits (q 0 past N and K): each code
     masked where it sits in its word's 16-bit half and OR-ed into 2^23's mantissa, one logic
@@ -107,7 +113,9 @@ def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, BLOCK_N: tl.
     on the code's scale or input (`_half_scales`)."""
     PER: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PER // 2
-    words = K // PER
+    # K is whole groups, each whole words: telling Triton lets it load several words at once.
+    ALIGN: tl.constexpr = (GROUP & -GROUP) // PER
+    words = tl.multiple_of(K // PER, ALIGN)
     offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
     packed = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * words + offs_w[None, :],
                      mask=n_mask[:, None] & (offs_w < words)[None, :], other=0)
@@ -157,7 +165,7 @@ def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr
     exact subtraction and one FMA a code, with scale 2^-a made once a group for each a."""
     HALF: tl.constexpr = 16 // BITS
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
-    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, BLOCK_N, BLOCK_K) - 8388608.0
+    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K) - 8388608.0
     scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
     half_scales = scale[:, :, None] * _half_scales(BITS, HALF)[None, None, :]
     w = (tl.reshape(q, (BLOCK_N, GROUPS, GROUP_TILE // HALF, HALF)) * half_scales[:, :, None, :]
@@ -175,7 +183,7 @@ def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_in_place, x_bias, 
     with x_in_place = x 2^-a and x_bias = -2^23 x 2^-a per column. A group's sum is scaled
     once, and its min multiplies the group's sum of x (x_sums) instead of every code."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
-    f = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, BLOCK_N, BLOCK_K)
+    f = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
     products = tl.fma(f, x_in_place[None, :], x_bias[None, :])
     sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, GROUP_TILE)), 2)
     scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
@@ -252,20 +260,21 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
     if USE_PDL:  # the rows may be the previous kernel's output
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # y^T = W x^T: the dequantized tile is the MMA's row operand, taken from registers
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
                          BLOCK_N, BLOCK_K)
         x = tl.load(x_rows + k0 + offs_k[None, :],
                     mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
-    mask = m_mask[:, None] & n_mask[None, :]
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=DOT_PRECISION)
+    mask = n_mask[:, None] & m_mask[None, :]
     if SPLITS > 1:
-        acc, last = sum_splits(acc, part_ptr + offs_n[None, :] * PART_ROWS + offs_m[:, None],
+        acc, last = sum_splits(acc, part_ptr + offs_n[:, None] * PART_ROWS + offs_m[None, :],
                                mask, count_ptr + tile, split, N * PART_ROWS, SPLITS)
         if not last:
             return
-    scale_add_store(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask, None,
+    scale_add_store(acc, out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], mask, None,
                     None, False, ADD)
 
 

@@ -306,7 +306,7 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
     try:
         if "wna16" in parts:
             # (rows, codes a step, warps, stages)
-            for tile in ((16, 8192, 4, 4), (8, 8192, 4, 3), (8, 16384, 8, 4), (4, 4096, 4, 6)):
+            for tile in ((8, 8192, 4, 4), (16, 16384, 4, 4), (32, 16384, 4, 4), (16, 8192, 8, 4)):
                 wna16.GEMV_TILE = tile
                 bench_wna16(rows, f" gemv{tile}", row_counts=(1,))
             wna16.GEMV_TILE = gemv_tile

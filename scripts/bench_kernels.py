@@ -14,13 +14,18 @@ prompt with nothing cached) and with PyTorch's varlen FlashAttention-2 on the pa
 of MOE_LAYERS such layers (each its own weights, as a decode step walks through them) against
 the floor of the bytes their routing touches at the measured copy bandwidth, and each kernel's
 time a layer under torch.profiler; with `--sweep`, the expert GEMV and grouped GEMM tiles.
+`--only wna16` times the 8B's projections (qkv, o, gate_up, down) with 4-bit weights (groups of
+128) at 1, 8, 32 and 128 rows as the engine runs them (kernels/wna16.py: the fused GEMV at one
+row, the few-row kernel above; also the dequantize-then-cuBLAS path), against the bf16 weight
+the engine multiplies (the fused GEMV at one row, cuBLAS above); `vs_bf16` is bf16's time over
+the row's. Weight bytes (codes, scales and mins) give the rate.
 Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>-<kv dtype>-d<D>.json.
 `--sweep` additionally times alternative tile configurations, prefill also at the sizes of mixed
 steps' prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
 decode sweep then times the engine's path alone (split policy, this step's K/V fused in).
 
     python scripts/bench_kernels.py [--sweep] [--pool token-major] [--head-dim 128]
-                                    [--only decode prefill elementwise moe] [--moe-dtype fp8]
+                                    [--only decode prefill elementwise moe wna16] [--moe-dtype fp8]
                                     [--decode-shapes 1x256 128x256 ...] [--kv-dtype fp8]
 """
 from __future__ import annotations
@@ -41,18 +46,20 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from liteinfer.attention import allocate_kv_pool
 from liteinfer.attention.torch_backend import gather_kv
-from liteinfer.kernels import FP8_DTYPE
+from liteinfer.kernels import FP8_DTYPE, wna16
 from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import decode_splits as splits
 from liteinfer.kernels import fused_moe as moe
 from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
 from liteinfer.kernels.argmax import argmax_rows
+from liteinfer.kernels.gemv import gemv
 from liteinfer.kernels.kv_cache import rope_store_kv
 from liteinfer.kernels.norm import rms_norm
 from liteinfer.kernels.prefill_tiles import PrefillTiles, prefill_tile_map, prefill_tile_tokens
 from liteinfer.layers.fused_moe import fused_moe_torch
 from liteinfer.layers.quantization.fp8 import quantize_weight
+from liteinfer.layers.quantization.wna16 import quantize_rtn
 
 HQ, HKV, D, BLOCK_SIZE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192
 DTYPE = torch.bfloat16
@@ -108,6 +115,10 @@ DECODE_SHAPES = [(b, c) for b in (1, 4, 32, 128) for c in (128, 384, 3712, 15488
     (28, 1024), (32, 2048), (28, RAGGED), (32, RAGGED)]  # the decoding rows of W=32 runs
 PREFILL_SHAPES = [(1, 15360), (32, 128), (8, 2048), (1, 2016), (2, 1008)]  # + mixed-step pieces
 ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
+# Llama-3.1-8B's projections (name, out features, in features, the engine's fusion at one row)
+WNA16_SHAPES = (("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "residual"),
+                ("gate_up", 28672, 4096, "gated"), ("down", 4096, 14336, "residual"))
+WNA16_ROWS = (1, 8, 32, 128)
 
 
 def decode_lens(batch: int, ctx: int | str) -> list[int]:
@@ -382,6 +393,44 @@ def sweep_moe(rows: list[dict], fp8: bool, layers: MoeLayers) -> None:
                     rows.append(dict(kernel=f"moe{label}: out of resources"))
     finally:
         moe.gemv_tiles, moe.grouped_tiles = gemv_tiles, grouped_tiles
+def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> None:
+    """Each 8B projection in 4-bit and in bf16 at WNA16_ROWS rows, with the fusions the engine
+    uses at one row (norm / SwiGLU / residual add) in both; the 4-bit result is first checked
+    against the bf16 path over the dequantized weight."""
+    for name, n, k, fusion in WNA16_SHAPES:
+        weight = torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
+        packed = (*quantize_rtn(weight, 4, 128), 4)
+        deq = wna16.dequantize_weight(*packed, DTYPE)
+        norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
+        int4_bytes = sum(t.nbytes for t in packed[:3])
+        add = fusion == "residual"
+        for m in row_counts:
+            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
+            if m == 1:
+                kw = dict(norm_weight=None if add else norm_w, eps=1e-5, gated=fusion == "gated")
+                res = torch.zeros(1, n // 2 if kw["gated"] else n, dtype=DTYPE, device=DEV)
+                ref = gemv(x, deq, **kw)
+                kw["residual"] = res if add else None
+                paths = {"int4": lambda x=x, kw=kw: wna16.wna16_gemv(x, *packed, **kw),
+                         "bf16": lambda x=x, kw=kw, w=weight: gemv(x, w, **kw)}
+            else:
+                res = torch.zeros(m, n, dtype=DTYPE, device=DEV)
+                ref = F.linear(x, deq)
+                r = res if add else None
+                paths = {
+                    "int4": lambda x=x, r=r: wna16.wna16_gemm(x, *packed, residual=r),
+                    "int4 deq+cublas": lambda x=x: F.linear(
+                        x, wna16.dequantize_weight(*packed, DTYPE)),
+                    "bf16": lambda x=x, w=weight, r=r: F.linear(x, w) if r is None
+                    else r.addmm_(x, w.t())}
+            err = check(paths["int4"](), ref, 2e-2)  # the residual starts at zero
+            times = {path: timed(fn) for path, fn in paths.items()}
+            for path, ms in times.items():
+                nbytes = weight.nbytes if path == "bf16" else int4_bytes
+                rows.append(dict(kernel=f"{path} {name}{label}", batch=m, us=ms * 1e3,
+                                 gbps=nbytes / 1e9 / (ms / 1e3), vs_bf16=times["bf16"] / ms,
+                                 **({"err": err} if path == "int4" else {})))
+        del weight, deq
 
 
 def _bandwidth(fn: Callable[[], object], nbytes: int) -> dict:
@@ -392,7 +441,24 @@ def _bandwidth(fn: Callable[[], object], nbytes: int) -> dict:
 def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) -> None:
     """Alternative tile configurations (the kernels read their config functions at call time)."""
     decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
+    gemv_tile = wna16.GEMV_TILE
+    fewrow_tile = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES)
     try:
+        if "wna16" in parts:
+            # (rows, codes a step, warps, stages)
+            for tile in ((8, 8192, 4, 4), (16, 16384, 4, 4), (32, 16384, 4, 4), (16, 8192, 8, 4)):
+                wna16.GEMV_TILE = tile
+                bench_wna16(rows, f" gemv{tile}", row_counts=(1,))
+            wna16.GEMV_TILE = gemv_tile
+            # (features, bytes a row a step, programs an SM that K is cut towards)
+            for tile in ((64, 128, 8), (32, 128, 4), (64, 64, 4), (64, 256, 4), (128, 64, 4)):
+                (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES,
+                 wna16.SPLIT_MAX_WAVES) = tile
+                label = f" n{tile[0]} kb{tile[1]} w{tile[2]}"
+                try:
+                    bench_wna16(rows, label, row_counts=(8, 32, 128))
+                except OutOfResources:  # wide tiles: more shared memory than an SM has
+                    rows.append(dict(kernel=f"int4{label}: out of resources"))
         if "decode" in parts:
             shapes = decode_shapes or [(1, 15488), (32, 3712)]
             for n, w, s in itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4)):
@@ -413,11 +479,13 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
                           f" m{m} n{n} w{w} s{s}", tile_tokens=m // (HQ // HKV))
     finally:
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
+        wna16.GEMV_TILE = gemv_tile
+        wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES = fewrow_tile
 
 
 def print_table(rows: list[dict]) -> None:
     cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "floor_us", "gbps",
-            "pct_peak",
+            "pct_peak", "vs_bf16",
             "tflops", "graph_tflops", "sdpa_tflops", "flash_varlen_tflops", "err"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = {float: "{:.3g}", int: "{}", str: "{}"}
@@ -433,7 +501,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
     parser.add_argument("--pool", choices=POOL_LAYOUTS, default=POOL_LAYOUTS[0],
                         help="memory order of the KV pool the attention kernels read")
-    parser.add_argument("--only", nargs="+", choices=("decode", "prefill", "elementwise", "moe"),
+    parser.add_argument("--only", nargs="+",
+                        choices=("decode", "prefill", "elementwise", "moe", "wna16"),
                         help="time only these kernels (default: all)")
     parser.add_argument("--head-dim", type=int, default=64, help="attention head size")
     parser.add_argument("--decode-shapes", nargs="+", metavar="BATCHxCTX",
@@ -455,7 +524,8 @@ def main() -> None:
     parts = {"decode": lambda: bench_decode(rows, props.multi_processor_count,
                                             decode_shapes or DECODE_SHAPES),
              "prefill": lambda: bench_prefill(rows), "elementwise": lambda: bench_elementwise(rows),
-             "moe": lambda: moe_layers.append(bench_moe(rows, fp8))}
+             "moe": lambda: moe_layers.append(bench_moe(rows, fp8)),
+             "wna16": lambda: bench_wna16(rows)}
     fp8, moe_layers = args.moe_dtype == "fp8", []
     for name in args.only or parts:
         parts[name]()

@@ -78,7 +78,7 @@ def fewrow_tiles(rows: int, n: int, k: int, itemsize: int, sms: int) -> FewRowTi
 
 
 @triton.jit
-def _scale_add_store(acc, out_ptrs, mask, x_scale, w_scale, SCALED: tl.constexpr,
+def scale_add_store(acc, out_ptrs, mask, x_scale, w_scale, SCALED: tl.constexpr,
                      ADD: tl.constexpr):
     """The epilogue of both kernels: acc times the per-token and per-channel scales (each
     already broadcast to acc's shape), then residual + (that rounded), as a separate add sees
@@ -89,6 +89,23 @@ def _scale_add_store(acc, out_ptrs, mask, x_scale, w_scale, SCALED: tl.constexpr
     if ADD:
         acc = acc.to(dtype).to(tl.float32) + tl.load(out_ptrs, mask=mask).to(tl.float32)
     tl.store(out_ptrs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def sum_splits(acc, parts, mask, count_ptr, split, split_stride, SPLITS: tl.constexpr):
+    """K cut among SPLITS programs of one tile: (the tile's sum, whether this program holds it).
+    Each split stores its fp32 partial at `parts` + split * split_stride; the last to arrive
+    sums the slots in split order (the same result whatever the arrival order) and writes y.
+    The CTA barrier orders every thread's stores before the counter's release."""
+    tl.store(parts + split * split_stride, acc, mask=mask)
+    tl.debug_barrier()
+    last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    if last:
+        tl.store(count_ptr, 0)  # for the next launch, which waits for this one to end
+        acc = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(parts + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc, last
 
 
 @triton.jit
@@ -126,7 +143,7 @@ def _fewrow_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K
     if SCALED:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
         w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    _scale_add_store(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+    scale_add_store(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                      m_mask[:, None] & n_mask[None, :], x_scale, w_scale, SCALED, ADD)
 
 
@@ -159,44 +176,36 @@ def _fewrow_gemm_swapped_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, out_pt
     m_mask = offs_m < M
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLITS > 1:
-        # Each split stores its fp32 partial in a slot of its own; the last to arrive sums the
-        # slots in split order (the same result whatever the arrival order) and writes y. The
-        # CTA barrier orders every thread's stores before the counter's release.
-        parts = part_ptr + offs_n[:, None] * BLOCK_M + offs_m[None, :]
-        tl.store(parts + split * N * BLOCK_M, acc, mask=mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived < SPLITS - 1:
+        acc, last = sum_splits(acc, part_ptr + offs_n[:, None] * BLOCK_M + offs_m[None, :],
+                               mask, count_ptr + tile, split, N * BLOCK_M, SPLITS)
+        if not last:
             return
-        tl.store(count_ptr + tile, 0)  # for the next launch, which waits for this one to end
-        acc = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLITS):
-            acc += tl.load(parts + s * N * BLOCK_M, mask=mask, other=0.0, cache_modifier=".cg")
     x_scale = None
     w_scale = None
     if SCALED:
         w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
         x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
-    _scale_add_store(acc, out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], mask,
+    scale_add_store(acc, out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], mask,
                      x_scale, w_scale, SCALED, ADD)
 
 
-# (device, N, splits) -> fp32 partials [splits, N, 128] and int32 arrival counters, one a tile,
-# zero between launches. Made by a projection's first split launch, which precedes graph
-# capture (the runners run every captured step once eagerly first); launches that share them are
-# stream-ordered, and under PDL each waits for the one before to end before it touches them.
+# (device, N, splits) -> fp32 partials [splits, N, 128] and int32 arrival counters, one a
+# feature (enough for tiles of any width: kernels/wna16.py's share them), zero between launches.
+# Made by a projection's first split launch, which precedes graph capture (the runners run every
+# captured step once eagerly first); launches that share them are stream-ordered, and under PDL
+# each waits for the one before to end before it touches them.
 _SPLIT_WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _split_workspace(device: torch.device, n: int, splits: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def split_workspace(device: torch.device, n: int, splits: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     key = (device, n, splits)
     if key not in _SPLIT_WORKSPACES:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
             "a split projection's first launch must come before graph capture"
         _SPLIT_WORKSPACES[key] = (
             torch.empty(splits, n, FEWROW_MAX_ROWS, dtype=torch.float32, device=device),
-            torch.zeros(triton.cdiv(n, SWAPPED_BLOCK_N), dtype=torch.int32, device=device))
+            torch.zeros(n, dtype=torch.int32, device=device))
     return _SPLIT_WORKSPACES[key]
 
 
@@ -243,7 +252,7 @@ def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor 
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [tiles.block_m, block_k])
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
                               [tiles.block_n, block_k])
-    parts, counts = (_split_workspace(x.device, n, tiles.splits) if tiles.splits > 1
+    parts, counts = (split_workspace(x.device, n, tiles.splits) if tiles.splits > 1
                      else (out, out))
     _fewrow_gemm_swapped_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
         x_desc, w_desc, x_scale if scaled else x, weight_scale if scaled else x, out, parts,

@@ -58,11 +58,23 @@ CHUNKED_TILE = (8, 1024, 4, 3)
 
 
 @triton.jit
-def _normalize(xf, norm_ptr, k, k_mask, inv_rms, dtype: tl.constexpr):
+def normalize(xf, norm_ptr, k, k_mask, inv_rms, dtype: tl.constexpr):
     """norm_w * (x * inv_rms), rounded to the activation dtype where Hugging Face's RMSNorm
     holds a tensor."""
     norm_w = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
     return (norm_w * (xf * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def row_inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """1 / RMS of the row x[:K], in a first pass over it (from L2) in BLOCK_K chunks, for
+    kernels that then walk the row in chunks."""
+    k = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xf = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+        squares += xf * xf
+    return tl.rsqrt(tl.sum(squares, 0) / K + eps)
 
 
 @triton.jit
@@ -87,7 +99,7 @@ def _row_scales(w_scale_ptr, offs, n_mask, N, GATED: tl.constexpr, W_SCALE: tl.c
 
 
 @triton.jit
-def _store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED: tl.constexpr,
+def store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED: tl.constexpr,
                    ADD: tl.constexpr, W_SCALE: tl.constexpr):
     """The epilogue of both kernels: row scales, SwiGLU of gate y and up, the residual add."""
     dtype = out_ptr.dtype.element_ty
@@ -126,12 +138,12 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride
         res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
-        xf = _normalize(xf, norm_ptr, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
+        xf = normalize(xf, norm_ptr, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
     y = tl.sum(w.to(tl.float32) * xf[None, :], 1)
     up = y
     if GATED:
         up = tl.sum(w_up.to(tl.float32) * xf[None, :], 1)
-    _store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED, ADD, W_SCALE)
+    store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED, ADD, W_SCALE)
 
 
 @triton.jit
@@ -148,12 +160,8 @@ def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     inv_rms = 1.0
-    if NORM:  # a first pass over the row (from L2) for its RMS
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xf = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
-            squares += xf * xf
-        inv_rms = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+    if NORM:
+        inv_rms = row_inv_rms(x_ptr, K, eps, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = acc
     for k0 in range(0, K, BLOCK_K):
@@ -164,7 +172,7 @@ def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K
             w_up = tl.load(w_rows + k0 + N * stride_wn, mask=w_mask, other=0.0)
         xf = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
         if NORM:
-            xf = _normalize(xf, norm_ptr + k0, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
+            xf = normalize(xf, norm_ptr + k0, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * xf[None, :]
         if GATED:
             acc_up += w_up.to(tl.float32) * xf[None, :]
@@ -172,7 +180,7 @@ def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K
     res = scale
     if ADD:
         res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
-    _store_outputs(tl.sum(acc, 1), tl.sum(acc_up, 1), scale, scale_up, res, out_ptr, offs,
+    store_outputs(tl.sum(acc, 1), tl.sum(acc_up, 1), scale, scale_up, res, out_ptr, offs,
                    n_mask, GATED, ADD, W_SCALE)
 
 

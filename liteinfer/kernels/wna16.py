@@ -1,104 +1,367 @@
 """Weight-only integer linear layers (W4A16 / W8A16) over the packed layout of
 layers/quantization/wna16.py: codes int32 [N, K * bits / 32], fp32 scales and mins per group.
 
-A step of up to FEWROW_MAX rows (decode) is bound by reading the weight, so `wna16_gemm` streams
-the packed words and dequantizes them in registers (q * scale - min, in fp32), a program owning
-BLOCK_N output features of every row: the weight is read once a step at a quarter (4-bit) of
-bf16's bytes. The rows are multiplied on the CUDA cores: at a few rows tensor-core tiles would
-sit mostly empty. With `residual` the product is added to it in place (an output projection).
-Wider steps (prefill) are compute-bound: the weight is dequantized into a scratch tensor in the
-activation dtype (`dequantize_weight`) and multiplied by cuBLAS, whose tiles no dequantizing
-kernel of ours beats there.
+A decode step is bound by reading the weight, a quarter (4-bit) of bf16's bytes here, so the
+kernels stream the packed words and dequantize them in registers, q * scale - min in fp32. At
+copy bandwidth an SM takes in codes nearly as fast as its lanes issue instructions (NOTES.md,
+"4-bit weights"), so the instructions a code costs decide whether a kernel keeps up: a code
+becomes a float by OR-ing it into the mantissa of 2^23 (2^23 + q, exact), never by an
+integer-to-float conversion, which issues at a fraction of the fp32 rate. Three paths, by the
+rows of a step:
+
+- one row, `wna16_gemv`: kernels/gemv.py's chunked GEMV over the packed rows. Each program owns
+  BLOCK_N output features and walks their rows in chunks (the loads in flight are those of the
+  programs resident on an SM: Triton does not pipeline a loop without a dot). A code's own
+  work is three instructions: one masks it in place in its word (`_code_floats`), one FMA
+  multiplies it by its input exactly and one adds it to its group's sum; scales and mins apply
+  once a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and
+  the residual add of an output projection are fused in as there, and under PDL the start of
+  the program's rows is put in flight into L2 before the wait.
+- 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM, swapped as its
+  wide kernel is (y^T = W x^T). Each program dequantizes a [BLOCK_N, BLOCK_K] weight tile to
+  the activation dtype (a mask, an exact subtraction and an FMA a code, `_dequantized`), the
+  MMA's row operand, and multiplies it with the rows' tile on the tensor cores (tl.dot, fp32
+  accumulation). A 4-bit tile holds a quarter of a bf16 tile's bytes, so projections are cut
+  along K too (`wna16_tiles`) until every SM has several programs streaming; the last split of
+  a tile to arrive sums the partials (fewrow_gemm.sum_splits).
+- wider steps (prefill) are compute-bound: the weight is dequantized into a scratch tensor in
+  the activation dtype (`dequantize_weight`) and multiplied by cuBLAS, whose tiles no
+  dequantizing kernel of ours beats there.
+
+Every kernel multiplies in the activation dtype (fp32 and fp16 too: the CPU tests run the
+tensor-core path under the interpreter in those, whose bf16 tl.dot is wrong).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-# Rows up to which the in-register kernel runs; wider steps dequantize and call cuBLAS. Its
-# broadcast product holds BLOCK_M x BLOCK_N x BLOCK_K fp32 values in registers, which caps it.
-# (Tensor-core tiles for 5-16 rows are left out: the Triton interpreter's bf16 tl.dot returns
-# garbage, so CPU tests could not check them.)
-FEWROW_MAX = 8
+from liteinfer.kernels import dot_precision, num_sms, supports_pdl
+from liteinfer.kernels.fewrow_gemm import (
+    FEWROW_MAX_ROWS,
+    scale_add_store,
+    split_workspace,
+    sum_splits,
+)
+from liteinfer.kernels.gemv import normalize, row_inv_rms, store_outputs
+from liteinfer.kernels.prefetch import prefetch_lines, prefetch_weight
+
+# Rows up to which a step runs the in-register kernels; wider steps dequantize and call cuBLAS.
+FEWROW_MAX = FEWROW_MAX_ROWS
+# The one-row kernel's tile: features a program owns (fewer where the projection would then be
+# cut into under GEMV_MIN_WAVES programs an SM), codes a loop step multiplies over all its rows
+# (gate's and up's together), warps, pipeline stages. 16 x 512 4-bit codes are 4 KiB a step:
+# kernels/gemv.py's chunked tile holds 16 KiB, but a code widens to an fp32 here, so registers
+# bound the step; 16 rows a program spread the input's per-step work (its conversion to the
+# tile's layout, its group sums) over more codes than 8 do (NOTES.md, "4-bit weights").
+GEMV_TILE = (16, 8192, 4, 4)
+GEMV_MIN_WAVES = 1
+# The few-row kernel's tile: BLOCK_N features by FEWROW_BLOCK_K_BYTES of packed words a row
+# (256 4-bit codes) a step, fewer where the rows' tile would pass X_TILE_BYTES (it is pipelined
+# in shared memory beside the weight's). K is cut among up to MAX_SPLITS programs a tile while
+# the grid stays within SPLIT_MAX_WAVES programs an SM and each keeps SPLIT_MIN_K codes.
+FEWROW_BLOCK_N = 64
+FEWROW_BLOCK_K_BYTES = 128
+X_TILE_BYTES = 32768
+# Rows up to which a program has four warps (more codes a thread, so fewer instructions a code
+# for the tile's layout changes), eight above (the MMA's share grows with the rows).
+FOUR_WARPS_MAX_ROWS = 32
+MAX_SPLITS = 8
+SPLIT_MAX_WAVES = 4
+SPLIT_MIN_K = 1024
+
+
+@dataclass(frozen=True)
+class WNA16Tiles:
+    """A few-row launch: rows padded to block_m (tl.dot's 16 at least), block_n features and
+    block_k codes a tile, K cut among `splits` programs a tile."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int = 1
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int) -> WNA16Tiles:
+    """The few-row tile for `rows` rows (of `itemsize` bytes an element) of a projection [n, k]
+    of `bits`-bit codes on a GPU of `sms` SMs: the most splits (a power of two) that keep the
+    grid and each split's K within their bounds."""
+    block_m = max(16, triton.next_power_of_2(rows))
+    block_k = min(FEWROW_BLOCK_K_BYTES * 8 // bits, X_TILE_BYTES // (block_m * itemsize),
+                  triton.next_power_of_2(k))
+    tiles = triton.cdiv(n, FEWROW_BLOCK_N)
+    splits = 1
+    while (splits < MAX_SPLITS and tiles * splits * 2 <= SPLIT_MAX_WAVES * sms
+           and k // (splits * 2) >= SPLIT_MIN_K):
+        splits *= 2
+    return WNA16Tiles(block_m=block_m, block_n=FEWROW_BLOCK_N, block_k=block_k, splits=splits,
+                      num_warps=4 if block_m <= FOUR_WARPS_MAX_ROWS else 8)
 
 
 @triton.jit
-def _dequantized_tile(qw_ptr, s_ptr, m_ptr, rn, k0, N, K, BITS: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight rows rn, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K] (0 outside)."""
+def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The codes of weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]
+    2^23 + q * 2^(BITS * (k % HALF)), HALF the codes of 16 bits (q 0 past N and K): each code
+    masked where it sits in its word's 16-bit half and OR-ed into 2^23's mantissa, one logic
+    instruction a code (the upper half's shift is one a word). Callers undo the power of two
+    on the code's scale or input (`_half_scales`)."""
     PER: tl.constexpr = 32 // BITS
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    words = K // PER
-    rw = k0 // PER + tl.arange(0, BLOCK_K // PER)
-    packed = tl.load(qw_ptr + rn[:, None] * words + rw[None, :],
-                     mask=(rn < N)[:, None] & (rw < words)[None, :], other=0)
-    shifts = tl.arange(0, PER) * BITS
-    q = (packed[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    rg = k0 // GROUP + tl.arange(0, GROUPS)
-    gmask = (rn < N)[:, None] & (rg < K // GROUP)[None, :]
-    scale = tl.load(s_ptr + rn[:, None] * (K // GROUP) + rg[None, :], mask=gmask, other=0.0)
-    low = tl.load(m_ptr + rn[:, None] * (K // GROUP) + rg[None, :], mask=gmask, other=0.0)
-    q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP)).to(tl.float32)
-    w = q * scale[:, :, None] - low[:, :, None]
+    HALF: tl.constexpr = PER // 2
+    # K is whole groups, each whole words: telling Triton lets it load several words at once.
+    ALIGN: tl.constexpr = (GROUP & -GROUP) // PER
+    words = tl.multiple_of(K // PER, ALIGN)
+    offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    packed = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * words + offs_w[None, :],
+                     mask=n_mask[:, None] & (offs_w < words)[None, :], other=0)
+    # Each word repeated PER times in place, so that column k holds the word of code k, which
+    # a thread then keeps in registers beside its neighbours' codes.
+    if PER >= 2:
+        packed = tl.interleave(packed, packed)
+    if PER >= 4:
+        packed = tl.interleave(packed, packed)
+    if PER >= 8:
+        packed = tl.interleave(packed, packed)
+    if PER >= 16:
+        packed = tl.interleave(packed, packed)
+    j = tl.arange(0, BLOCK_K) % PER
+    mask = ((1 << BITS) - 1) << ((j % HALF) * BITS)
+    codes = (packed >> ((j // HALF) * 16)[None, :]) & mask[None, :]
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _half_scales(BITS: tl.constexpr, LENGTH: tl.constexpr):
+    """2^-(BITS * (i % HALF)) for i < LENGTH: what undoes `_code_floats`' power of two of
+    column i (exact: built from its exponent bits)."""
+    HALF: tl.constexpr = 16 // BITS
+    exponent = 127 - (tl.arange(0, LENGTH) % HALF) * BITS
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP: tl.constexpr,
+                  GROUPS: tl.constexpr):
+    """Scales and mins [BLOCK_N, GROUPS] of the groups from column k0 on (0 past N and K)."""
+    groups = K // GROUP
+    offs_g = k0 // GROUP + tl.arange(0, GROUPS)
+    g = offs_n[:, None] * groups + offs_g[None, :]
+    g_mask = n_mask[:, None] & (offs_g < groups)[None, :]
+    return (tl.load(s_ptr + g, mask=g_mask, other=0.0),
+            tl.load(m_ptr + g, mask=g_mask, other=0.0))
+
+
+@triton.jit
+def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K] (0 past N and
+    K), the tile's groups GROUP_TILE columns each: (2^23 + q 2^a - 2^23) (scale 2^-a) - min, an
+    exact subtraction and one FMA a code, with scale 2^-a made once a group for each a."""
+    HALF: tl.constexpr = 16 // BITS
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
+    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K) - 8388608.0
+    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
+    half_scales = scale[:, :, None] * _half_scales(BITS, HALF)[None, None, :]
+    w = (tl.reshape(q, (BLOCK_N, GROUPS, GROUP_TILE // HALF, HALF)) * half_scales[:, :, None, :]
+         - low[:, :, None, None])
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
-def _wna16_gemm_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, M, N, K, stride_x, stride_o,
-                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_in_place, x_bias, x_sums,
+               BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over k in k0..k0 + BLOCK_K of w[n, k] x[k] for the rows offs_n, by group of the
+    tile (GROUP_TILE columns each): [BLOCK_N, BLOCK_K // GROUP_TILE] fp32. Each code's product
+    with x is one FMA, exact before its one rounding: (2^23 + q 2^a) (x 2^-a) - 2^23 x 2^-a,
+    with x_in_place = x 2^-a and x_bias = -2^23 x 2^-a per column. A group's sum is scaled
+    once, and its min multiplies the group's sum of x (x_sums) instead of every code."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
+    f = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
+    products = tl.fma(f, x_in_place[None, :], x_bias[None, :])
+    sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, GROUP_TILE)), 2)
+    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
+    return sums * scale - low * x_sums[None, :]
+
+
+@triton.jit
+def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                       ADD: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
+                       PREFETCH_LINES: tl.constexpr):
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs < N
+    k = tl.arange(0, BLOCK_K)
+    words = K // (32 // BITS)
+    # gate's rows, then up's: up's words, scales and mins start N rows on
+    up_w = N * words
+    up_g = N * (K // GROUP)
+    if USE_PDL:
+        if PREFETCH_LINES > 0:
+            prefetch_weight(qw_ptr, offs, N, words, words, PREFETCH_LINES)
+            if GATED:
+                prefetch_weight(qw_ptr + up_w, offs, N, words, words, PREFETCH_LINES)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = row_inv_rms(x_ptr, K, eps, BLOCK_K)
+    in_place = _half_scales(BITS, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    acc_up = acc
     for k0 in range(0, K, BLOCK_K):
-        w = _dequantized_tile(qw_ptr, s_ptr, m_ptr, rn, k0, N, K, BITS, GROUP, BLOCK_N, BLOCK_K)
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :],
-                    mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    out = out_ptr + rm[:, None] * stride_o + rn[None, :]
-    mask = (rm < M)[:, None] & (rn < N)[None, :]
+        k_mask = k0 + k < K
+        xf = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM:
+            xf = normalize(xf, norm_ptr + k0, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
+        x_in_place = xf * in_place
+        x_bias = x_in_place * -8388608.0
+        x_sums = tl.sum(tl.reshape(xf, (GROUPS, GROUP_TILE)), 1)
+        acc += _gemv_step(qw_ptr, s_ptr, m_ptr, offs, n_mask, k0, K, x_in_place, x_bias,
+                          x_sums, BITS, GROUP, GROUP_TILE, BLOCK_N, BLOCK_K)
+        if GATED:
+            acc_up += _gemv_step(qw_ptr + up_w, s_ptr + up_g, m_ptr + up_g, offs, n_mask, k0,
+                                 K, x_in_place, x_bias, x_sums, BITS, GROUP, GROUP_TILE,
+                                 BLOCK_N, BLOCK_K)
+    y = tl.sum(acc, 1)
+    res = y
     if ADD:
-        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
+    store_outputs(y, tl.sum(acc_up, 1), y, y, res, out_ptr, offs, n_mask, GATED, ADD, False)
+
+
+@triton.jit
+def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                         stride_xm, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
+                         GROUP_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLITS: tl.constexpr, PART_ROWS: tl.constexpr, ADD: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    # The splits of a tile are launch neighbours, so their partials meet in L2.
+    tile = tl.program_id(0) // SPLITS
+    split = tl.program_id(0) % SPLITS
+    chunks = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS)
+    k_start = split * chunks * BLOCK_K
+    k_end = tl.minimum(K, k_start + chunks * BLOCK_K)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    if USE_PDL:  # the rows may be the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # y^T = W x^T: the dequantized tile is the MMA's row operand, taken from registers
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
+                         BLOCK_N, BLOCK_K)
+        x = tl.load(x_rows + k0 + offs_k[None, :],
+                    mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=DOT_PRECISION)
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLITS > 1:
+        acc, last = sum_splits(acc, part_ptr + offs_n[:, None] * PART_ROWS + offs_m[None, :],
+                               mask, count_ptr + tile, split, N * PART_ROWS, SPLITS)
+        if not last:
+            return
+    scale_add_store(acc, out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], mask, None,
+                    None, False, ADD)
 
 
 @triton.jit
 def _dequantize_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, BITS: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                       GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    w = _dequantized_tile(qw_ptr, s_ptr, m_ptr, rn, k0, N, K, BITS, GROUP, BLOCK_N, BLOCK_K)
-    rk = k0 + tl.arange(0, BLOCK_K)
-    tl.store(w_ptr + rn[:, None] * K + rk[None, :], w.to(w_ptr.dtype.element_ty),
-             mask=(rn < N)[:, None] & (rk < K)[None, :])
+    n_mask = offs_n < N
+    w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
+                     BLOCK_N, BLOCK_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
+             w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
-def _block_k(group: int, k: int) -> int:
-    """Columns a tile: whole groups, at least 128 codes (a 4-bit row's 64 bytes)."""
-    return max(group, min(128, triton.next_power_of_2(k)))
+def _fit_group(qweight: torch.Tensor, scales: torch.Tensor, bits: int,
+               block_k: int) -> tuple[int, int]:
+    """(block_k, the group size): whole groups in a tile (a power of two, as every format's
+    small groups are), or whole tiles in a group, block_k shrunk to a power of two that divides
+    it (a per-channel group of an odd-sized row)."""
+    assert bits in (2, 4, 8) and qweight.dtype == torch.int32
+    k = qweight.shape[1] * (32 // bits)
+    group = k // scales.shape[1]
+    assert group * scales.shape[1] == k and group % (32 // bits) == 0
+    if group >= block_k:
+        return min(block_k, group & -group), group
+    assert group & (group - 1) == 0, f"group size {group} with {block_k}-code tiles"
+    return block_k, group
 
 
-def _group(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> int:
-    return qweight.shape[1] * (32 // bits) // scales.shape[1]
+def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+               bits: int, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+               gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels/gemv.py's `gemv` over a packed weight: x [1, K]; the weight [N, K], or [2N, K] =
+    [gate; up] when gated. Returns f(x) W^T [1, N] in x's dtype, f the RMSNorm with norm_weight
+    and eps when given, or with residual ([1, N]) adds it to residual in place and returns it."""
+    assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+    k = x.shape[1]
+    rows, block_codes, num_warps, num_stages = GEMV_TILE
+    assert qweight.shape[1] * (32 // bits) == k and qweight.is_contiguous()
+    n = qweight.shape[0] // 2 if gated else qweight.shape[0]
+    sms = num_sms(x.device)
+    while rows > 1 and triton.cdiv(n, rows) < GEMV_MIN_WAVES * sms:
+        rows //= 2
+    block_k, group = _fit_group(qweight, scales, bits, min(block_codes // (rows * (1 + gated)),
+                                                           triton.next_power_of_2(k)))
+    if residual is not None:
+        assert residual.shape == (1, n) and residual.dtype == x.dtype
+    out = residual if residual is not None else x.new_empty(1, n)
+    pdl = supports_pdl(x.device)
+    lines = prefetch_lines(qweight.shape[0], qweight.shape[1] * 4, x.device) if pdl else 0
+    _wna16_gemv_kernel[(triton.cdiv(n, rows),)](
+        x, qweight, scales, mins, out, norm_weight if norm_weight is not None else x, eps, n, k,
+        BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_N=rows, BLOCK_K=block_k,
+        NORM=norm_weight is not None,
+        ADD=residual is not None, GATED=gated, USE_PDL=pdl, PREFETCH_LINES=lines,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+    return out
 
 
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-               bits: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+               bits: int, residual: torch.Tensor | None = None,
+               tiles: WNA16Tiles | None = None) -> torch.Tensor:
     """x [M, K] (M <= FEWROW_MAX) times the packed weight [N, K], transposed: [M, N] in x's
-    dtype, or residual += it in place (returning residual)."""
+    dtype, or residual += it in place (returning residual). `tiles`: by default
+    `wna16_tiles`'s."""
     m, k = x.shape
     n = qweight.shape[0]
-    out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype,
-                                                            device=x.device)
-    group = _group(qweight, scales, bits)
-    block_m = triton.next_power_of_2(max(m, 1))
-    block_n = 32 if block_m <= 2 else 16
-    _wna16_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, mins, out, m, n, k, x.stride(0), out.stride(0), BITS=bits,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(group, k),
-        ADD=residual is not None, num_warps=4 if block_m <= 2 else 8)
+    assert 1 <= m <= FEWROW_MAX and x.stride(-1) == 1 and qweight.is_contiguous()
+    assert qweight.shape[1] * (32 // bits) == k
+    tiles = tiles or wna16_tiles(m, n, k, bits, x.element_size(), num_sms(x.device))
+    block_k, group = _fit_group(qweight, scales, bits, tiles.block_k)
+    assert m <= tiles.block_m and block_k >= 16  # (tl.dot's least K)
+    if residual is not None:
+        assert residual.shape == (m, n) and residual.stride(-1) == 1
+    out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    parts, counts = (split_workspace(x.device, n, tiles.splits) if tiles.splits > 1
+                     else (out, out))
+    pdl = supports_pdl(x.device)
+    _wna16_fewrow_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
+        x, qweight, scales, mins, out, parts, counts, m, n, k, x.stride(0), out.stride(0),
+        BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLITS=tiles.splits, PART_ROWS=FEWROW_MAX_ROWS,
+        ADD=residual is not None, DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out
 
 
@@ -108,10 +371,10 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
     n = qweight.shape[0]
     k = qweight.shape[1] * (32 // bits)
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    group = _group(qweight, scales, bits)
-    block_k = _block_k(group, k)
+    block_k, group = _fit_group(qweight, scales, bits, min(128, triton.next_power_of_2(k)))
     _dequantize_kernel[(triton.cdiv(n, 16), triton.cdiv(k, block_k))](
-        qweight, scales, mins, w, n, k, BITS=bits, GROUP=group, BLOCK_N=16, BLOCK_K=block_k)
+        qweight, scales, mins, w, n, k, BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k),
+        BLOCK_N=16, BLOCK_K=block_k)
     return w
 
 

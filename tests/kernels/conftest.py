@@ -149,6 +149,21 @@ def _rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 through dtype, where the unfused layers hold a tensor of the model dtype. The
+    Triton interpreter converts fp32 to bf16 by truncation, so on CPU the reference does too."""
+    if dtype == torch.bfloat16 and x.device.type == "cpu":
+        return (x.float().view(torch.int32) & -65536).view(torch.float32).double()
+    return x.to(dtype).double()
+
+
+def _normed_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm in float64, rounding where it does."""
+    h = x.double()
+    normed = _rounded(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
+    return _rounded(weight.double() * normed, x.dtype)
+
+
 def _qkv_views(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                dtype: torch.dtype, device: str):
     """q, k, v as strided views of one fused projection output, as the model produces them."""
@@ -193,3 +208,13 @@ def paged_kv_fixture():
 @pytest.fixture(name="attention_ref")
 def attention_ref_fixture():
     return _attention_ref
+
+
+@pytest.fixture(name="rounded")
+def rounded_fixture():
+    return _rounded
+
+
+@pytest.fixture(name="normed_ref")
+def normed_ref_fixture():
+    return _normed_ref

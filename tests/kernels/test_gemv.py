@@ -15,21 +15,6 @@ GPU_SHAPES = [(2048, 3072), (2048, 2048), (8192, 2048), (3072, 1000), (2048, 128
 CPU_SHAPES = [(64, 40), (96, 37)]
 
 
-def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float64 through dtype, where the unfused layers hold a tensor of the model dtype. The
-    Triton interpreter converts fp32 to bf16 by truncation, so on CPU the reference does too."""
-    if dtype == torch.bfloat16 and x.device.type == "cpu":
-        return (x.float().view(torch.int32) & -65536).view(torch.float32).double()
-    return x.to(dtype).double()
-
-
-def _normed_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm in float64, rounding where it does."""
-    h = x.double()
-    normed = _rounded(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
-    return _rounded(weight.double() * normed, x.dtype)
-
-
 def _inputs(k: int, n: int, dtype: torch.dtype, device: str, gated: bool = False):
     x = torch.randn(1, k, dtype=dtype, device=device)
     weight = torch.randn(2 * n if gated else n, k, dtype=dtype, device=device) * k ** -0.5
@@ -50,7 +35,7 @@ def test_gemv_plain(assert_close, device, full, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gemv_adds_to_the_residual(assert_close, device, full, dtype):
+def test_gemv_adds_to_the_residual(assert_close, device, full, dtype, rounded):
     """An output projection: residual + x W^T in place, the product rounded to the model dtype
     first as Hugging Face's separate add sees it."""
     for k, n in _shapes(full):
@@ -58,22 +43,22 @@ def test_gemv_adds_to_the_residual(assert_close, device, full, dtype):
         residual = torch.randn(1, n, dtype=dtype, device=device)
         before = residual.clone()
         assert gemv(x, weight, residual=residual) is residual
-        assert_close(residual, before.double() + _rounded(x.double() @ weight.double().T, dtype))
+        assert_close(residual, before.double() + rounded(x.double() @ weight.double().T, dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gated", [False, True])
-def test_gemv_normed(assert_close, device, full, dtype, gated):
+def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_ref):
     for k, n in _shapes(full):
         x, weight, out = _inputs(k, n, dtype, device, gated)
         norm_weight = torch.rand(k, dtype=dtype, device=device) + 0.5
         x_before = x.clone()
         got = gemv(x, weight, norm_weight=norm_weight, eps=1e-5, gated=gated, out=out)
         assert got is out and torch.equal(x, x_before)
-        y = _normed_ref(x, norm_weight, 1e-5) @ weight.double().T
+        y = normed_ref(x, norm_weight, 1e-5) @ weight.double().T
         if gated:
-            gate, up = _rounded(y[:, :n], dtype), _rounded(y[:, n:], dtype)
-            y = _rounded(torch.nn.functional.silu(gate), dtype) * up
+            gate, up = rounded(y[:, :n], dtype), rounded(y[:, n:], dtype)
+            y = rounded(torch.nn.functional.silu(gate), dtype) * up
         assert_close(out, y)
 
 
@@ -88,7 +73,8 @@ def _fp8_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-rows", "chunked"])
-def test_gemv_fp8_weight(assert_close, device, full, dtype, gated, chunked, monkeypatch):
+def test_gemv_fp8_weight(assert_close, device, full, dtype, gated, chunked, monkeypatch,
+                         rounded, normed_ref):
     """e4m3 weights with a scale per row, the input in the model dtype: plain, with the
     residual add, and normed (SwiGLU-gated or not), against float64 over the e4m3 values.
     `chunked`: every shape through the chunked kernel (on the CPU in chunks of 32, so that each
@@ -104,14 +90,14 @@ def test_gemv_fp8_weight(assert_close, device, full, dtype, gated, chunked, monk
         norm_weight = torch.rand(k, dtype=dtype, device=device) + 0.5
         out = gemv(x, weight, norm_weight=norm_weight, eps=1e-5, gated=gated,
                    weight_scale=scale)
-        y = _normed_ref(x, norm_weight, 1e-5) @ w64.T
+        y = normed_ref(x, norm_weight, 1e-5) @ w64.T
         if gated:
-            gate, up = _rounded(y[:, :n], dtype), _rounded(y[:, n:], dtype)
-            y = _rounded(torch.nn.functional.silu(gate), dtype) * up
+            gate, up = rounded(y[:, :n], dtype), rounded(y[:, n:], dtype)
+            y = rounded(torch.nn.functional.silu(gate), dtype) * up
         assert_close(out, y)
         if gated:
             continue
         residual = torch.randn(1, n, dtype=dtype, device=device)
         before = residual.clone()
         gemv(x, weight, residual=residual, weight_scale=scale)
-        assert_close(residual, before.double() + _rounded(x.double() @ w64.T, dtype))
+        assert_close(residual, before.double() + rounded(x.double() @ w64.T, dtype))

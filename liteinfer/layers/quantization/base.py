@@ -19,9 +19,10 @@ class LinearMethod(ABC):
     tensors. A layer's input may be what the method's `apply_normed` returned for the layer
     before (an FP8 method hands an already-quantized activation from gate/up to down).
 
-    A one-row tensor into a `use_gemv` layer (a decode step of one sequence) goes through the GEMV
-    kernel, with the norm, SwiGLU or residual add fused in, whatever the method; every other
-    input through the method's `gemm` / `gemm_normed`."""
+    A one-row tensor into a `use_gemv` layer (a decode step of one sequence) goes through the
+    method's `gemv`, with the norm, SwiGLU or residual add fused in (kernels/gemv.py's kernel,
+    unless the method keeps a weight that kernel does not read); every other input through the
+    method's `gemm` / `gemm_normed`."""
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
@@ -36,22 +37,27 @@ class LinearMethod(ABC):
         dtype."""
         return None
 
+    def gemv(self, layer: nn.Module, x: torch.Tensor, *, norm: RMSNorm | None = None,
+             gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`apply` / `apply_normed` of one row: f(x) W^T with f the norm when given, SwiGLU'd
+        when gated, or added to residual in place; kernels/gemv.py's kernel over `weight`."""
+        from liteinfer.kernels.gemv import gemv
+        return gemv(x, layer.weight, norm_weight=None if norm is None else norm.weight,
+                    eps=0.0 if norm is None else norm.eps, gated=gated, residual=residual,
+                    weight_scale=self.gemv_weight_scale(layer))
+
     def apply(self, layer: nn.Module, x: Any,
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T; with residual, adds it to residual in place and returns residual."""
         if _one_token(layer, x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, weight_scale=self.gemv_weight_scale(layer),
-                        residual=residual)
+            return self.gemv(layer, x, residual=residual)
         return self.gemm(layer, x, residual)
 
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                      act: SiluAndMul | None) -> Any:
         """act(norm(x) W^T), in the form the next layer's `apply` takes."""
         if _one_token(layer, x):
-            from liteinfer.kernels.gemv import gemv
-            return gemv(x, layer.weight, norm_weight=norm.weight, eps=norm.eps,
-                        gated=act is not None, weight_scale=self.gemv_weight_scale(layer))
+            return self.gemv(layer, x, norm=norm, gated=act is not None)
         return self.gemm_normed(layer, x, norm, act)
 
     @abstractmethod

@@ -14,7 +14,9 @@ converted into that layout as it loads; row-major [N, ...] everywhere, so the li
 loader shards fused and tensor-parallel layers as it does a plain weight.
 
 On CUDA with the Triton layers the packed weight stays on the device and kernels/wna16.py
-multiplies it, dequantizing in registers (few rows) or into a scratch weight (wide steps).
+multiplies it, dequantizing in registers (one row through its GEMV, with the norm, SwiGLU and
+residual add fused in as kernels/gemv.py does for bf16; a few rows on the tensor cores) or into
+a scratch weight (wide steps).
 Elsewhere the weight is dequantized once loaded, as the FP8 layers do: CPU tests then check the
 exact weights the GPU multiplies, at the speed of an unquantized model.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -196,17 +198,14 @@ class WNA16LinearMethod(LinearMethod):
         return wna16_linear(x, layer.qweight, layer.scales, layer.mins, self.config.bits,
                             residual)
 
-    def apply(self, layer: nn.Module, x: Any,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
+    def gemv(self, layer: nn.Module, x: torch.Tensor, *, norm: RMSNorm | None = None,
+             gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
         if layer.weight is not None:
-            return super().apply(layer, x, residual)
-        return self._matmul(layer, x, residual)
-
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
-                     act: SiluAndMul | None) -> Any:
-        if layer.weight is not None:
-            return super().apply_normed(layer, x, norm, act)
-        return self.gemm_normed(layer, x, norm, act)
+            return super().gemv(layer, x, norm=norm, gated=gated, residual=residual)
+        from liteinfer.kernels.wna16 import wna16_gemv
+        return wna16_gemv(x, layer.qweight, layer.scales, layer.mins, self.config.bits,
+                          norm_weight=None if norm is None else norm.weight,
+                          eps=0.0 if norm is None else norm.eps, gated=gated, residual=residual)
 
     def gemm(self, layer: nn.Module, x: torch.Tensor,
              residual: torch.Tensor | None) -> torch.Tensor:

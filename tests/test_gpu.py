@@ -105,6 +105,40 @@ def test_draft_model_token_for_token(model_dir, prompts, fp32_reference, name):
     assert stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens
 
 
+@pytest.mark.parametrize("name", ["default", "chunked"])
+def test_draft_model_graphs_equal_eager(model_dir, prompts, fp32_reference, name, monkeypatch):
+    """Under CUDA graphs the draft model's passes over the steps' tokens (decode and prompt
+    steps) and its proposals (batches padded to captured sizes, as the sequences finish at
+    different lengths) replay its own graphs: the same tokens as with every step eager,
+    transformers' greedy tokens, and its drafts as often accepted."""
+    replayed = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replayed.append(id(g)) or
+                        replay(g))
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 4}
+    lengths = [20 - 3 * (i % 5) for i in range(11)]
+    params = [greedy(n) for n in lengths]
+    runs = {}
+    for graphs in (False, True):
+        llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024,
+                        speculative_config=spec, **{"max_num_seqs": 48, **CONFIGS[name],
+                                                    "enforce_eager": not graphs})
+        outputs = llm.generate(prompts[:11], params, use_tqdm=False)
+        alone = llm.generate(prompts[11:12], greedy(20), use_tqdm=False)
+        runs[graphs] = [o.outputs[0].token_ids for o in outputs + alone]
+        stats = llm.engine.core.scheduler.stats().spec_decoding
+        assert stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens
+    assert runs[True] == runs[False] == [r[:n] for r, n in zip(fp32_reference, lengths + [20])]
+    drafter = llm.engine.core.runner.drafter
+    kinds = {"proposals": [g for g, _ in drafter.proposals.graphs.graphs.values()],
+             "prompt catch-up": list(drafter.prompt_graphs.graphs.values()),
+             "decode catch-up": [g for g, _ in drafter.graphs.graphs.graphs.values()]}
+    for kind, graphs in kinds.items():
+        assert {id(g) for g in graphs} & set(replayed), f"no {kind} graph replayed"
+    padded = {id(g) for (bs, _), (g, _) in drafter.proposals.graphs.graphs.items() if bs == 16}
+    assert padded & set(replayed), "no proposals of 9 to 15 sequences"
+
+
 @pytest.mark.parametrize("name", ["eager", "default", "prompt-graphs-narrow", "chunked"])
 @pytest.mark.parametrize("corrupt", [0.0, 0.5])
 def test_speculative_decoding_token_for_token(model_dir, prompts, fp32_reference, name, corrupt):

@@ -12,7 +12,7 @@ from torch import nn
 from liteinfer.attention import allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.attention.batch_invariant import BatchInvariantBackend
 from liteinfer.config import EngineConfig, ModelConfig
-from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
+from liteinfer.engine.cuda_graph import StagedDecode
 from liteinfer.engine.draft_runner import (
     DraftModelRunner,
     Eagle3Runner,
@@ -21,6 +21,7 @@ from liteinfer.engine.draft_runner import (
 )
 from liteinfer.engine.instrumentation import DECODE_GRAPH, EAGER, PROMPT_GRAPH, StepRun
 from liteinfer.engine.messages import TokenLogprobs
+from liteinfer.engine.prompt_graph import capture_step_graphs
 from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
 from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
 from liteinfer.engine.scheduler import SchedulerOutput
@@ -105,27 +106,19 @@ class ModelRunner:
         # The captured steps do not keep the hidden states an EAGLE-3 head reads.
         if (self.device.type == "cuda" and self.use_triton and not config.enforce_eager
                 and not isinstance(self.drafter, Eagle3Runner)):
-            from liteinfer.engine.prompt_graph import PromptGraphRunner, PromptStepLayout
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
-            # Batch-invariant attention takes a prompt step's query tiles from the host, which
-            # a captured prompt step does not have: those steps run eagerly in that mode.
-            if not config.batch_invariant:
-                layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
-                                          self.max_blocks_per_seq, self.block_size,
-                                          self.query_group_size,
-                                          self.step_model.max_decode_splits)
-                self.prompt_graphs = PromptGraphRunner(self.step_model, layout,
-                                                       model_config.hidden_size, self.dtype,
-                                                       self.device, pool)
-            self.graphs = CUDAGraphRunner(self.step_model, config.max_num_seqs,
-                                          self.max_blocks_per_seq, self.block_size,
-                                          self.device, pool)
+            self.graphs, self.prompt_graphs = capture_step_graphs(
+                self.step_model, config, self.max_blocks_per_seq, pool)
+            if self.drafter is not None:
+                self.drafter.capture_graphs(pool)
 
     def release_graphs(self) -> None:
         """Frees the captured graphs. A tensor-parallel rank does so before leaving its group:
         NCCL's teardown hangs while graphs that captured its collectives live
         (pytorch/pytorch#115388)."""
         self.graphs = self.prompt_graphs = None
+        if self.drafter is not None:
+            self.drafter.release_graphs()
         free_device_memory()
 
     def _load_eagle3_head(self, cfg: ModelConfig, source: ModelSource

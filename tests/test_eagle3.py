@@ -19,7 +19,8 @@ DRAFT_VOCAB = 256
 
 
 def write_eagle3_head(directory: Path, aux_layers: list[int] | None = (0, 1, 1),
-                      drop: str | None = None, hidden_size: int = TINY_LLAMA["hidden_size"]
+                      drop: str | None = None, hidden_size: int = TINY_LLAMA["hidden_size"],
+                      max_position_embeddings: int = TINY_LLAMA["max_position_embeddings"]
                       ) -> Path:
     """A random EAGLE-3 head for the tiny Llama (TINY_LLAMA's attention and MLP shapes), its
     draft vocabulary a random subset of the target's. `aux_layers`: the config's
@@ -55,7 +56,7 @@ def write_eagle3_head(directory: Path, aux_layers: list[int] | None = (0, 1, 1),
               "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": 1,
               "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
               "draft_vocab_size": DRAFT_VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "max_position_embeddings": TINY_LLAMA["max_position_embeddings"]}
+              "max_position_embeddings": max_position_embeddings}
     if aux_layers is not None:
         config["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
     (directory / "config.json").write_text(json.dumps(config))

@@ -273,13 +273,22 @@ class Eagle3Runner(DraftModelRunner):
     token a sequence, on its own hidden states, give the others."""
 
     def __init__(self, model: Eagle3LlamaForCausalLM, target: LlamaForCausalLM,
-                 kv_cache: torch.Tensor, sampled_tokens: torch.Tensor, config: EngineConfig,
-                 table_width: int, device: torch.device):
+                 decode_rows: Callable[[SchedulerOutput], int], kv_cache: torch.Tensor,
+                 sampled_tokens: torch.Tensor, config: EngineConfig, table_width: int,
+                 device: torch.device):
+        """`decode_rows(batch)`: the rows the step's decoding sequences take at the head of the
+        target's hidden states (more than there are where a captured step pads them)."""
         super().__init__(model, kv_cache, sampled_tokens, config, table_width, device)
         self.target = target
+        self.decode_rows = decode_rows
         # The head's output at each proposing sequence's newest token: the next pass's input.
         self.hidden = torch.zeros(config.max_num_seqs, model.config.hidden_size,
                                   dtype=config.torch_dtype, device=device)
+
+    def capture_graphs(self, pool) -> None:
+        """Captures the proposal passes. The catch-up runs eagerly: it follows the target's
+        captured step, on the hidden states that step kept (`keep_aux_hidden_states`)."""
+        self.proposals.capture(pool)
 
     @torch.inference_mode()
     def before_step(self, batch: SchedulerOutput) -> DraftPlan:
@@ -294,8 +303,12 @@ class Eagle3Runner(DraftModelRunner):
             after += d[:n - len(after)]  # a verifying sequence's tokens go on with its drafts
             next_ids[start:start + len(after)] = after
             start += n
+        # Where the target's pass leaves each token's hidden states.
+        d = batch.num_decodes
+        aux_rows = np.arange(len(next_ids))
+        aux_rows[d:] += self.decode_rows(batch) - d
         catch_up = HeadCatchUp(to_device(next_ids, torch.int64, self.device), positions, meta,
-                               sample_rows)
+                               sample_rows, to_device(aux_rows, torch.int64, self.device))
         return DraftPlan(self._plan(batch), catch_up)
 
     @torch.inference_mode()
@@ -305,7 +318,7 @@ class Eagle3Runner(DraftModelRunner):
         c = plan.catch_up
         next_ids = c.next_ids.index_put((c.sample_rows,), sampled)
         head = self.model
-        hidden = head(next_ids, c.positions, c.meta, self.target.aux_hidden_states)
+        hidden = head(next_ids, c.positions, c.meta, self.target.aux_hidden_states[c.aux_rows])
         p = plan.proposals
         if p is None:
             return None

@@ -95,7 +95,8 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)
         self.drafter: DraftModelRunner | None = None
         if isinstance(draft, Eagle3LlamaForCausalLM):
-            self.drafter = Eagle3Runner(draft, self.model, self._bind_kv_pool(draft),
+            self.drafter = Eagle3Runner(draft, self.model, self._decode_rows,
+                                        self._bind_kv_pool(draft),
                                         self.step_model.sampled_tokens, config,
                                         self.max_blocks_per_seq, self.device)
         elif draft is not None:
@@ -103,9 +104,7 @@ class ModelRunner:
                                             self.step_model.sampled_tokens, config,
                                             self.max_blocks_per_seq, self.device)
         self.graphs = self.prompt_graphs = None
-        # The captured steps do not keep the hidden states an EAGLE-3 head reads.
-        if (self.device.type == "cuda" and self.use_triton and not config.enforce_eager
-                and not isinstance(self.drafter, Eagle3Runner)):
+        if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
             self.graphs, self.prompt_graphs = capture_step_graphs(
                 self.step_model, config, self.max_blocks_per_seq, pool)
@@ -131,7 +130,10 @@ class ModelRunner:
                                    self.backend, ops)))
         if not head.has_own_embedding:
             head.share_embedding(self.model)
-        self.model.aux_hidden_state_layers = aux_layers
+        # Room for any step's tokens, a captured prompt step's padding included.
+        max_tokens = max(self.config.max_num_batched_tokens,
+                         self.config.max_num_seqs + self.config.mixed_prompt_tokens)
+        self.model.keep_aux_hidden_states(aux_layers, max_tokens, self.dtype, self.device)
         return head
 
     @torch.inference_mode()
@@ -291,6 +293,13 @@ class ModelRunner:
             if prompt_rows is not None:
                 prompt_hidden = hidden[prompt_rows]
         return (self.model.compute_logits(hidden[rows]) if rows.numel() else None), prompt_hidden
+
+    def _decode_rows(self, batch: SchedulerOutput) -> int:
+        """Rows the step's decoding sequences take at the head of its hidden states (and of
+        the model's `aux_hidden_states`): a captured prompt step pads them to its bucket."""
+        if self._replays_prompt(batch):
+            return self.prompt_graphs.layout.bucket(batch)[0]
+        return batch.num_decodes
 
     def _replays_decode(self, batch: SchedulerOutput) -> bool:
         return not batch.is_prefill and self.graphs is not None

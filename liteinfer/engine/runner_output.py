@@ -36,6 +36,7 @@ class HeadCatchUp:
     positions: torch.Tensor    # [T] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [R] int64: the step's token rows that sample, in sample order
+    aux_rows: torch.Tensor     # [T] int64: each token's row in the target's aux hidden states
 
 
 @dataclass

@@ -155,6 +155,9 @@ def test_server_with_speculative_config_flag(tiny_llm, tiny_llama_dir):
         engine.shutdown()
 
 
+# A captured prompt step's padding tokens (no query tile maps them) take whatever memory the
+# attention output held, which may overflow in the interpreted kernels; no real row reads them.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_captured_draft_passes_replayed_eagerly(tiny_llm, tiny_llama_dir, monkeypatch):
     """The draft model's passes as its captured graphs run them (static buffers, batches
     padded to captured sizes, its catch-up in the target's captured step layouts), each

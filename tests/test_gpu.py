@@ -125,10 +125,13 @@ def test_draft_model_graphs_equal_eager(model_dir, prompts, fp32_reference, name
                                                     "enforce_eager": not graphs})
         outputs = llm.generate(prompts[:11], params, use_tqdm=False)
         alone = llm.generate(prompts[11:12], greedy(20), use_tqdm=False)
-        runs[graphs] = [o.outputs[0].token_ids for o in outputs + alone]
+        # Its second token has no room for drafts: a decode step of its own.
+        short = llm.generate(prompts[12:13], greedy(2), use_tqdm=False)
+        runs[graphs] = [o.outputs[0].token_ids for o in outputs + alone + short]
         stats = llm.engine.core.scheduler.stats().spec_decoding
         assert stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens
-    assert runs[True] == runs[False] == [r[:n] for r, n in zip(fp32_reference, lengths + [20])]
+    assert runs[True] == runs[False] == [r[:n] for r, n in zip(fp32_reference,
+                                                                lengths + [20, 2])]
     drafter = llm.engine.core.runner.drafter
     kinds = {"proposals": [g for g, _ in drafter.proposals.graphs.graphs.values()],
              "prompt catch-up": list(drafter.prompt_graphs.graphs.values()),
@@ -178,8 +181,10 @@ def test_eagle3_graphs_equal_eager(model_dir, prompts, fp32_reference, name, tmp
         policy.record = lambda *_: None
         outputs = llm.generate(prompts[:11], [greedy(n) for n in lengths], use_tqdm=False)
         alone = llm.generate(prompts[11:12], greedy(20), use_tqdm=False)
-        runs[graphs] = [o.outputs[0].token_ids for o in outputs + alone]
-    assert runs[True] == runs[False] == [r[:n] for r, n in zip(fp32_reference, lengths + [20])]
+        short = llm.generate(prompts[12:13], greedy(2), use_tqdm=False)  # a decode step
+        runs[graphs] = [o.outputs[0].token_ids for o in outputs + alone + short]
+    assert runs[True] == runs[False] == [r[:n] for r, n in zip(fp32_reference,
+                                                                lengths + [20, 2])]
     runner = llm.engine.core.runner
     kinds = {"target decode": [g for g, _ in runner.graphs.graphs.graphs.values()],
              "target prompt": list(runner.prompt_graphs.graphs.values()),

@@ -130,9 +130,11 @@ class ModelRunner:
                                    self.backend, ops)))
         if not head.has_own_embedding:
             head.share_embedding(self.model)
-        # Room for any step's tokens, a captured prompt step's padding included.
-        max_tokens = max(self.config.max_num_batched_tokens,
-                         self.config.max_num_seqs + self.config.mixed_prompt_tokens)
+        # Room for any step's tokens: a prompt budget's, a verification step's (every sequence
+        # with its drafts), a captured prompt step's with its padding.
+        config = self.config
+        max_tokens = max(config.max_num_batched_tokens, config.max_sampled_rows,
+                         config.max_num_seqs + config.mixed_prompt_tokens)
         self.model.keep_aux_hidden_states(aux_layers, max_tokens, self.dtype, self.device)
         return head
 

@@ -155,18 +155,15 @@ def test_server_with_speculative_config_flag(tiny_llm, tiny_llama_dir):
         engine.shutdown()
 
 
-# A captured prompt step's padding tokens (no query tile maps them) take whatever memory the
-# attention output held, which may overflow in the interpreted kernels; no real row reads them.
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_captured_draft_passes_replayed_eagerly(tiny_llm, tiny_llama_dir, monkeypatch):
-    """The draft model's passes as its captured graphs run them (static buffers, batches
-    padded to captured sizes, its catch-up in the target's captured step layouts), each
-    "graph" replayed by running its captured call again on the CPU with the Triton kernels:
-    the same tokens as plain decoding, the drafts accepted, and every kind of graph replayed."""
+def replay_captures_eagerly(monkeypatch) -> list:
+    """CUDA graphs stood in for on the CPU: capturing a call runs it once, and each replay
+    runs it again and writes its output where the capture's was, as a graph does; a step's
+    staged inputs are written straight to the buffer its graph reads. Returns the list each
+    replayed stand-in is appended to."""
     import liteinfer.engine.cuda_graph as cuda_graph
     import liteinfer.engine.prompt_graph as prompt_graph
 
-    class HostInputs:  # the device buffer is the host's: nothing to send
+    class HostInputs:
         def __init__(self, size, device):
             self.dev = torch.zeros(size, dtype=torch.int32)
 
@@ -178,7 +175,7 @@ def test_captured_draft_passes_replayed_eagerly(tiny_llm, tiny_llama_dir, monkey
 
     replays = []
 
-    class Replay:  # writes its outputs where the capture left them, as a graph does
+    class Replay:
         def __init__(self, forward, out):
             self.forward, self.out = forward, out
 
@@ -195,6 +192,18 @@ def test_captured_draft_passes_replayed_eagerly(tiny_llm, tiny_llama_dir, monkey
     for module in (cuda_graph, prompt_graph):
         monkeypatch.setattr(module, "capture_graph", capture)
         monkeypatch.setattr(module, "StagedInputs", HostInputs)
+    return replays
+
+
+# A captured prompt step's padding tokens (no query tile maps them) take whatever memory the
+# attention output held, which may overflow in the interpreted kernels; no real row reads them.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_captured_draft_passes_replayed_eagerly(tiny_llm, tiny_llama_dir, monkeypatch):
+    """The draft model's passes as its captured graphs run them (static buffers, batches
+    padded to captured sizes, its catch-up in the target's captured step layouts), replayed
+    on the CPU with the Triton kernels (`replay_captures_eagerly`): the same tokens as plain
+    decoding, the drafts accepted, and its proposal and prompt-step graphs replayed."""
+    replays = replay_captures_eagerly(monkeypatch)
     prompts = random_prompts(3, 384, 5, 40, seed=5)
     lengths = [24, 17, 9]  # sequences finish at different steps: 3, 2 and 1 of 4 rows
     ref = token_ids(tiny_llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False))

@@ -15,7 +15,9 @@ hidden states (`Eagle3Runner`).
 Where the target's steps are captured, so are the draft model's: its pass over a step's
 tokens has the target step's shape and replays the same kinds of graphs (decode steps
 without the LM head, prompt steps), and its proposal passes replay one graph per batch size
-(`ProposalPasses`), as the target's decode steps do.
+(`ProposalPasses`), as the target's decode steps do. An EAGLE-3 head's proposal passes are
+captured alike; its catch-up runs eagerly on the hidden states the target's steps, captured
+or not, leave in one buffer (`LlamaForCausalLM.keep_aux_hidden_states`).
 """
 from __future__ import annotations
 

@@ -126,9 +126,9 @@ def test_head_reads_the_targets_captured_steps(tiny_llm, tiny_llama_dir, tmp_pat
 
     monkeypatch.setattr(ModelDraftsProposer, "propose", recorded)
     head = write_eagle3_head(tmp_path / "head")
-    prompts = random_prompts(3, 384, 4, 10, seed=41) + random_prompts(1, 384, 100, 100, seed=42)
+    prompts = random_prompts(3, 384, 4, 10, seed=41) + random_prompts(1, 384, 40, 40, seed=42)
     # The short prompts draft nothing before min_tokens: they decode beside the long one.
-    params = [greedy(24, min_tokens=24)] * 3 + [greedy(16)]
+    params = [greedy(16, min_tokens=16)] * 3 + [greedy(12)]
     ref = token_ids(tiny_llm.generate(prompts, params, use_tqdm=False))
     padded = []
     for captured in (False, True):
@@ -157,7 +157,7 @@ def test_head_reads_the_targets_captured_steps(tiny_llm, tiny_llama_dir, tmp_pat
     assert replayed & {id(g) for g in runner.prompt_graphs.graphs.values()}
     assert replayed & {id(g) for g, _ in runner.drafter.proposals.graphs.graphs.values()}
     both = proposed[False].keys() & proposed[True].keys()
-    assert len(both) >= 10
+    assert len(both) >= 8
     for key in both:
         eager, graphs = proposed[False][key], proposed[True][key]
         n = min(len(eager), len(graphs))  # the room for drafts may differ

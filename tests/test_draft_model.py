@@ -153,3 +153,77 @@ def test_server_with_speculative_config_flag(tiny_llm, tiny_llama_dir):
             assert greedy_completion_texts(url, prompt, 30) == (ref, ref)
     finally:
         engine.shutdown()
+
+
+def replay_captures_eagerly(monkeypatch) -> list:
+    """CUDA graphs stood in for on the CPU: capturing a call runs it once, and each replay
+    runs it again and writes its output where the capture's was, as a graph does; a step's
+    staged inputs are written straight to the buffer its graph reads. Returns the list each
+    replayed stand-in is appended to."""
+    import liteinfer.engine.cuda_graph as cuda_graph
+    import liteinfer.engine.prompt_graph as prompt_graph
+
+    class HostInputs:
+        def __init__(self, size, device):
+            self.dev = torch.zeros(size, dtype=torch.int32)
+
+        def host(self):
+            return self.dev.numpy()
+
+        def send(self, used):
+            pass
+
+    replays = []
+
+    class Replay:
+        def __init__(self, forward, out):
+            self.forward, self.out = forward, out
+
+        def replay(self):
+            replays.append(self)
+            out = self.forward()
+            if out is not None:
+                self.out.copy_(out)
+
+    def capture(forward, pool):
+        out = forward()
+        return Replay(forward, out), out
+
+    for module in (cuda_graph, prompt_graph):
+        monkeypatch.setattr(module, "capture_graph", capture)
+        monkeypatch.setattr(module, "StagedInputs", HostInputs)
+    return replays
+
+
+# A captured prompt step's padding tokens (no query tile maps them) take whatever memory the
+# attention output held, which may overflow in the interpreted kernels; no real row reads them.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_captured_draft_passes_replayed_eagerly(tiny_llm, tiny_llama_dir, monkeypatch):
+    """The draft model's passes as its captured graphs run them (static buffers, batches
+    padded to captured sizes, its catch-up in the target's captured step layouts), replayed
+    on the CPU with the Triton kernels (`replay_captures_eagerly`): the same tokens as plain
+    decoding, the drafts accepted, and its proposal and prompt-step graphs replayed."""
+    replays = replay_captures_eagerly(monkeypatch)
+    prompts = random_prompts(3, 384, 5, 40, seed=5)
+    lengths = [24, 17, 9]  # sequences finish at different steps: 3, 2 and 1 of 4 rows
+    ref = token_ids(tiny_llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False))
+    llm = build_llm(str(tiny_llama_dir), **ENGINE, attention_backend="triton", max_num_seqs=4,
+                    max_num_batched_tokens=32, mixed_prompt_tokens=16,
+                    speculative_config=draft_config(tiny_llama_dir, k=3))
+    try:
+        drafter = llm.engine.core.runner.drafter
+        drafter.capture_graphs(None)
+        replays.clear()
+        outputs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+        assert token_ids(outputs) == ref
+        stats = spec_stats(llm)
+        assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens
+        proposal_graphs = {id(g) for g, _ in drafter.proposals.graphs.graphs.values()}
+        prompt_graphs = {id(g) for g in drafter.prompt_graphs.graphs.values()}
+        replayed = {id(r) for r in replays}
+        assert replayed & proposal_graphs and replayed & prompt_graphs
+        # Three sequences proposed in the graphs of four rows: one row padded.
+        assert replayed & {id(drafter.proposals.graphs.graphs[4, may_split][0])
+                           for may_split in (True, False)}
+    finally:
+        release(llm)

@@ -13,13 +13,15 @@ from safetensors.torch import save_file
 
 from fixtures import TINY_LLAMA, build_llm
 from reference import random_prompts
+from test_draft_model import replay_captures_eagerly
 from test_spec_decode import ENGINE, greedy, release, spec_stats, token_ids
 
 DRAFT_VOCAB = 256
 
 
 def write_eagle3_head(directory: Path, aux_layers: list[int] | None = (0, 1, 1),
-                      drop: str | None = None, hidden_size: int = TINY_LLAMA["hidden_size"]
+                      drop: str | None = None, hidden_size: int = TINY_LLAMA["hidden_size"],
+                      max_position_embeddings: int = TINY_LLAMA["max_position_embeddings"]
                       ) -> Path:
     """A random EAGLE-3 head for the tiny Llama (TINY_LLAMA's attention and MLP shapes), its
     draft vocabulary a random subset of the target's. `aux_layers`: the config's
@@ -55,7 +57,7 @@ def write_eagle3_head(directory: Path, aux_layers: list[int] | None = (0, 1, 1),
               "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": 1,
               "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
               "draft_vocab_size": DRAFT_VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "max_position_embeddings": TINY_LLAMA["max_position_embeddings"]}
+              "max_position_embeddings": max_position_embeddings}
     if aux_layers is not None:
         config["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
     (directory / "config.json").write_text(json.dumps(config))
@@ -97,3 +99,66 @@ def test_bad_heads_are_clear_errors(tiny_llama_dir, tmp_path):
             (write_eagle3_head(tmp_path / "c", hidden_size=32), "hidden size")):
         with pytest.raises(ValueError, match=match):
             build_llm(str(tiny_llama_dir), **ENGINE, speculative_config=eagle3_config(head))
+
+
+# A captured prompt step's padding tokens (no query tile maps them) take whatever memory the
+# attention output held, which may overflow in the interpreted kernels; no real row reads them.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_head_reads_the_targets_captured_steps(tiny_llm, tiny_llama_dir, tmp_path, monkeypatch):
+    """The target's steps as its captured graphs run them, replayed on the CPU with the Triton
+    kernels (`replay_captures_eagerly`): three sequences decode beside a long prompt's chunks
+    and then its verifications, in steps whose decoding rows are padded to four, so the
+    hidden states the head reads sit past the padding. The head proposes the same drafts
+    after each of the long prompt's lengths as with every step eager, and the tokens are
+    plain decoding's."""
+    from liteinfer.engine.prompt_graph import capture_step_graphs
+    from liteinfer.spec_decode.model_drafts import ModelDraftsProposer
+
+    replays = replay_captures_eagerly(monkeypatch)
+    proposed: dict[bool, dict[tuple[int, ...], list[int]]] = {False: {}, True: {}}
+    propose = ModelDraftsProposer.propose
+
+    def recorded(self, request_id, prompt_len, token_ids, max_tokens):
+        drafts = propose(self, request_id, prompt_len, token_ids, max_tokens)
+        if drafts:
+            proposed[captured][tuple(token_ids)] = drafts
+        return drafts
+
+    monkeypatch.setattr(ModelDraftsProposer, "propose", recorded)
+    head = write_eagle3_head(tmp_path / "head")
+    prompts = random_prompts(3, 384, 4, 10, seed=41) + random_prompts(1, 384, 40, 40, seed=42)
+    # The short prompts draft nothing before min_tokens: they decode beside the long one.
+    params = [greedy(16, min_tokens=16)] * 3 + [greedy(12)]
+    ref = token_ids(tiny_llm.generate(prompts, params, use_tqdm=False))
+    padded = []
+    for captured in (False, True):
+        llm = build_llm(str(tiny_llama_dir), **ENGINE, attention_backend="triton",
+                        max_num_seqs=4, max_num_batched_tokens=32, mixed_prompt_tokens=16,
+                        speculative_config=eagle3_config(head))
+        try:
+            # A random head's drafts are rejected: hold the acceptance the draft length
+            # follows at 1 (as `liteinfer-bench spec` does), so that every step drafts.
+            policy = llm.engine.core.scheduler.speculator.policy
+            policy.mean_accepted = policy.mean_trials = 1.0
+            policy.record = lambda *_: None
+            runner = llm.engine.core.runner
+            if captured:
+                runner.graphs, runner.prompt_graphs = capture_step_graphs(
+                    runner.step_model, runner.config, runner.max_blocks_per_seq, None)
+                runner.drafter.capture_graphs(None)
+                replays.clear()
+                runner.drafter.decode_rows = lambda b, rows=runner.drafter.decode_rows: (
+                    padded.append((b.num_decodes, rows(b))) or padded[-1][1])
+            assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == ref
+        finally:
+            release(llm)
+    assert any(d < rows for d, rows in padded)  # decoding rows were padded
+    replayed = {id(r) for r in replays}
+    assert replayed & {id(g) for g in runner.prompt_graphs.graphs.values()}
+    assert replayed & {id(g) for g, _ in runner.drafter.proposals.graphs.graphs.values()}
+    both = proposed[False].keys() & proposed[True].keys()
+    assert len(both) >= 8
+    for key in both:
+        eager, graphs = proposed[False][key], proposed[True][key]
+        n = min(len(eager), len(graphs))  # the room for drafts may differ
+        assert eager[:n] == graphs[:n]

@@ -105,6 +105,102 @@ def test_draft_model_token_for_token(model_dir, prompts, fp32_reference, name):
     assert stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens
 
 
+@pytest.mark.parametrize("name", ["default", "chunked"])
+def test_draft_model_graphs_equal_eager(model_dir, prompts, fp32_reference, name, monkeypatch):
+    """Under CUDA graphs the draft model's passes over the steps' tokens (decode and prompt
+    steps) and its proposals (batches padded to captured sizes, as the sequences finish at
+    different lengths) replay its own graphs: the same tokens as with every step eager,
+    transformers' greedy tokens, and its drafts as often accepted."""
+    replayed = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replayed.append(id(g)) or
+                        replay(g))
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 4}
+    lengths = [20 - 3 * (i % 5) for i in range(11)]
+    params = [greedy(n) for n in lengths]
+    runs = {}
+    for graphs in (False, True):
+        llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024,
+                        speculative_config=spec, **{"max_num_seqs": 48, **CONFIGS[name],
+                                                    "enforce_eager": not graphs})
+        outputs = llm.generate(prompts[:11], params, use_tqdm=False)
+        alone = llm.generate(prompts[11:12], greedy(20), use_tqdm=False)
+        # Its second token has no room for drafts: a decode step of its own.
+        short = llm.generate(prompts[12:13], greedy(2), use_tqdm=False)
+        runs[graphs] = [o.outputs[0].token_ids for o in outputs + alone + short]
+        stats = llm.engine.core.scheduler.stats().spec_decoding
+        assert stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens
+    assert runs[True] == runs[False] == [r[:n] for r, n in zip(fp32_reference,
+                                                                lengths + [20, 2])]
+    drafter = llm.engine.core.runner.drafter
+    kinds = {"proposals": [g for g, _ in drafter.proposals.graphs.graphs.values()],
+             "prompt catch-up": list(drafter.prompt_graphs.graphs.values()),
+             "decode catch-up": [g for g, _ in drafter.graphs.graphs.graphs.values()]}
+    for kind, graphs in kinds.items():
+        assert {id(g) for g in graphs} & set(replayed), f"no {kind} graph replayed"
+    padded = {id(g) for (bs, _), (g, _) in drafter.proposals.graphs.graphs.items() if bs == 16}
+    assert padded & set(replayed), "no proposals of 9 to 15 sequences"
+
+
+@pytest.mark.parametrize("name", ["default", "chunked"])
+def test_eagle3_graphs_equal_eager(model_dir, prompts, fp32_reference, name, tmp_path,
+                                   monkeypatch):
+    """An EAGLE-3 head beside the target's captured steps, which keep the hidden states it
+    reads in one buffer (decode steps, prompt steps with padded decoding rows), its proposals
+    replaying its own graphs: transformers' tokens, as with every step eager, and the head
+    proposes the same drafts after the same tokens (a head reading the wrong rows would not)."""
+    from liteinfer.spec_decode.model_drafts import ModelDraftsProposer
+    from test_eagle3 import eagle3_config, write_eagle3_head
+
+    replayed = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replayed.append(id(g)) or
+                        replay(g))
+    proposed: dict[bool, dict[tuple[int, ...], list[int]]] = {False: {}, True: {}}
+    propose = ModelDraftsProposer.propose
+
+    def recorded(self, request_id, prompt_len, token_ids, max_tokens):
+        drafts = propose(self, request_id, prompt_len, token_ids, max_tokens)
+        if drafts:
+            proposed[graphs][tuple(token_ids)] = drafts
+        return drafts
+
+    monkeypatch.setattr(ModelDraftsProposer, "propose", recorded)
+    # A random head's drafts are rejected: hold the acceptance the draft length follows at 1
+    # (as `liteinfer-bench spec` does), so that every step drafts.
+    head = write_eagle3_head(tmp_path / "head", aux_layers=(0, 1, 2), hidden_size=512,
+                             max_position_embeddings=4096)
+    lengths = [20 - 3 * (i % 5) for i in range(11)]
+    runs = {}
+    for graphs in (False, True):
+        llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024,
+                        speculative_config=eagle3_config(head, k=4),
+                        **{"max_num_seqs": 48, **CONFIGS[name], "enforce_eager": not graphs})
+        policy = llm.engine.core.scheduler.speculator.policy
+        policy.mean_accepted = policy.mean_trials = 1.0
+        policy.record = lambda *_: None
+        outputs = llm.generate(prompts[:11], [greedy(n) for n in lengths], use_tqdm=False)
+        alone = llm.generate(prompts[11:12], greedy(20), use_tqdm=False)
+        short = llm.generate(prompts[12:13], greedy(2), use_tqdm=False)  # a decode step
+        runs[graphs] = [o.outputs[0].token_ids for o in outputs + alone + short]
+    assert runs[True] == runs[False] == [r[:n] for r, n in zip(fp32_reference,
+                                                                lengths + [20, 2])]
+    runner = llm.engine.core.runner
+    kinds = {"target decode": [g for g, _ in runner.graphs.graphs.graphs.values()],
+             "target prompt": list(runner.prompt_graphs.graphs.values()),
+             "proposals": [g for g, _ in runner.drafter.proposals.graphs.graphs.values()]}
+    for kind, captured in kinds.items():
+        assert {id(g) for g in captured} & set(replayed), f"no {kind} graph replayed"
+    both = proposed[False].keys() & proposed[True].keys()
+    assert len(both) > 100
+    same = 0
+    for key in both:
+        eager, captured = proposed[False][key], proposed[True][key]
+        n = min(len(eager), len(captured))  # the room for drafts may differ
+        same += eager[:n] == captured[:n]
+    assert same > 0.95 * len(both)
+
+
 @pytest.mark.parametrize("name", ["eager", "default", "prompt-graphs-narrow", "chunked"])
 @pytest.mark.parametrize("corrupt", [0.0, 0.5])
 def test_speculative_decoding_token_for_token(model_dir, prompts, fp32_reference, name, corrupt):

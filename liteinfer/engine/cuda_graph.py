@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -72,16 +72,44 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+class GraphsBySize(Generic[T]):
+    """A step captured once per batch size up to max_num_seqs (`capture_sizes`) and, where
+    the split-K grid width depends on it, per whether a row may split
+    (kernels/decode_splits.max_splits_for); a step of n rows replays the smallest size >= n.
+    `forward(batch_size, may_split)` reads its inputs from buffers that outlive the capture."""
+
+    def __init__(self, forward: Callable[[int, bool], T], step_model: StepModel,
+                 max_num_seqs: int, pool):
+        self.sizes = capture_sizes(max_num_seqs)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, T]] = {}
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
+            self.graphs[bs, True] = capture_graph(lambda bs=bs: forward(bs, True), pool)
+            same_width = step_model.split_width(bs, False) == step_model.split_width(bs, True)
+            self.graphs[bs, False] = self.graphs[bs, True] if same_width else capture_graph(
+                lambda bs=bs: forward(bs, False), pool)
+
+    def size_for(self, num_rows: int) -> int:
+        """The captured batch size a step of `num_rows` sequences replays."""
+        return next(s for s in self.sizes if s >= num_rows)
+
+    def replay(self, batch_size: int, may_split: bool) -> T:
+        """Launches the graph of (batch_size, may_split); returns its captured output."""
+        graph, out = self.graphs[batch_size, may_split]
+        graph.replay()
+        return out
+
+
 class CUDAGraphRunner:
     """Captures decode steps of every batch size up to max_num_seqs (pool: the graph memory
-    pool shared with captured prompt steps) and replays the step's size."""
+    pool shared with captured prompt steps) and replays the step's size. `logits`: whether
+    the step ends with the LM head (a draft model's catch-up does not)."""
 
     def __init__(self, step_model: StepModel, max_num_seqs: int, table_width: int,
-                 block_size: int, device: torch.device, pool):
+                 block_size: int, device: torch.device, pool, logits: bool = True):
         self.step_model = step_model
         self.block_size = block_size
-        self.sizes = capture_sizes(max_num_seqs)
-        self.max_bs = self.sizes[-1]
+        self.logits = logits
+        self.max_bs = capture_sizes(max_num_seqs)[-1]
         self.width = table_width
         n = self.max_bs
         # Layout: ids | pending rows | positions | slots | context lens | block tables.
@@ -91,14 +119,7 @@ class CUDAGraphRunner:
         self.block_tables = self.inputs.dev[5 * n:].view(n, self.width)
         self.pending_rows.fill_(-1)
         self.slots.fill_(-1)
-        # One graph per batch size and, where the split-K grid width depends on it, per whether a
-        # row may split (kernels/decode_splits.max_splits_for).
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory
-            self.graphs[bs, True] = capture_graph(lambda bs=bs: self._forward(bs, True), pool)
-            same_width = step_model.split_width(bs, False) == step_model.split_width(bs, True)
-            self.graphs[bs, False] = self.graphs[bs, True] if same_width else capture_graph(
-                lambda bs=bs: self._forward(bs, False), pool)
+        self.graphs = GraphsBySize(self._forward, step_model, max_num_seqs, pool)
 
     def _forward(self, bs: int, may_split: bool) -> torch.Tensor:
         meta = AttentionMetadata(is_prefill=False, slot_mapping=self.slots[:bs],
@@ -107,11 +128,12 @@ class CUDAGraphRunner:
         sm = self.step_model
         sm.set_split_k(meta, bs, may_split)  # split counts are chosen in the graph
         ids = sm.with_pending(self.input_ids[:bs], self.pending_rows[:bs])
-        return sm.model.compute_logits(sm.model(ids, self.positions[:bs], meta))
+        hidden = sm.model(ids, self.positions[:bs], meta)
+        return sm.model.compute_logits(hidden) if self.logits else hidden
 
     def size_for(self, num_rows: int) -> int:
         """The captured batch size a step of `num_rows` sequences replays."""
-        return next(s for s in self.sizes if s >= num_rows)
+        return self.graphs.size_for(num_rows)
 
     def stage(self, batch: SchedulerOutput) -> StagedDecode:
         """Sends the step's inputs to the device buffer (behind the work already queued, which
@@ -144,7 +166,6 @@ class CUDAGraphRunner:
         return StagedDecode(bs, self.step_model.rows_may_split(lens), n)
 
     def replay(self, staged: StagedDecode) -> torch.Tensor:
-        """The staged step's logits, once launched: [rows, vocab]."""
-        graph, logits = self.graphs[staged.batch_size, staged.may_split]
-        graph.replay()
-        return logits[:staged.num_rows]
+        """The staged step's logits (its final hidden states without `logits`), once
+        launched: [rows, vocab]."""
+        return self.graphs.replay(staged.batch_size, staged.may_split)[:staged.num_rows]

@@ -12,7 +12,7 @@ from torch import nn
 from liteinfer.attention import allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.attention.batch_invariant import BatchInvariantBackend
 from liteinfer.config import EngineConfig, ModelConfig
-from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
+from liteinfer.engine.cuda_graph import StagedDecode
 from liteinfer.engine.draft_runner import (
     DraftModelRunner,
     Eagle3Runner,
@@ -21,6 +21,7 @@ from liteinfer.engine.draft_runner import (
 )
 from liteinfer.engine.instrumentation import DECODE_GRAPH, EAGER, PROMPT_GRAPH, StepRun
 from liteinfer.engine.messages import TokenLogprobs
+from liteinfer.engine.prompt_graph import capture_step_graphs
 from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
 from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
 from liteinfer.engine.scheduler import SchedulerOutput
@@ -94,7 +95,8 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)
         self.drafter: DraftModelRunner | None = None
         if isinstance(draft, Eagle3LlamaForCausalLM):
-            self.drafter = Eagle3Runner(draft, self.model, self._bind_kv_pool(draft),
+            self.drafter = Eagle3Runner(draft, self.model, self._decode_rows,
+                                        self._bind_kv_pool(draft),
                                         self.step_model.sampled_tokens, config,
                                         self.max_blocks_per_seq, self.device)
         elif draft is not None:
@@ -102,30 +104,20 @@ class ModelRunner:
                                             self.step_model.sampled_tokens, config,
                                             self.max_blocks_per_seq, self.device)
         self.graphs = self.prompt_graphs = None
-        # The captured steps do not keep the hidden states an EAGLE-3 head reads.
-        if (self.device.type == "cuda" and self.use_triton and not config.enforce_eager
-                and not isinstance(self.drafter, Eagle3Runner)):
-            from liteinfer.engine.prompt_graph import PromptGraphRunner, PromptStepLayout
+        if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
-            # Batch-invariant attention takes a prompt step's query tiles from the host, which
-            # a captured prompt step does not have: those steps run eagerly in that mode.
-            if not config.batch_invariant:
-                layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens,
-                                          self.max_blocks_per_seq, self.block_size,
-                                          self.query_group_size,
-                                          self.step_model.max_decode_splits)
-                self.prompt_graphs = PromptGraphRunner(self.step_model, layout,
-                                                       model_config.hidden_size, self.dtype,
-                                                       self.device, pool)
-            self.graphs = CUDAGraphRunner(self.step_model, config.max_num_seqs,
-                                          self.max_blocks_per_seq, self.block_size,
-                                          self.device, pool)
+            self.graphs, self.prompt_graphs = capture_step_graphs(
+                self.step_model, config, self.max_blocks_per_seq, pool)
+            if self.drafter is not None:
+                self.drafter.capture_graphs(pool)
 
     def release_graphs(self) -> None:
         """Frees the captured graphs. A tensor-parallel rank does so before leaving its group:
         NCCL's teardown hangs while graphs that captured its collectives live
         (pytorch/pytorch#115388)."""
         self.graphs = self.prompt_graphs = None
+        if self.drafter is not None:
+            self.drafter.release_graphs()
         free_device_memory()
 
     def _load_eagle3_head(self, cfg: ModelConfig, source: ModelSource
@@ -138,7 +130,12 @@ class ModelRunner:
                                    self.backend, ops)))
         if not head.has_own_embedding:
             head.share_embedding(self.model)
-        self.model.aux_hidden_state_layers = aux_layers
+        # Room for any step's tokens: a prompt budget's, a verification step's (every sequence
+        # with its drafts), a captured prompt step's with its padding.
+        config = self.config
+        max_tokens = max(config.max_num_batched_tokens, config.max_sampled_rows,
+                         config.max_num_seqs + config.mixed_prompt_tokens)
+        self.model.keep_aux_hidden_states(aux_layers, max_tokens, self.dtype, self.device)
         return head
 
     @torch.inference_mode()
@@ -298,6 +295,13 @@ class ModelRunner:
             if prompt_rows is not None:
                 prompt_hidden = hidden[prompt_rows]
         return (self.model.compute_logits(hidden[rows]) if rows.numel() else None), prompt_hidden
+
+    def _decode_rows(self, batch: SchedulerOutput) -> int:
+        """Rows the step's decoding sequences take at the head of its hidden states (and of
+        the model's `aux_hidden_states`): a captured prompt step pads them to its bucket."""
+        if self._replays_prompt(batch):
+            return self.prompt_graphs.layout.bucket(batch)[0]
+        return batch.num_decodes
 
     def _replays_decode(self, batch: SchedulerOutput) -> bool:
         return not batch.is_prefill and self.graphs is not None

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata
-from liteinfer.engine.cuda_graph import StagedInputs, capture_graph
+from liteinfer.config import EngineConfig
+from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedInputs, capture_graph
 from liteinfer.engine.scheduler import SchedulerOutput, padded_decodes, prompt_piece_sizes
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.engine.step_model import StepModel
@@ -187,3 +188,23 @@ class PromptGraphRunner:
         t = d_size + p_size
         rows = self.layout.sample_rows(self.inputs.dev, len(step.sample_rows))
         return self.out_hidden[:t], rows
+
+
+def capture_step_graphs(step_model: StepModel, config: EngineConfig, table_width: int, pool,
+                        logits: bool = True
+                        ) -> tuple[CUDAGraphRunner, PromptGraphRunner | None]:
+    """A model's captured decode steps and prompt steps (pool: shared by every graph, as they
+    replay one at a time); `logits`: whether decode steps end with the LM head. Batch-invariant
+    attention takes a prompt step's query tiles from the host, which a captured prompt step
+    does not have: those steps run eagerly in that mode (None)."""
+    prompt_graphs = None
+    if not config.batch_invariant:
+        layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens, table_width,
+                                  config.block_size, step_model.query_group_size,
+                                  step_model.max_decode_splits)
+        prompt_graphs = PromptGraphRunner(step_model, layout,
+                                          step_model.model.config.hidden_size,
+                                          config.torch_dtype, step_model.device, pool)
+    graphs = CUDAGraphRunner(step_model, config.max_num_seqs, table_width, config.block_size,
+                             step_model.device, pool, logits)
+    return graphs, prompt_graphs

@@ -15,7 +15,8 @@ class ProposalPlan:
     """A step's proposals, planned on the host before its launch (the scheduler advances the
     sequences' counters right after): per proposing sequence, in `seq_indices` order, its
     sampled rows, the drafts it verifies, the position its first verified token takes, and
-    its block table."""
+    its block table; and whether a proposal's row may split its attention (split-K), from the
+    host's bound on its length."""
 
     num_tokens: int           # k: drafts proposed per sequence
     seq_indices: list[int]    # the step's sequences that propose (sampling, with room)
@@ -23,6 +24,7 @@ class ProposalPlan:
     drafts: torch.Tensor       # [S, K] int64: the drafts verified, -1 past a sequence's own
     base: torch.Tensor         # [S] int64: the position of the first sampled token
     block_tables: torch.Tensor  # [S, table width] int32
+    may_split: bool
 
 
 @dataclass
@@ -34,6 +36,7 @@ class HeadCatchUp:
     positions: torch.Tensor    # [T] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [R] int64: the step's token rows that sample, in sample order
+    aux_rows: torch.Tensor     # [T] int64: each token's row in the target's aux hidden states
 
 
 @dataclass

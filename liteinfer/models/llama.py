@@ -153,9 +153,18 @@ class LlamaForCausalLM(nn.Module):
         # Set by the runner once the model sits on its device (fp32, see layers/rotary.py).
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
         # Layers whose input (the residual stream entering them) an EAGLE-3 head reads, and
-        # those of the last forward pass side by side ([tokens, hidden * layers]).
+        # where each forward pass writes them side by side ([tokens, hidden * layers]: one
+        # buffer, so that captured steps leave them where the head reads them).
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
+
+    def keep_aux_hidden_states(self, layers: tuple[int, ...], max_tokens: int,
+                               dtype: torch.dtype, device: torch.device) -> None:
+        """Each forward pass (of at most `max_tokens` tokens) keeps the input of `layers` in
+        the first rows of `aux_hidden_states`, in that order."""
+        self.aux_hidden_state_layers = layers
+        self.aux_hidden_states = torch.empty(max_tokens, len(layers) * self.config.hidden_size,
+                                             dtype=dtype, device=device)
 
     def make_mlp(self, layer: int, ops: LayerOps, tp_rank: int, tp_size: int) -> nn.Module:
         """Layer `layer`'s MLP (a family with experts puts them here)."""
@@ -165,14 +174,12 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """The residual stream after the last layer (the final norm runs with the LM head)."""
         x = self.embed_tokens(input_ids)
-        aux = {}
         for i, layer in enumerate(self.layers):
-            if i in self.aux_hidden_state_layers:
-                aux[i] = x.clone()  # the layer adds to x in place
+            for j, aux_layer in enumerate(self.aux_hidden_state_layers):
+                if aux_layer == i:  # before the layer adds to x in place
+                    width = x.shape[-1]
+                    self.aux_hidden_states[:x.shape[0], j * width:(j + 1) * width].copy_(x)
             layer(x, positions, self.cos_sin_cache, meta)
-        if aux:
-            self.aux_hidden_states = torch.cat(
-                [aux[i] for i in self.aux_hidden_state_layers], dim=-1)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ FEWROW_MAX = FEWROW_MAX_ROWS
 # kernels/gemv.py's chunked tile holds 16 KiB, but a code widens to an fp32 here, so registers
 # bound the step; 16 rows a program spread the input's per-step work (its conversion to the
 # tile's layout, its group sums) over more codes than 8 do (NOTES.md, "4-bit weights").
-GEMV_TILE = (16, 8192, 4, 4)
+GEMV_TILE = (16, 16384, 4, 4)
 GEMV_MIN_WAVES = 1
 # The few-row kernel's tile: BLOCK_N features by FEWROW_BLOCK_K_BYTES of packed words a row
 # (256 4-bit codes) a step, fewer where the rows' tile would pass X_TILE_BYTES (it is pipelined
@@ -70,6 +70,10 @@ X_TILE_BYTES = 32768
 # for the tile's layout changes), eight above (the MMA's share grows with the rows).
 FOUR_WARPS_MAX_ROWS = 32
 MAX_SPLITS = 8
+# The GEMV's products carry 2^-PRODUCT_POWER: its inputs times 2^(149 - a) (what undoes a code's
+# denormal exponent) would pass fp32's range, and x 2^(85 - a) stays within it below 2^42.
+PRODUCT_POWER: tl.constexpr = tl.constexpr(64)
+PRODUCT_SCALE: tl.constexpr = tl.constexpr(2.0 ** 64)
 SPLIT_MAX_WAVES = 4
 SPLIT_MIN_K = 1024
 
@@ -105,12 +109,13 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int) -
 
 @triton.jit
 def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPONENT: tl.constexpr):
     """The codes of weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]
-    2^23 + q * 2^(BITS * (k % HALF)), HALF the codes of 16 bits (q 0 past N and K): each code
-    masked where it sits in its word's 16-bit half and OR-ed into 2^23's mantissa, one logic
-    instruction a code (the upper half's shift is one a word). Callers undo the power of two
-    on the code's scale or input (`_half_scales`)."""
+    with the exponent field EXPONENT and the mantissa q 2^(BITS * (k % HALF)), HALF the codes of
+    16 bits (q 0 past N and K): each code masked where it sits in its word's 16-bit half and
+    OR-ed into the exponent, one logic instruction a code (the upper half's shift is one a
+    word). EXPONENT 0 gives the denormal q 2^a 2^-149, exactly, with nothing to subtract;
+    150 gives 2^23 + q 2^a. Callers undo 2^a on the code's scale or input (`_half_scales`)."""
     PER: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PER // 2
     # K is whole groups, each whole words: telling Triton lets it load several words at once.
@@ -132,15 +137,15 @@ def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.co
     j = tl.arange(0, BLOCK_K) % PER
     mask = ((1 << BITS) - 1) << ((j % HALF) * BITS)
     codes = (packed >> ((j // HALF) * 16)[None, :]) & mask[None, :]
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True)
+    return (codes | (EXPONENT << 23)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _half_scales(BITS: tl.constexpr, LENGTH: tl.constexpr):
-    """2^-(BITS * (i % HALF)) for i < LENGTH: what undoes `_code_floats`' power of two of
-    column i (exact: built from its exponent bits)."""
+def _half_scales(BITS: tl.constexpr, LENGTH: tl.constexpr, POWER: tl.constexpr):
+    """2^(POWER - BITS * (i % HALF)) for i < LENGTH: what undoes `_code_floats`' power of two
+    of column i, times 2^POWER (exact: built from its exponent bits)."""
     HALF: tl.constexpr = 16 // BITS
-    exponent = 127 - (tl.arange(0, LENGTH) % HALF) * BITS
+    exponent = 127 + POWER - (tl.arange(0, LENGTH) % HALF) * BITS
     return (exponent << 23).to(tl.float32, bitcast=True)
 
 
@@ -165,29 +170,99 @@ def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr
     exact subtraction and one FMA a code, with scale 2^-a made once a group for each a."""
     HALF: tl.constexpr = 16 // BITS
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
-    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K) - 8388608.0
+    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K,
+                     150) - 8388608.0
     scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
-    half_scales = scale[:, :, None] * _half_scales(BITS, HALF)[None, None, :]
+    half_scales = scale[:, :, None] * _half_scales(BITS, HALF, 0)[None, None, :]
     w = (tl.reshape(q, (BLOCK_N, GROUPS, GROUP_TILE // HALF, HALF)) * half_scales[:, :, None, :]
          - low[:, :, None, None])
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
-def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_in_place, x_bias, x_sums,
-               BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum over k in k0..k0 + BLOCK_K of w[n, k] x[k] for the rows offs_n, by group of the
-    tile (GROUP_TILE columns each): [BLOCK_N, BLOCK_K // GROUP_TILE] fp32. Each code's product
-    with x is one FMA, exact before its one rounding: (2^23 + q 2^a) (x 2^-a) - 2^23 x 2^-a,
-    with x_in_place = x 2^-a and x_bias = -2^23 x 2^-a per column. A group's sum is scaled
-    once, and its min multiplies the group's sum of x (x_sums) instead of every code."""
+def _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The packed words [BLOCK_N, BLOCK_K * BITS / 32] of weight rows offs_n from column k0 on
+    (0 past N and K)."""
+    PER: tl.constexpr = 32 // BITS
+    # K is whole groups, each whole words: telling Triton lets it load several words at once.
+    ALIGN: tl.constexpr = (GROUP & -GROUP) // PER
+    words = tl.multiple_of(K // PER, ALIGN)
+    offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    return tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * words + offs_w[None, :],
+                   mask=n_mask[:, None] & (offs_w < words)[None, :], other=0)
+
+
+@triton.jit
+def _code_float(packed, J: tl.constexpr, BITS: tl.constexpr, EXPONENT: tl.constexpr):
+    """Code J of each packed word as the fp32 of exponent field EXPONENT and mantissa
+    q 2^(BITS * (J % HALF)), HALF the codes of 16 bits: one logic instruction a code masks it in
+    place and ORs in the exponent (the upper half's shift is one a word). Exponent 0 makes the
+    denormal q 2^a 2^-149, exact with nothing to subtract; 150 makes 2^23 + q 2^a."""
+    HALF: tl.constexpr = 16 // BITS
+    word = packed
+    if J >= HALF:
+        word = packed >> 16
+    mask: tl.constexpr = ((1 << BITS) - 1) << (BITS * (J % HALF))
+    return ((word & mask) | (EXPONENT << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _column(t, J: tl.constexpr, WIDTH: tl.constexpr):
+    """Column J of t [rows, WIDTH] (a power of two), split off in halves."""
+    if WIDTH == 1:
+        return tl.reshape(t, (t.shape[0],))
+    else:
+        even, odd = tl.split(tl.reshape(t, (t.shape[0], WIDTH // 2, 2)))
+        if J % 2 == 1:
+            even = odd
+        return _column(even, J // 2, WIDTH // 2)
+
+
+@triton.jit
+def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_ptr, norm_ptr, inv_rms,
+               up_w, up_g, BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+               GATED: tl.constexpr):
+    """sum over k in k0..k0 + BLOCK_K of w[n, k] x[k] for the rows offs_n (gate's and up's
+    when GATED), by group of the tile (GROUP_TILE columns each): [BLOCK_N, BLOCK_K //
+    GROUP_TILE] fp32 each. Code j of a word is the denormal q 2^a 2^-149 and multiplies x
+    2^(149 - a - PRODUCT_POWER) of the word's column j, one FMA a code into the word's sum;
+    the words' sums add up by group, a group is scaled once, and its min multiplies the
+    group's sum of x instead of every code."""
+    PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
-    f = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
-    products = tl.fma(f, x_in_place[None, :], x_bias[None, :])
-    sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, GROUP_TILE)), 2)
+    packed = _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
+    packed_up = packed
+    if GATED:
+        packed_up = _packed_words(qw_ptr + up_w, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N,
+                                  BLOCK_K)
+    # x as [WORDS, PER]: a thread loads its words' inputs whole and takes column j in registers
+    k = tl.arange(0, WORDS)[:, None] * PER + tl.arange(0, PER)[None, :]
+    k_mask = k0 + k < K
+    xf = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
+    if NORM:
+        xf = normalize(xf, norm_ptr + k0, k, k_mask, inv_rms, x_ptr.dtype.element_ty)
+    x_sums = tl.sum(tl.reshape(xf, (GROUPS, GROUP_TILE)), 1)
+    x_in_place = xf * _half_scales(BITS, PER, 149 - PRODUCT_POWER)[None, :]
+    sums = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    sums_up = sums
+    for j in tl.static_range(PER):
+        x_j = _column(x_in_place, j, PER)[None, :]
+        sums = tl.fma(_code_float(packed, j, BITS, 0), x_j, sums)
+        if GATED:
+            sums_up = tl.fma(_code_float(packed_up, j, BITS, 0), x_j, sums_up)
     scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
-    return sums * scale - low * x_sums[None, :]
+    y = (tl.sum(tl.reshape(sums, (BLOCK_N, GROUPS, WORDS // GROUPS)), 2)
+         * (scale * PRODUCT_SCALE) - low * x_sums[None, :])
+    y_up = y
+    if GATED:
+        scale, low = _group_params(s_ptr + up_g, m_ptr + up_g, offs_n, n_mask, k0, K, GROUP,
+                                   GROUPS)
+        y_up = (tl.sum(tl.reshape(sums_up, (BLOCK_N, GROUPS, WORDS // GROUPS)), 2)
+                * (scale * PRODUCT_SCALE) - low * x_sums[None, :])
+    return y, y_up
 
 
 @triton.jit
@@ -199,7 +274,6 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs < N
-    k = tl.arange(0, BLOCK_K)
     words = K // (32 // BITS)
     # gate's rows, then up's: up's words, scales and mins start N rows on
     up_w = N * words
@@ -214,23 +288,14 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
     inv_rms = 1.0
     if NORM:
         inv_rms = row_inv_rms(x_ptr, K, eps, BLOCK_K)
-    in_place = _half_scales(BITS, BLOCK_K)
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     acc_up = acc
     for k0 in range(0, K, BLOCK_K):
-        k_mask = k0 + k < K
-        xf = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
-        if NORM:
-            xf = normalize(xf, norm_ptr + k0, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
-        x_in_place = xf * in_place
-        x_bias = x_in_place * -8388608.0
-        x_sums = tl.sum(tl.reshape(xf, (GROUPS, GROUP_TILE)), 1)
-        acc += _gemv_step(qw_ptr, s_ptr, m_ptr, offs, n_mask, k0, K, x_in_place, x_bias,
-                          x_sums, BITS, GROUP, GROUP_TILE, BLOCK_N, BLOCK_K)
-        if GATED:
-            acc_up += _gemv_step(qw_ptr + up_w, s_ptr + up_g, m_ptr + up_g, offs, n_mask, k0,
-                                 K, x_in_place, x_bias, x_sums, BITS, GROUP, GROUP_TILE,
-                                 BLOCK_N, BLOCK_K)
+        y, y_up = _gemv_step(qw_ptr, s_ptr, m_ptr, offs, n_mask, k0, K, x_ptr, norm_ptr,
+                             inv_rms, up_w, up_g, BITS, GROUP, GROUP_TILE, BLOCK_N, BLOCK_K,
+                             NORM, GATED)
+        acc += y
+        acc_up += y_up
     y = tl.sum(acc, 1)
     res = y
     if ADD:

@@ -108,42 +108,9 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int) -
 
 
 @triton.jit
-def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXPONENT: tl.constexpr):
-    """The codes of weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]
-    with the exponent field EXPONENT and the mantissa q 2^(BITS * (k % HALF)), HALF the codes of
-    16 bits (q 0 past N and K): each code masked where it sits in its word's 16-bit half and
-    OR-ed into the exponent, one logic instruction a code (the upper half's shift is one a
-    word). EXPONENT 0 gives the denormal q 2^a 2^-149, exactly, with nothing to subtract;
-    150 gives 2^23 + q 2^a. Callers undo 2^a on the code's scale or input (`_half_scales`)."""
-    PER: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = PER // 2
-    # K is whole groups, each whole words: telling Triton lets it load several words at once.
-    ALIGN: tl.constexpr = (GROUP & -GROUP) // PER
-    words = tl.multiple_of(K // PER, ALIGN)
-    offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
-    packed = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * words + offs_w[None, :],
-                     mask=n_mask[:, None] & (offs_w < words)[None, :], other=0)
-    # Each word repeated PER times in place, so that column k holds the word of code k, which
-    # a thread then keeps in registers beside its neighbours' codes.
-    if PER >= 2:
-        packed = tl.interleave(packed, packed)
-    if PER >= 4:
-        packed = tl.interleave(packed, packed)
-    if PER >= 8:
-        packed = tl.interleave(packed, packed)
-    if PER >= 16:
-        packed = tl.interleave(packed, packed)
-    j = tl.arange(0, BLOCK_K) % PER
-    mask = ((1 << BITS) - 1) << ((j % HALF) * BITS)
-    codes = (packed >> ((j // HALF) * 16)[None, :]) & mask[None, :]
-    return (codes | (EXPONENT << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _half_scales(BITS: tl.constexpr, LENGTH: tl.constexpr, POWER: tl.constexpr):
-    """2^(POWER - BITS * (i % HALF)) for i < LENGTH: what undoes `_code_floats`' power of two
-    of column i, times 2^POWER (exact: built from its exponent bits)."""
+    """2^(POWER - BITS * (i % HALF)) for i < LENGTH: what undoes `_code_float`'s power of two
+    of code i of a word, times 2^POWER (exact: built from its exponent bits)."""
     HALF: tl.constexpr = 16 // BITS
     exponent = 127 + POWER - (tl.arange(0, LENGTH) % HALF) * BITS
     return (exponent << 23).to(tl.float32, bitcast=True)
@@ -162,24 +129,6 @@ def _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP: tl.constexpr,
 
 
 @triton.jit
-def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """Weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K] (0 past N and
-    K), the tile's groups GROUP_TILE columns each: (2^23 + q 2^a - 2^23) (scale 2^-a) - min, an
-    exact subtraction and one FMA a code, with scale 2^-a made once a group for each a."""
-    HALF: tl.constexpr = 16 // BITS
-    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
-    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K,
-                     150) - 8388608.0
-    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
-    half_scales = scale[:, :, None] * _half_scales(BITS, HALF, 0)[None, None, :]
-    w = (tl.reshape(q, (BLOCK_N, GROUPS, GROUP_TILE // HALF, HALF)) * half_scales[:, :, None, :]
-         - low[:, :, None, None])
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
 def _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The packed words [BLOCK_N, BLOCK_K * BITS / 32] of weight rows offs_n from column k0 on
@@ -194,17 +143,51 @@ def _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.c
 
 
 @triton.jit
-def _code_float(packed, J: tl.constexpr, BITS: tl.constexpr, EXPONENT: tl.constexpr):
-    """Code J of each packed word as the fp32 of exponent field EXPONENT and mantissa
-    q 2^(BITS * (J % HALF)), HALF the codes of 16 bits: one logic instruction a code masks it in
-    place and ORs in the exponent (the upper half's shift is one a word). Exponent 0 makes the
-    denormal q 2^a 2^-149, exact with nothing to subtract; 150 makes 2^23 + q 2^a."""
+def _code_float(packed, J: tl.constexpr, BITS: tl.constexpr):
+    """Code J of each packed word as the fp32 denormal q 2^a 2^-149, a = BITS * (J % HALF) and
+    HALF the codes of 16 bits: the code masked in place is that float's bits, so a code costs
+    one AND (the upper half's shift is one a word), exactly, with no conversion or offset."""
     HALF: tl.constexpr = 16 // BITS
+    mask: tl.constexpr = ((1 << BITS) - 1) << (BITS * (J % HALF))
     word = packed
     if J >= HALF:
         word = packed >> 16
-    mask: tl.constexpr = ((1 << BITS) - 1) << (BITS * (J % HALF))
-    return ((word & mask) | (EXPONENT << 23)).to(tl.float32, bitcast=True)
+    return (word & mask).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequantized_codes(packed, scale, low, J: tl.constexpr, STRIDE: tl.constexpr,
+                       BITS: tl.constexpr, GROUPS: tl.constexpr):
+    """Codes J, J + STRIDE, ... of each packed word [BLOCK_N, WORDS] dequantized with their
+    groups' scale and low [BLOCK_N, GROUPS], as fp32 [BLOCK_N, WORDS * PER / STRIDE] in the
+    order of K: (2^23 + q 2^a - 2^23) (scale 2^-a) - min, an exact subtraction and one FMA a
+    code, the codes of a word then interleaved in registers."""
+    PER: tl.constexpr = 32 // BITS
+    if STRIDE == PER:
+        HALF: tl.constexpr = PER // 2
+        BLOCK_N: tl.constexpr = packed.shape[0]
+        WORDS: tl.constexpr = packed.shape[1]
+        # 2^126 makes the denormal the normal q 2^(a - 23), exactly
+        q = _code_float(packed, J, BITS) * 2.0 ** 126
+        w = (tl.reshape(q, (BLOCK_N, GROUPS, WORDS // GROUPS))
+             * (scale * 2.0 ** (23 - BITS * (J % HALF)))[:, :, None] - low[:, :, None])
+        return tl.reshape(w, (BLOCK_N, WORDS))
+    else:
+        return tl.interleave(_dequantized_codes(packed, scale, low, J, 2 * STRIDE, BITS, GROUPS),
+                             _dequantized_codes(packed, scale, low, J + STRIDE, 2 * STRIDE,
+                                                BITS, GROUPS))
+
+
+@triton.jit
+def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K] (0 past N and
+    K), the tile's groups GROUP_TILE columns each."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
+    packed = _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
+    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
+    return _dequantized_codes(packed, scale, low, 0, 1, BITS, GROUPS)
 
 
 @triton.jit
@@ -250,9 +233,9 @@ def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_ptr, norm_ptr, inv
     sums_up = sums
     for j in tl.static_range(PER):
         x_j = _column(x_in_place, j, PER)[None, :]
-        sums = tl.fma(_code_float(packed, j, BITS, 0), x_j, sums)
+        sums = tl.fma(_code_float(packed, j, BITS), x_j, sums)
         if GATED:
-            sums_up = tl.fma(_code_float(packed_up, j, BITS, 0), x_j, sums_up)
+            sums_up = tl.fma(_code_float(packed_up, j, BITS), x_j, sums_up)
     scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
     y = (tl.sum(tl.reshape(sums, (BLOCK_N, GROUPS, WORDS // GROUPS)), 2)
          * (scale * PRODUCT_SCALE) - low * x_sums[None, :])

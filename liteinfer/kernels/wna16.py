@@ -4,26 +4,27 @@ layers/quantization/wna16.py: codes int32 [N, K * bits / 32], fp32 scales and mi
 A decode step is bound by reading the weight, a quarter (4-bit) of bf16's bytes here, so the
 kernels stream the packed words and dequantize them in registers, q * scale - min in fp32. At
 copy bandwidth an SM takes in codes nearly as fast as its lanes issue instructions (NOTES.md,
-"4-bit weights"), so the instructions a code costs decide whether a kernel keeps up: a code
-becomes a float by OR-ing it into the mantissa of 2^23 (2^23 + q, exact), never by an
-integer-to-float conversion, which issues at a fraction of the fp32 rate. Three paths, by the
+"4-bit weights"), so the instructions a code costs decide whether a kernel keeps up. A code
+masked in place in its word is already the bits of the fp32 denormal q 2^a 2^-149 (a its place
+in the word's half), so one AND makes it a float, exactly, with no integer-to-float conversion
+(a fraction of the fp32 rate) and no offset to subtract (`_code_float`). Three paths, by the
 rows of a step:
 
 - one row, `wna16_gemv`: kernels/gemv.py's chunked GEMV over the packed rows. Each program owns
   BLOCK_N output features and walks their rows in chunks (the loads in flight are those of the
   programs resident on an SM: Triton does not pipeline a loop without a dot). A code's own
-  work is three instructions: one masks it in place in its word (`_code_floats`), one FMA
-  multiplies it by its input exactly and one adds it to its group's sum; scales and mins apply
-  once a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and
+  work is two instructions: the AND, and one FMA with its input (scaled by 2^(149 - a) once a
+  step) into its word's sum; the words' sums add up by group, and scales and mins apply once
+  a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and
   the residual add of an output projection are fused in as there, and under PDL the start of
   the program's rows is put in flight into L2 before the wait.
 - 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM, swapped as its
   wide kernel is (y^T = W x^T). Each program dequantizes a [BLOCK_N, BLOCK_K] weight tile to
-  the activation dtype (a mask, an exact subtraction and an FMA a code, `_dequantized`), the
-  MMA's row operand, and multiplies it with the rows' tile on the tensor cores (tl.dot, fp32
-  accumulation). A 4-bit tile holds a quarter of a bf16 tile's bytes, so projections are cut
-  along K too (`wna16_tiles`) until every SM has several programs streaming; the last split of
-  a tile to arrive sums the partials (fewrow_gemm.sum_splits).
+  the activation dtype (the AND, an exact multiplication by 2^126 and an FMA a code,
+  `_dequantized`), the MMA's row operand, and multiplies it with the rows' tile on the tensor
+  cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter of a bf16 tile's bytes, so
+  projections are cut along K too (`wna16_tiles`) until every SM has several programs
+  streaming; the last split of a tile to arrive sums the partials (fewrow_gemm.sum_splits).
 - wider steps (prefill) are compute-bound: the weight is dequantized into a scratch tensor in
   the activation dtype (`dequantize_weight`) and multiplied by cuBLAS, whose tiles no
   dequantizing kernel of ours beats there.
@@ -53,10 +54,10 @@ from liteinfer.kernels.prefetch import prefetch_lines, prefetch_weight
 FEWROW_MAX = FEWROW_MAX_ROWS
 # The one-row kernel's tile: features a program owns (fewer where the projection would then be
 # cut into under GEMV_MIN_WAVES programs an SM), codes a loop step multiplies over all its rows
-# (gate's and up's together), warps, pipeline stages. 16 x 512 4-bit codes are 4 KiB a step:
-# kernels/gemv.py's chunked tile holds 16 KiB, but a code widens to an fp32 here, so registers
-# bound the step; 16 rows a program spread the input's per-step work (its conversion to the
-# tile's layout, its group sums) over more codes than 8 do (NOTES.md, "4-bit weights").
+# (gate's and up's together), warps, pipeline stages. 16 x 1024 4-bit codes are 8 KiB a step,
+# 128 codes a thread in under 100 registers; the input's per-step work (its conversion to the
+# tile's layout, its group sums) spreads over more codes than at 16 x 512 (NOTES.md, "4-bit
+# weights").
 GEMV_TILE = (16, 16384, 4, 4)
 GEMV_MIN_WAVES = 1
 # The few-row kernel's tile: BLOCK_N features by FEWROW_BLOCK_K_BYTES of packed words a row
@@ -71,7 +72,8 @@ X_TILE_BYTES = 32768
 FOUR_WARPS_MAX_ROWS = 32
 MAX_SPLITS = 8
 # The GEMV's products carry 2^-PRODUCT_POWER: its inputs times 2^(149 - a) (what undoes a code's
-# denormal exponent) would pass fp32's range, and x 2^(85 - a) stays within it below 2^42.
+# denormal exponent) would pass fp32's range, and x 2^(85 - a) stays within it below 2^42. The
+# FMAs keep denormals (Triton emits no .ftz), which the exactness test checks on the GPU.
 PRODUCT_POWER: tl.constexpr = tl.constexpr(64)
 PRODUCT_SCALE: tl.constexpr = tl.constexpr(2.0 ** 64)
 SPLIT_MAX_WAVES = 4

@@ -162,8 +162,8 @@ def _dequantized_codes(packed, scale, low, J: tl.constexpr, STRIDE: tl.constexpr
                        BITS: tl.constexpr, GROUPS: tl.constexpr):
     """Codes J, J + STRIDE, ... of each packed word [BLOCK_N, WORDS] dequantized with their
     groups' scale and low [BLOCK_N, GROUPS], as fp32 [BLOCK_N, WORDS * PER / STRIDE] in the
-    order of K: (2^23 + q 2^a - 2^23) (scale 2^-a) - min, an exact subtraction and one FMA a
-    code, the codes of a word then interleaved in registers."""
+    order of K: q 2^(a - 23) (scale 2^(23 - a)) - min, an AND, an exact multiplication and one
+    FMA a code, the codes of a word then interleaved in registers."""
     PER: tl.constexpr = 32 // BITS
     if STRIDE == PER:
         HALF: tl.constexpr = PER // 2
@@ -205,6 +205,16 @@ def _column(t, J: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _group_dot(sums, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_sums, GROUP: tl.constexpr,
+               GROUPS: tl.constexpr):
+    """The words' sums of q x 2^-PRODUCT_POWER [BLOCK_N, WORDS] as sum w x by group [BLOCK_N,
+    GROUPS]: scaled once a group, the min times the group's sum of x."""
+    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
+    group_sums = tl.sum(tl.reshape(sums, (sums.shape[0], GROUPS, sums.shape[1] // GROUPS)), 2)
+    return group_sums * (scale * PRODUCT_SCALE) - low * x_sums[None, :]
+
+
+@triton.jit
 def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_ptr, norm_ptr, inv_rms,
                up_w, up_g, BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
@@ -238,15 +248,11 @@ def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_ptr, norm_ptr, inv
         sums = tl.fma(_code_float(packed, j, BITS), x_j, sums)
         if GATED:
             sums_up = tl.fma(_code_float(packed_up, j, BITS), x_j, sums_up)
-    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
-    y = (tl.sum(tl.reshape(sums, (BLOCK_N, GROUPS, WORDS // GROUPS)), 2)
-         * (scale * PRODUCT_SCALE) - low * x_sums[None, :])
+    y = _group_dot(sums, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_sums, GROUP, GROUPS)
     y_up = y
     if GATED:
-        scale, low = _group_params(s_ptr + up_g, m_ptr + up_g, offs_n, n_mask, k0, K, GROUP,
-                                   GROUPS)
-        y_up = (tl.sum(tl.reshape(sums_up, (BLOCK_N, GROUPS, WORDS // GROUPS)), 2)
-                * (scale * PRODUCT_SCALE) - low * x_sums[None, :])
+        y_up = _group_dot(sums_up, s_ptr + up_g, m_ptr + up_g, offs_n, n_mask, k0, K, x_sums,
+                          GROUP, GROUPS)
     return y, y_up
 
 

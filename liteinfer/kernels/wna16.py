@@ -20,8 +20,8 @@ rows of a step:
   the program's rows is put in flight into L2 before the wait.
 - 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM, swapped as its
   wide kernel is (y^T = W x^T). Each program dequantizes a [BLOCK_N, BLOCK_K] weight tile to
-  the activation dtype (the AND, an exact multiplication by 2^126 and an FMA a code,
-  `_dequantized`), the MMA's row operand, and multiplies it with the rows' tile on the tensor
+  the activation dtype (the AND and one FMA a code, the tile times 2^-64 undone on the
+  accumulator; `_dequantized`), the MMA's row operand, and multiplies it with the rows' tile on the tensor
   cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter of a bf16 tile's bytes, so
   projections are cut along K too (`wna16_tiles`) until every SM has several programs
   streaming; the last split of a tile to arrive sums the partials (fewrow_gemm.sum_splits).
@@ -159,37 +159,42 @@ def _code_float(packed, J: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _dequantized_codes(packed, scale, low, J: tl.constexpr, STRIDE: tl.constexpr,
-                       BITS: tl.constexpr, GROUPS: tl.constexpr):
+                       BITS: tl.constexpr, GROUPS: tl.constexpr, POWER: tl.constexpr):
     """Codes J, J + STRIDE, ... of each packed word [BLOCK_N, WORDS] dequantized with their
-    groups' scale and low [BLOCK_N, GROUPS], as fp32 [BLOCK_N, WORDS * PER / STRIDE] in the
-    order of K: q 2^(a - 23) (scale 2^(23 - a)) - min, an AND, an exact multiplication and one
-    FMA a code, the codes of a word then interleaved in registers."""
+    groups' scale and low [BLOCK_N, GROUPS], times 2^-POWER, as fp32 [BLOCK_N, WORDS * PER /
+    STRIDE] in the order of K, the codes of a word interleaved in registers. At POWER 64 a code
+    is an AND and one FMA, q 2^(a - 149) (scale 2^(85 - a)) - min 2^-64; at 0, where 2^(149 - a)
+    would leave no room for the scale, an exact multiplication by 2^126 first makes the denormal
+    the normal q 2^(a - 23)."""
     PER: tl.constexpr = 32 // BITS
     if STRIDE == PER:
         HALF: tl.constexpr = PER // 2
         BLOCK_N: tl.constexpr = packed.shape[0]
         WORDS: tl.constexpr = packed.shape[1]
-        # 2^126 makes the denormal the normal q 2^(a - 23), exactly
-        q = _code_float(packed, J, BITS) * 2.0 ** 126
-        w = (tl.reshape(q, (BLOCK_N, GROUPS, WORDS // GROUPS))
-             * (scale * 2.0 ** (23 - BITS * (J % HALF)))[:, :, None] - low[:, :, None])
+        NORMAL: tl.constexpr = 126 if POWER == 0 else 0
+        q = _code_float(packed, J, BITS)
+        if NORMAL != 0:
+            q = q * 2.0 ** NORMAL
+        code_scale = scale * 2.0 ** (149 - NORMAL - POWER - BITS * (J % HALF))
+        w = (tl.reshape(q, (BLOCK_N, GROUPS, WORDS // GROUPS)) * code_scale[:, :, None]
+             - (low * 2.0 ** -POWER)[:, :, None])
         return tl.reshape(w, (BLOCK_N, WORDS))
     else:
-        return tl.interleave(_dequantized_codes(packed, scale, low, J, 2 * STRIDE, BITS, GROUPS),
-                             _dequantized_codes(packed, scale, low, J + STRIDE, 2 * STRIDE,
-                                                BITS, GROUPS))
+        return tl.interleave(
+            _dequantized_codes(packed, scale, low, J, 2 * STRIDE, BITS, GROUPS, POWER),
+            _dequantized_codes(packed, scale, low, J + STRIDE, 2 * STRIDE, BITS, GROUPS, POWER))
 
 
 @triton.jit
 def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
                  GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """Weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K] (0 past N and
-    K), the tile's groups GROUP_TILE columns each."""
+                 BLOCK_K: tl.constexpr, POWER: tl.constexpr):
+    """Weight rows offs_n, columns k0..k0 + BLOCK_K, times 2^-POWER (0 or 64), as fp32
+    [BLOCK_N, BLOCK_K] (0 past N and K), the tile's groups GROUP_TILE columns each."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
     packed = _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
     scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
-    return _dequantized_codes(packed, scale, low, 0, 1, BITS, GROUPS)
+    return _dequantized_codes(packed, scale, low, 0, 1, BITS, GROUPS, POWER)
 
 
 @triton.jit
@@ -316,14 +321,18 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
     if USE_PDL:  # the rows may be the previous kernel's output
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # The tile is dequantized times 2^-64 (a code's AND and one FMA, `_dequantized_codes`)
+    # where the activation dtype has fp32's exponent range; fp16's would underflow.
+    POWER: tl.constexpr = 0 if x_ptr.dtype.element_ty == tl.float16 else 64
     # y^T = W x^T: the dequantized tile is the MMA's row operand, taken from registers
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
-                         BLOCK_N, BLOCK_K)
+                         BLOCK_N, BLOCK_K, POWER)
         x = tl.load(x_rows + k0 + offs_k[None, :],
                     mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=DOT_PRECISION)
+    acc = acc * 2.0 ** POWER
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLITS > 1:
         acc, last = sum_splits(acc, part_ptr + offs_n[:, None] * PART_ROWS + offs_m[None, :],
@@ -342,7 +351,7 @@ def _dequantize_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, BITS: tl.constexpr,
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = offs_n < N
     w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
-                     BLOCK_N, BLOCK_K)
+                     BLOCK_N, BLOCK_K, 0)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
              w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])

@@ -21,10 +21,11 @@ rows of a step:
 - 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM, swapped as its
   wide kernel is (y^T = W x^T). Each program dequantizes a [BLOCK_N, BLOCK_K] weight tile to
   the activation dtype (the AND and one FMA a code, the tile times 2^-64 undone on the
-  accumulator; `_dequantized`), the MMA's row operand, and multiplies it with the rows' tile on the tensor
-  cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter of a bf16 tile's bytes, so
-  projections are cut along K too (`wna16_tiles`) until every SM has several programs
-  streaming; the last split of a tile to arrive sums the partials (fewrow_gemm.sum_splits).
+  accumulator; `_dequantized`), the MMA's row operand, and multiplies it with the rows' tile
+  on the tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter of a bf16
+  tile's bytes, so projections are cut along K too (`wna16_tiles`) until every SM has several
+  programs streaming; the last split of a tile to arrive sums the partials
+  (fewrow_gemm.sum_splits).
 - wider steps (prefill) are compute-bound: the weight is dequantized into a scratch tensor in
   the activation dtype (`dequantize_weight`) and multiplied by cuBLAS, whose tiles no
   dequantizing kernel of ours beats there.

@@ -4,26 +4,28 @@ layers/quantization/wna16.py: codes int32 [N, K * bits / 32], fp32 scales and mi
 A decode step is bound by reading the weight, a quarter (4-bit) of bf16's bytes here, so the
 kernels stream the packed words and dequantize them in registers, q * scale - min in fp32. At
 copy bandwidth an SM takes in codes nearly as fast as its lanes issue instructions (NOTES.md,
-"4-bit weights"), so the instructions a code costs decide whether a kernel keeps up: a code
-becomes a float by OR-ing it into the mantissa of 2^23 (2^23 + q, exact), never by an
-integer-to-float conversion, which issues at a fraction of the fp32 rate. Three paths, by the
+"4-bit weights"), so the instructions a code costs decide whether a kernel keeps up. A code
+masked in place in its word is already the bits of the fp32 denormal q 2^a 2^-149 (a its place
+in the word's half), so one AND makes it a float, exactly, with no integer-to-float conversion
+(a fraction of the fp32 rate) and no offset to subtract (`_code_float`). Three paths, by the
 rows of a step:
 
 - one row, `wna16_gemv`: kernels/gemv.py's chunked GEMV over the packed rows. Each program owns
   BLOCK_N output features and walks their rows in chunks (the loads in flight are those of the
   programs resident on an SM: Triton does not pipeline a loop without a dot). A code's own
-  work is three instructions: one masks it in place in its word (`_code_floats`), one FMA
-  multiplies it by its input exactly and one adds it to its group's sum; scales and mins apply
-  once a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and
+  work is two instructions: the AND, and one FMA with its input (scaled by 2^(149 - a) once a
+  step) into its word's sum; the words' sums add up by group, and scales and mins apply once
+  a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and
   the residual add of an output projection are fused in as there, and under PDL the start of
   the program's rows is put in flight into L2 before the wait.
 - 2 to FEWROW_MAX rows, `wna16_gemm`: kernels/fewrow_gemm.py's few-row GEMM, swapped as its
   wide kernel is (y^T = W x^T). Each program dequantizes a [BLOCK_N, BLOCK_K] weight tile to
-  the activation dtype (a mask, an exact subtraction and an FMA a code, `_dequantized`), the
-  MMA's row operand, and multiplies it with the rows' tile on the tensor cores (tl.dot, fp32
-  accumulation). A 4-bit tile holds a quarter of a bf16 tile's bytes, so projections are cut
-  along K too (`wna16_tiles`) until every SM has several programs streaming; the last split of
-  a tile to arrive sums the partials (fewrow_gemm.sum_splits).
+  the activation dtype (the AND and one FMA a code, the tile times 2^-64 undone on the
+  accumulator; `_dequantized`), the MMA's row operand, and multiplies it with the rows' tile
+  on the tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter of a bf16
+  tile's bytes, so projections are cut along K too (`wna16_tiles`) until every SM has several
+  programs streaming; the last split of a tile to arrive sums the partials
+  (fewrow_gemm.sum_splits).
 - wider steps (prefill) are compute-bound: the weight is dequantized into a scratch tensor in
   the activation dtype (`dequantize_weight`) and multiplied by cuBLAS, whose tiles no
   dequantizing kernel of ours beats there.
@@ -53,11 +55,11 @@ from liteinfer.kernels.prefetch import prefetch_lines, prefetch_weight
 FEWROW_MAX = FEWROW_MAX_ROWS
 # The one-row kernel's tile: features a program owns (fewer where the projection would then be
 # cut into under GEMV_MIN_WAVES programs an SM), codes a loop step multiplies over all its rows
-# (gate's and up's together), warps, pipeline stages. 16 x 512 4-bit codes are 4 KiB a step:
-# kernels/gemv.py's chunked tile holds 16 KiB, but a code widens to an fp32 here, so registers
-# bound the step; 16 rows a program spread the input's per-step work (its conversion to the
-# tile's layout, its group sums) over more codes than 8 do (NOTES.md, "4-bit weights").
-GEMV_TILE = (16, 8192, 4, 4)
+# (gate's and up's together), warps, pipeline stages. 16 x 1024 4-bit codes are 8 KiB a step,
+# 128 codes a thread in under 100 registers; the input's per-step work (its conversion to the
+# tile's layout, its group sums) spreads over more codes than at 16 x 512 (NOTES.md, "4-bit
+# weights").
+GEMV_TILE = (16, 16384, 4, 4)
 GEMV_MIN_WAVES = 1
 # The few-row kernel's tile: BLOCK_N features by FEWROW_BLOCK_K_BYTES of packed words a row
 # (256 4-bit codes) a step, fewer where the rows' tile would pass X_TILE_BYTES (it is pipelined
@@ -70,6 +72,11 @@ X_TILE_BYTES = 32768
 # for the tile's layout changes), eight above (the MMA's share grows with the rows).
 FOUR_WARPS_MAX_ROWS = 32
 MAX_SPLITS = 8
+# The GEMV's products carry 2^-PRODUCT_POWER: its inputs times 2^(149 - a) (what undoes a code's
+# denormal exponent) would pass fp32's range, and x 2^(85 - a) stays within it below 2^42. The
+# FMAs keep denormals (Triton emits no .ftz), which the exactness test checks on the GPU.
+PRODUCT_POWER: tl.constexpr = tl.constexpr(64)
+PRODUCT_SCALE: tl.constexpr = tl.constexpr(2.0 ** 64)
 SPLIT_MAX_WAVES = 4
 SPLIT_MIN_K = 1024
 
@@ -104,43 +111,11 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int) -
 
 
 @triton.jit
-def _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The codes of weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]
-    2^23 + q * 2^(BITS * (k % HALF)), HALF the codes of 16 bits (q 0 past N and K): each code
-    masked where it sits in its word's 16-bit half and OR-ed into 2^23's mantissa, one logic
-    instruction a code (the upper half's shift is one a word). Callers undo the power of two
-    on the code's scale or input (`_half_scales`)."""
-    PER: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = PER // 2
-    # K is whole groups, each whole words: telling Triton lets it load several words at once.
-    ALIGN: tl.constexpr = (GROUP & -GROUP) // PER
-    words = tl.multiple_of(K // PER, ALIGN)
-    offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
-    packed = tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * words + offs_w[None, :],
-                     mask=n_mask[:, None] & (offs_w < words)[None, :], other=0)
-    # Each word repeated PER times in place, so that column k holds the word of code k, which
-    # a thread then keeps in registers beside its neighbours' codes.
-    if PER >= 2:
-        packed = tl.interleave(packed, packed)
-    if PER >= 4:
-        packed = tl.interleave(packed, packed)
-    if PER >= 8:
-        packed = tl.interleave(packed, packed)
-    if PER >= 16:
-        packed = tl.interleave(packed, packed)
-    j = tl.arange(0, BLOCK_K) % PER
-    mask = ((1 << BITS) - 1) << ((j % HALF) * BITS)
-    codes = (packed >> ((j // HALF) * 16)[None, :]) & mask[None, :]
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _half_scales(BITS: tl.constexpr, LENGTH: tl.constexpr):
-    """2^-(BITS * (i % HALF)) for i < LENGTH: what undoes `_code_floats`' power of two of
-    column i (exact: built from its exponent bits)."""
+def _half_scales(BITS: tl.constexpr, LENGTH: tl.constexpr, POWER: tl.constexpr):
+    """2^(POWER - BITS * (i % HALF)) for i < LENGTH: what undoes `_code_float`'s power of two
+    of code i of a word, times 2^POWER (exact: built from its exponent bits)."""
     HALF: tl.constexpr = 16 // BITS
-    exponent = 127 - (tl.arange(0, LENGTH) % HALF) * BITS
+    exponent = 127 + POWER - (tl.arange(0, LENGTH) % HALF) * BITS
     return (exponent << 23).to(tl.float32, bitcast=True)
 
 
@@ -157,37 +132,134 @@ def _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP: tl.constexpr,
 
 
 @triton.jit
-def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """Weight rows offs_n, columns k0..k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K] (0 past N and
-    K), the tile's groups GROUP_TILE columns each: (2^23 + q 2^a - 2^23) (scale 2^-a) - min, an
-    exact subtraction and one FMA a code, with scale 2^-a made once a group for each a."""
-    HALF: tl.constexpr = 16 // BITS
-    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
-    q = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K) - 8388608.0
-    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
-    half_scales = scale[:, :, None] * _half_scales(BITS, HALF)[None, None, :]
-    w = (tl.reshape(q, (BLOCK_N, GROUPS, GROUP_TILE // HALF, HALF)) * half_scales[:, :, None, :]
-         - low[:, :, None, None])
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+def _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The packed words [BLOCK_N, BLOCK_K * BITS / 32] of weight rows offs_n from column k0 on
+    (0 past N and K)."""
+    PER: tl.constexpr = 32 // BITS
+    # K is whole groups, each whole words: telling Triton lets it load several words at once.
+    ALIGN: tl.constexpr = (GROUP & -GROUP) // PER
+    words = tl.multiple_of(K // PER, ALIGN)
+    offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    return tl.load(qw_ptr + offs_n.to(tl.int64)[:, None] * words + offs_w[None, :],
+                   mask=n_mask[:, None] & (offs_w < words)[None, :], other=0)
 
 
 @triton.jit
-def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_in_place, x_bias, x_sums,
-               BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum over k in k0..k0 + BLOCK_K of w[n, k] x[k] for the rows offs_n, by group of the
-    tile (GROUP_TILE columns each): [BLOCK_N, BLOCK_K // GROUP_TILE] fp32. Each code's product
-    with x is one FMA, exact before its one rounding: (2^23 + q 2^a) (x 2^-a) - 2^23 x 2^-a,
-    with x_in_place = x 2^-a and x_bias = -2^23 x 2^-a per column. A group's sum is scaled
-    once, and its min multiplies the group's sum of x (x_sums) instead of every code."""
+def _code_float(packed, J: tl.constexpr, BITS: tl.constexpr):
+    """Code J of each packed word as the fp32 denormal q 2^a 2^-149, a = BITS * (J % HALF) and
+    HALF the codes of 16 bits: the code masked in place is that float's bits, so a code costs
+    one AND (the upper half's shift is one a word), exactly, with no conversion or offset."""
+    HALF: tl.constexpr = 16 // BITS
+    mask: tl.constexpr = ((1 << BITS) - 1) << (BITS * (J % HALF))
+    word = packed
+    if J >= HALF:
+        word = packed >> 16
+    return (word & mask).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequantized_codes(packed, scale, low, J: tl.constexpr, STRIDE: tl.constexpr,
+                       BITS: tl.constexpr, GROUPS: tl.constexpr, POWER: tl.constexpr):
+    """Codes J, J + STRIDE, ... of each packed word [BLOCK_N, WORDS] dequantized with their
+    groups' scale and low [BLOCK_N, GROUPS], times 2^-POWER, as fp32 [BLOCK_N, WORDS * PER /
+    STRIDE] in the order of K, the codes of a word interleaved in registers. At POWER 64 a code
+    is an AND and one FMA, q 2^(a - 149) (scale 2^(85 - a)) - min 2^-64; at 0, where 2^(149 - a)
+    would leave no room for the scale, an exact multiplication by 2^126 first makes the denormal
+    the normal q 2^(a - 23)."""
+    PER: tl.constexpr = 32 // BITS
+    if STRIDE == PER:
+        HALF: tl.constexpr = PER // 2
+        BLOCK_N: tl.constexpr = packed.shape[0]
+        WORDS: tl.constexpr = packed.shape[1]
+        NORMAL: tl.constexpr = 126 if POWER == 0 else 0
+        q = _code_float(packed, J, BITS)
+        if NORMAL != 0:
+            q = q * 2.0 ** NORMAL
+        code_scale = scale * 2.0 ** (149 - NORMAL - POWER - BITS * (J % HALF))
+        w = (tl.reshape(q, (BLOCK_N, GROUPS, WORDS // GROUPS)) * code_scale[:, :, None]
+             - (low * 2.0 ** -POWER)[:, :, None])
+        return tl.reshape(w, (BLOCK_N, WORDS))
+    else:
+        return tl.interleave(
+            _dequantized_codes(packed, scale, low, J, 2 * STRIDE, BITS, GROUPS, POWER),
+            _dequantized_codes(packed, scale, low, J + STRIDE, 2 * STRIDE, BITS, GROUPS, POWER))
+
+
+@triton.jit
+def _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, POWER: tl.constexpr):
+    """Weight rows offs_n, columns k0..k0 + BLOCK_K, times 2^-POWER (0 or 64), as fp32
+    [BLOCK_N, BLOCK_K] (0 past N and K), the tile's groups GROUP_TILE columns each."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
-    f = _code_floats(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
-    products = tl.fma(f, x_in_place[None, :], x_bias[None, :])
-    sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, GROUP_TILE)), 2)
+    packed = _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
     scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
-    return sums * scale - low * x_sums[None, :]
+    return _dequantized_codes(packed, scale, low, 0, 1, BITS, GROUPS, POWER)
+
+
+@triton.jit
+def _column(t, J: tl.constexpr, WIDTH: tl.constexpr):
+    """Column J of t [rows, WIDTH] (a power of two), split off in halves."""
+    if WIDTH == 1:
+        return tl.reshape(t, (t.shape[0],))
+    else:
+        even, odd = tl.split(tl.reshape(t, (t.shape[0], WIDTH // 2, 2)))
+        if J % 2 == 1:
+            even = odd
+        return _column(even, J // 2, WIDTH // 2)
+
+
+@triton.jit
+def _group_dot(sums, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_sums, GROUP: tl.constexpr,
+               GROUPS: tl.constexpr):
+    """The words' sums of q x 2^-PRODUCT_POWER [BLOCK_N, WORDS] as sum w x by group [BLOCK_N,
+    GROUPS]: scaled once a group, the min times the group's sum of x."""
+    scale, low = _group_params(s_ptr, m_ptr, offs_n, n_mask, k0, K, GROUP, GROUPS)
+    group_sums = tl.sum(tl.reshape(sums, (sums.shape[0], GROUPS, sums.shape[1] // GROUPS)), 2)
+    return group_sums * (scale * PRODUCT_SCALE) - low * x_sums[None, :]
+
+
+@triton.jit
+def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_ptr, norm_ptr, inv_rms,
+               up_w, up_g, BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+               GATED: tl.constexpr):
+    """sum over k in k0..k0 + BLOCK_K of w[n, k] x[k] for the rows offs_n (gate's and up's
+    when GATED), by group of the tile (GROUP_TILE columns each): [BLOCK_N, BLOCK_K //
+    GROUP_TILE] fp32 each. Code j of a word is the denormal q 2^a 2^-149 and multiplies x
+    2^(149 - a - PRODUCT_POWER) of the word's column j, one FMA a code into the word's sum;
+    the words' sums add up by group, a group is scaled once, and its min multiplies the
+    group's sum of x instead of every code."""
+    PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
+    packed = _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
+    packed_up = packed
+    if GATED:
+        packed_up = _packed_words(qw_ptr + up_w, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N,
+                                  BLOCK_K)
+    # x as [WORDS, PER]: a thread loads its words' inputs whole and takes column j in registers
+    k = tl.arange(0, WORDS)[:, None] * PER + tl.arange(0, PER)[None, :]
+    k_mask = k0 + k < K
+    xf = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
+    if NORM:
+        xf = normalize(xf, norm_ptr + k0, k, k_mask, inv_rms, x_ptr.dtype.element_ty)
+    x_sums = tl.sum(tl.reshape(xf, (GROUPS, GROUP_TILE)), 1)
+    x_in_place = xf * _half_scales(BITS, PER, 149 - PRODUCT_POWER)[None, :]
+    sums = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    sums_up = sums
+    for j in tl.static_range(PER):
+        x_j = _column(x_in_place, j, PER)[None, :]
+        sums = tl.fma(_code_float(packed, j, BITS), x_j, sums)
+        if GATED:
+            sums_up = tl.fma(_code_float(packed_up, j, BITS), x_j, sums_up)
+    y = _group_dot(sums, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_sums, GROUP, GROUPS)
+    y_up = y
+    if GATED:
+        y_up = _group_dot(sums_up, s_ptr + up_g, m_ptr + up_g, offs_n, n_mask, k0, K, x_sums,
+                          GROUP, GROUPS)
+    return y, y_up
 
 
 @triton.jit
@@ -199,7 +271,6 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs < N
-    k = tl.arange(0, BLOCK_K)
     words = K // (32 // BITS)
     # gate's rows, then up's: up's words, scales and mins start N rows on
     up_w = N * words
@@ -214,23 +285,14 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
     inv_rms = 1.0
     if NORM:
         inv_rms = row_inv_rms(x_ptr, K, eps, BLOCK_K)
-    in_place = _half_scales(BITS, BLOCK_K)
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     acc_up = acc
     for k0 in range(0, K, BLOCK_K):
-        k_mask = k0 + k < K
-        xf = tl.load(x_ptr + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
-        if NORM:
-            xf = normalize(xf, norm_ptr + k0, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
-        x_in_place = xf * in_place
-        x_bias = x_in_place * -8388608.0
-        x_sums = tl.sum(tl.reshape(xf, (GROUPS, GROUP_TILE)), 1)
-        acc += _gemv_step(qw_ptr, s_ptr, m_ptr, offs, n_mask, k0, K, x_in_place, x_bias,
-                          x_sums, BITS, GROUP, GROUP_TILE, BLOCK_N, BLOCK_K)
-        if GATED:
-            acc_up += _gemv_step(qw_ptr + up_w, s_ptr + up_g, m_ptr + up_g, offs, n_mask, k0,
-                                 K, x_in_place, x_bias, x_sums, BITS, GROUP, GROUP_TILE,
-                                 BLOCK_N, BLOCK_K)
+        y, y_up = _gemv_step(qw_ptr, s_ptr, m_ptr, offs, n_mask, k0, K, x_ptr, norm_ptr,
+                             inv_rms, up_w, up_g, BITS, GROUP, GROUP_TILE, BLOCK_N, BLOCK_K,
+                             NORM, GATED)
+        acc += y
+        acc_up += y_up
     y = tl.sum(acc, 1)
     res = y
     if ADD:
@@ -260,14 +322,18 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
     if USE_PDL:  # the rows may be the previous kernel's output
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # The tile is dequantized times 2^-64 (a code's AND and one FMA, `_dequantized_codes`)
+    # where the activation dtype has fp32's exponent range; fp16's would underflow.
+    POWER: tl.constexpr = 0 if x_ptr.dtype.element_ty == tl.float16 else 64
     # y^T = W x^T: the dequantized tile is the MMA's row operand, taken from registers
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
-                         BLOCK_N, BLOCK_K)
+                         BLOCK_N, BLOCK_K, POWER)
         x = tl.load(x_rows + k0 + offs_k[None, :],
                     mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
         acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=DOT_PRECISION)
+    acc = acc * 2.0 ** POWER
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLITS > 1:
         acc, last = sum_splits(acc, part_ptr + offs_n[:, None] * PART_ROWS + offs_m[None, :],
@@ -286,7 +352,7 @@ def _dequantize_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, BITS: tl.constexpr,
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = offs_n < N
     w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
-                     BLOCK_N, BLOCK_K)
+                     BLOCK_N, BLOCK_K, 0)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
              w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])

@@ -140,6 +140,27 @@ def test_dequantize_is_exact(device, bits, group):
     assert ((got - exact).abs() <= 2.0 ** -24 * (product.abs() + exact.abs())).all()
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_every_code_is_exact(device, bits):
+    """Every code at every place in its word comes out exactly (the kernels read a code's bits
+    as a denormal float's): with a power-of-two scale and an integer min, the dequantized
+    weight, the few-row product with one-hot rows and the GEMV's with a one-hot row are
+    q / 2 - 3 exactly."""
+    per = 32 // bits
+    n, k = 1 << bits, 4 * per
+    codes = (torch.arange(n, device=device)[:, None] + torch.arange(k, device=device)) % n
+    qweight = pack_codes(codes, bits)
+    scales = torch.full((n, 1), 0.5, device=device)
+    mins = torch.full((n, 1), 3.0, device=device)
+    exact = codes.float() / 2 - 3
+    assert torch.equal(dequantize_weight(qweight, scales, mins, bits, torch.float32), exact)
+    one_hot = torch.eye(k, device=device)
+    assert torch.equal(wna16_gemm(one_hot, qweight, scales, mins, bits), exact.T)
+    for column in range(per + 1):
+        assert torch.equal(wna16_gemv(one_hot[column:column + 1], qweight, scales, mins, bits),
+                           exact[:, column][None, :])
+
+
 def test_tile_rule():
     """The 8B's projections on 132 SMs: K cut until the grid has about four programs an SM,
     each keeping at least 1,024 codes; gate/up has tiles enough uncut. A step covers 128 bytes

@@ -1,0 +1,86 @@
+"""Instructions a 4-bit code in the W4A16 kernels' main loops, without a GPU.
+
+Compiles kernels/wna16.py's GEMV (the 8B's qkv, o and gate_up launches, with their fusions) and
+few-row kernel (16 and 128 rows) ahead of time for sm_90 with the Triton wheel's ptxas,
+pointers and sizes specialized as 16-divisible as a launch specializes them, disassembles the
+cubin with its cuobjdump and divides the longest loop's instructions (a backward branch's body)
+by the codes a thread takes a step (NOTES.md, "4-bit weights"). Run from the repository root:
+`python scripts/count_sass.py`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from liteinfer.kernels import wna16
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+TYPES = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp32", "m_ptr": "*fp32",
+         "out_ptr": "*bf16", "norm_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+         "eps": "fp32"}
+GROUP = 128
+
+
+def compiled(fn: triton.JITFunction, constants: dict, num_warps: int, num_stages: int):
+    """fn for sm_90: its non-constant integer arguments and pointers 16-divisible."""
+    signature = {name: "constexpr" if name in constants else TYPES.get(name, "i32")
+                 for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name not in constants and name != "eps" and name != "M"}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def loop_and_registers(kernel) -> tuple[int, int]:
+    """(instructions in the longest loop, registers a thread)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin.name],
+                              capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+    code = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    longest = 0
+    for address, op in code:
+        target = re.search(r"BRA\b.*0x([0-9a-f]+)", op)
+        if target and int(target[1], 16) <= address:
+            longest = max(longest, sum(int(target[1], 16) <= a <= address for a, _ in code))
+    return longest, int(re.search(r"REG:(\d+)", usage)[1])
+
+
+def main() -> None:
+    rows, codes, num_warps, num_stages = wna16.GEMV_TILE
+    for name, norm, add, gated in (("qkv", True, False, False), ("o", False, True, False),
+                                   ("gate_up", True, False, True)):
+        block_k = codes // (rows * (1 + gated))
+        kernel = compiled(wna16._wna16_gemv_kernel, dict(
+            BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, block_k), BLOCK_N=rows, BLOCK_K=block_k,
+            NORM=norm, ADD=add, GATED=gated, USE_PDL=True, PREFETCH_LINES=4),
+            num_warps, num_stages)
+        loop, registers = loop_and_registers(kernel)
+        per_thread = rows * block_k * (1 + gated) // (32 * num_warps)
+        print(f"GEMV {name} {rows} x {block_k}: {loop} instructions a step of {per_thread} "
+              f"codes a thread, {loop / per_thread:.2f} a code, {registers} registers")
+    for m in (16, 128):
+        tiles = wna16.wna16_tiles(m, 4096, 4096, 4, 2, 132)
+        kernel = compiled(wna16._wna16_fewrow_kernel, dict(
+            BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, tiles.block_k), BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLITS=tiles.splits, PART_ROWS=128,
+            ADD=False, DOT_PRECISION="tf32", USE_PDL=True), tiles.num_warps, tiles.num_stages)
+        loop, registers = loop_and_registers(kernel)
+        per_thread = tiles.block_n * tiles.block_k // (32 * tiles.num_warps)
+        print(f"few-row {m} rows {tiles.block_n} x {tiles.block_k}, {tiles.num_warps} warps: "
+              f"{loop} instructions a step of {per_thread} codes a thread, "
+              f"{loop / per_thread:.2f} a code, {registers} registers")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,20 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
-import io
-import json
 import logging
 import sys
-import tokenize
-import types
-import typing
-from collections.abc import Callable
 from typing import Any
 
 from liteinfer.config import EngineConfig, parse_overrides
+from liteinfer.entrypoints.arg_utils import add_dataclass_args, dataclass_kwargs
 from liteinfer.loader.overrides import (
     GENERATION_CONFIG_CHOICES,
     ModelOverrides,
@@ -25,58 +17,6 @@ from liteinfer.loader.overrides import (
 from liteinfer.logger import LEVELS, LOGGERS, configure_logging
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def field_help(cls: type) -> dict[str, str]:
-    """Each dataclass field's `metadata["help"]`, else the comments written beside it or on the
-    lines just above it in the class's source."""
-    source = inspect.getsource(cls)
-    lines = source.splitlines()
-    comments: dict[int, str] = {}
-    alone: set[int] = set()
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            row = tok.start[0]
-            comments[row] = tok.string.lstrip("#").strip()
-            if not lines[row - 1][:tok.start[1]].strip():
-                alone.add(row)
-    found: dict[str, str] = {}
-    for node in ast.parse(source).body[0].body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            above, row = [], node.lineno - 1
-            while row in alone:
-                above.insert(0, comments[row])
-                row -= 1
-            beside = [] if node.end_lineno in alone else [comments.get(node.end_lineno, "")]
-            found[node.target.id] = " ".join(c for c in above + beside if c)
-    return {f.name: f.metadata.get("help") or found.get(f.name, "")
-            for f in dataclasses.fields(cls)}
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    value = json.loads(text)
-    if value is not None and not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def _value_parser(annotation: Any) -> tuple[Callable[[str], Any], bool]:
-    """argparse's `type` for a field annotation, and whether the field is a bool."""
-    kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
-    optional = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is \
-        typing.Union
-    base = kinds[0] if optional and len(kinds) == 1 else annotation
-    if base is bool:
-        return bool, True
-    if typing.get_origin(base) is dict:  # a JSON object, as vLLM's --speculative-config
-        return _json_object, False
-    if not optional:
-        return base, False
-
-    def parse(text: str) -> Any:
-        return None if text.lower() in ("none", "null") else base(text)
-
-    return parse, False
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -92,19 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto",
                         choices=["auto", "safetensors", "gguf", "dummy"])
     engine = parser.add_argument_group("engine arguments (EngineConfig, liteinfer/config.py)")
-    hints = typing.get_type_hints(EngineConfig)
-    helps = field_help(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        parse, is_bool = _value_parser(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{helps[f.name]} (default: {f.default})".lstrip()
-        # Unset flags stay out of the namespace, so EngineConfig keeps its own defaults.
-        if is_bool:
-            engine.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            engine.add_argument(flag, dest=f.name, type=parse, default=argparse.SUPPRESS,
-                                help=help_text, metavar=f.name.upper())
+    add_dataclass_args(engine, EngineConfig)
     engine.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="an engine argument by its field name, e.g. "
                                                   "max_num_seqs=64 (a flag of it wins)")
@@ -125,9 +53,7 @@ def model_name(args: argparse.Namespace) -> str:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments: `--set` pairs, then the flags given."""
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-             if hasattr(args, f.name)}
-    return {**parse_overrides(args.overrides), **flags}
+    return {**parse_overrides(args.overrides), **dataclass_kwargs(args, EngineConfig)}
 
 
 def model_overrides(args: argparse.Namespace) -> ModelOverrides:

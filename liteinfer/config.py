@@ -293,9 +293,14 @@ class SpeculativeConfig:
         return self.method in MODEL_METHODS
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Everything `LLM(...)` accepts besides the model. Defaults are the fastest configuration."""
+    """Everything `LLM(...)` accepts besides the model. Defaults are the fastest configuration.
+
+    Frozen: the engine never changes the caller's object. It resolves a copy
+    (engine/core.py `resolve_config`: the 'auto' settings filled in), and the engine core's own
+    copy also carries what the model runner derived (max_model_len and num_kv_blocks as the KV
+    pool allows)."""
 
     dtype: str = "auto"                   # auto: bf16 on CUDA, fp32 on CPU
     device: str = "auto"                  # auto: cuda if available, else cpu

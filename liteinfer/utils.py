@@ -16,7 +16,7 @@ import torch
 
 def ints_below(values: list, end: int) -> bool:
     """Whether every value is a plain int (not a bool) in [0, end), checked at C speed: a
-    token-id prompt's ids one by one in Python take ~8 us per 128."""
+    token-id prompt's ids one by one in Python take twice as long (journal item 71)."""
     return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < end
 
 

@@ -16,8 +16,14 @@ import httpx
 import pytest
 
 from liteinfer import SamplingParams
-from liteinfer.cli import build_parser, engine_kwargs, field_help, main
+from liteinfer.cli import build_parser, engine_kwargs, main
 from liteinfer.config import EngineConfig
+from liteinfer.entrypoints.arg_utils import field_help, flag_name
+from liteinfer.entrypoints.openai.cli_args import (
+    ServerArgs,
+    default_api_server_count,
+    server_args,
+)
 from liteinfer.utils import free_port
 
 # A template unlike the tiny tokenizer's ChatML one.
@@ -96,6 +102,29 @@ def test_engine_flags_and_set_become_engine_config():
                       "num_kv_blocks": None, "max_model_len": 4096, "dtype": "float16",
                       "block_size": 32}
     EngineConfig(**kwargs).validate()
+
+
+def test_every_server_field_is_a_flag(capsys, monkeypatch):
+    """ServerArgs' flags come from its fields as EngineConfig's do: each has one, its comment
+    is the help, and the flags parse into ServerArgs."""
+    monkeypatch.delenv("LITEINFER_API_KEY", raising=False)
+    help_text = serve_help(capsys)
+    for f in dataclasses.fields(ServerArgs):
+        assert flag_name(f) in help_text, f.name
+    assert "larger request bodies get a 413 (default: 8388608)" in help_text
+    parser = build_parser()
+    parsed = parser.parse_args(["serve", "--max-body-bytes", "100", "--shutdown-grace", "1.5",
+                                "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                                "--metrics-need-key", "--api-server-count", "3"])
+    assert server_args(parsed) == ServerArgs(
+        max_body_bytes=100, shutdown_grace_s=1.5, reasoning_parser="qwen3",
+        tool_call_parser="hermes", metrics_need_key=True, api_server_count=3)
+    # Unset, each is the dataclass's default, but for the command line's own API-server count.
+    assert server_args(parser.parse_args(["serve"])) == ServerArgs(
+        api_server_count=default_api_server_count())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-call-parser", "nonesuch"])
+    assert "invalid choice: 'nonesuch'" in capsys.readouterr().err
 
 
 def test_serve_passes_model_engine_config_and_overrides(monkeypatch, tmp_path):

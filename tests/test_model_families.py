@@ -2,6 +2,7 @@
 fp32, greedy), through the engine variants test_engine.py runs Llama through."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from fixtures import TINY_LLAMA, build_llm, make_tiny_model_dir
 from liteinfer import SamplingParams
-from liteinfer.config import ModelConfig
+from liteinfer.config import EngineConfig, ModelConfig
+from liteinfer.engine.core import EngineCore
 from reference import hf_greedy, random_prompts
 
 MAX_NEW = 16
@@ -122,6 +124,25 @@ def test_default_max_model_len_shrinks_to_the_kv_pool(long_context_dir: Path,
     assert len(out.outputs[0].token_ids) == 5
     with pytest.raises(ValueError, match="exceeds max_model_len=1600"):
         llm.generate([prompt], greedy(6), use_tqdm=False)
+
+
+def test_the_callers_config_is_never_changed(long_context_dir: Path) -> None:
+    """The core resolves a copy (the 'auto' settings) and builds its own from what the model
+    runner derived (max_model_len as the KV pool allows); the caller's object stays as given,
+    and frozen."""
+    config = EngineConfig(device="cpu", num_kv_blocks=100)
+    given = dataclasses.replace(config)
+    core = EngineCore(str(long_context_dir), config)
+    assert config == given
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_model_len = 10  # type: ignore[misc]
+    built = core.config
+    assert (built.device, built.dtype, built.attention_backend) == ("cpu", "float32", "torch")
+    assert built.max_model_len == core.max_model_len == core.scheduler.max_model_len == 1600
+    assert built.num_kv_blocks == core.block_manager.num_blocks == 100
+    assert core.info.max_model_len == 1600
+    assert dataclasses.replace(built, dtype="auto", attention_backend="auto",
+                               max_model_len=None) == config
 
 
 def test_explicit_max_model_len_beyond_the_kv_pool_is_an_error(long_context_dir: Path) -> None:

@@ -231,8 +231,7 @@ def test_a_worker_mirrors_rank_0s_sequences(tiny_llama_dir):
     core = llm.engine.core
     source = load_model_source(str(tiny_llama_dir))
     mirror = worker.Worker(ModelRunner(core.model_config, core.config, source,
-                                       source.load_format, core.max_model_len,
-                                       core.eos_token_ids))
+                                       source.load_format, core.eos_token_ids))
     builder = worker.WorkerStepBuilder()
     steps, worker_batches = [], []
     run_worker_step = mirror.runner.execute

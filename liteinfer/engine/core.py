@@ -4,6 +4,7 @@ engine/async_llm.py over engine/core_process.py) tokenize, detokenize and match 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -60,17 +61,22 @@ class Ahead:
     staged: StagedDecode | None
 
 
-def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
-    """Fills in the 'auto' settings; returns max_model_len."""
+def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """A copy of `config` with its 'auto' settings filled in (device, dtype, attention backend),
+    checked against the model. max_model_len stays as given (None: the model's context, as
+    much of it as the KV pool holds), which the model runner settles (`KVPoolSize`)."""
     config.validate()
-    if config.device == "auto":
-        config.device = "cuda" if torch.cuda.is_available() else "cpu"
-    on_cuda = torch.device(config.device).type == "cuda"
-    if config.dtype == "auto":
-        config.dtype = "bfloat16" if on_cuda else "float32"
-    parse_dtype(config.dtype)
-    if config.attention_backend == "auto":
-        config.attention_backend = "triton" if on_cuda else "torch"
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cuda = torch.device(device).type == "cuda"
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if on_cuda else "float32"
+    parse_dtype(dtype)
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if on_cuda else "torch"
     tp = config.tensor_parallel_size
     for what, n in (("attention heads", model_config.num_attention_heads),
                     ("KV heads", model_config.num_key_value_heads),
@@ -81,9 +87,9 @@ def resolve_config(config: EngineConfig, model_config: ModelConfig) -> int:
     if on_cuda and tp > torch.cuda.device_count() and torchrun_rank() is None:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; "
                          f"{torch.cuda.device_count()} are visible")
-    max_len = config.max_model_len or model_config.max_context
-    model_config.check_max_model_len(max_len)
-    return max_len
+    if config.max_model_len is not None:
+        model_config.check_max_model_len(config.max_model_len)
+    return dataclasses.replace(config, device=device, dtype=dtype, attention_backend=backend)
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: object | None) -> list[int]:
@@ -118,49 +124,51 @@ class EngineCore:
         """source: the model already resolved (a front end in the same process has it)."""
         source = source or load_model_source(model, load_format)
         self.model_config = ModelConfig.from_hf(source.hf_config)
-        self.config = config
-        self.max_model_len = resolve_config(config, self.model_config)
+        resolved = resolve_config(config, self.model_config)
         # Only the EOS ids: the tokenizer itself stays with the front end.
         self.eos_token_ids = eos_token_ids(self.model_config, source.tokenizer)
         # The other tensor-parallel ranks are workers that run the steps this core schedules
         # (engine/worker.py), unless torchrun started every rank with a core of its own.
         self.workers: WorkerGroup | None = None
-        self.external_rank = torchrun_rank() if config.tensor_parallel_size > 1 else None
+        self.external_rank = torchrun_rank() if resolved.tensor_parallel_size > 1 else None
         tp_rank = 0
         if self.external_rank is not None:
             tp_rank = self.external_rank
             world = int(os.environ["WORLD_SIZE"])
-            if world != config.tensor_parallel_size:
+            if world != resolved.tensor_parallel_size:
                 raise ValueError(f"torchrun started {world} ranks for tensor_parallel_size="
-                                 f"{config.tensor_parallel_size}")
-            init_distributed(tp_rank, world, "env://", config.device,
+                                 f"{resolved.tensor_parallel_size}")
+            init_distributed(tp_rank, world, "env://", resolved.device,
                              int(os.environ.get("LOCAL_RANK", 0)))
-        elif config.tensor_parallel_size > 1:
-            self.workers = WorkerGroup(model, config, load_format, self.max_model_len,
-                                       self.eos_token_ids)
-        if config.tensor_parallel_size > 1:
+        elif resolved.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(model, resolved, load_format, self.eos_token_ids)
+        if resolved.tensor_parallel_size > 1:
             # Unseeded requests draw from the default generator: the same on every rank.
-            torch.manual_seed(config.seed)
-        self.runner = ModelRunner(self.model_config, config, source, source.load_format,
-                                  self.max_model_len, self.eos_token_ids, tp_rank)
-        self.max_model_len = self.runner.max_model_len  # within what its KV pool holds
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
-        spec = config.speculative
+            torch.manual_seed(resolved.seed)
+        self.runner = ModelRunner(self.model_config, resolved, source, source.load_format,
+                                  self.eos_token_ids, tp_rank)
+        # The configuration as built: the pool's size and the longest sequence it holds.
+        pool = self.runner.kv_pool
+        self.config = dataclasses.replace(resolved, max_model_len=pool.max_model_len,
+                                          num_kv_blocks=pool.num_blocks)
+        self.max_model_len = pool.max_model_len
+        self.block_manager = BlockManager(pool.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        spec = self.config.speculative
         # Steps are timed for the draft-length policy on CUDA alone: a CPU step's time is the
         # host's (and would make CPU runs schedule differently from run to run), and cores in
         # lockstep under torchrun must decide alike without sharing a clock.
-        time_steps = (torch.device(config.device).type == "cuda"
+        time_steps = (torch.device(self.config.device).type == "cuda"
                       and self.external_rank is None)
         speculator = None if spec is None else Speculator(spec, self.model_config.vocab_size,
                                                           time_steps)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len,
-                                   config.mixed_prompt_tokens, self.eos_token_ids, speculator)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, self.max_model_len,
+                                   self.config.mixed_prompt_tokens, self.eos_token_ids, speculator)
         self.inflight: InFlight | None = None
         self.structured_output = StructuredOutputManager(
             source.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            config.max_sampled_rows)
+            self.config.max_sampled_rows)
         # Constrained requests whose grammar is still compiling; queued once it is ready.
         self.compiling: list[Sequence] = []
         self.recorder: StepRecorder | None = None

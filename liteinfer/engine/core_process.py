@@ -436,10 +436,10 @@ class EngineCoreClient:
 
     def _read_outputs(self) -> None:
         """Runs when the output socket's descriptor is readable (a plain socket read on the
-        event loop: pyzmq's asyncio futures add ~0.1 ms a message). Each call takes every step
-        message already waiting, so a front end that fell behind catches up in one pass
-        instead of one pass per step. The descriptor is edge-triggered: read until the socket
-        has nothing left."""
+        event loop: pyzmq's asyncio futures cost more a message, journal item 67). Each call
+        takes every step message already waiting, so a front end that fell behind catches up
+        in one pass instead of one pass per step. The descriptor is edge-triggered: read until
+        the socket has nothing left."""
         batch = []
         while self.output.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             batch.append(self.decoder.decode(self.output.recv(zmq.NOBLOCK, copy=False)))

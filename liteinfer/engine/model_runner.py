@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,13 +48,24 @@ from liteinfer.utils import cdiv, free_device_memory
 PROMPT_LOGPROB_ROWS = 512
 
 
+@dataclass(frozen=True)
+class KVPoolSize:
+    """What the runner derives from the memory it finds: the KV pool's blocks and the longest
+    sequence the engine serves (max_model_len, or less where a default would not fit)."""
+
+    num_blocks: int
+    max_model_len: int
+
+
 class ModelRunner:
     """Owns the model, the KV pool, the sampler and (on CUDA) the captured decode and prompt
     graphs."""
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, source: ModelSource,
-                 load_format: str, max_model_len: int, eos_token_ids: list[int],
-                 tp_rank: int = 0):
+                 load_format: str, eos_token_ids: list[int], tp_rank: int = 0):
+        """`config`: resolved (engine/core.py `resolve_config`). The runner reports what it
+        derives from the memory it finds in `kv_pool`, which the engine core builds its
+        configuration from."""
         self.model_config = model_config
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
@@ -63,14 +75,14 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype: torch.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.max_model_len = max_model_len
-        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
+        # The longest sequence asked for; the KV pool may hold less (`kv_pool`).
+        max_model_len = config.max_model_len or model_config.max_context
         # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
         self.query_group_size = self.num_q_heads // self.num_kv_heads
         self.use_triton = config.attention_backend == "triton"
         self.backend = (BatchInvariantBackend(self.use_triton) if config.batch_invariant
                         else get_backend(config.attention_backend))
-        self.model = self._load_model(model_config, source, load_format)
+        self.model = self._load_model(model_config, source, load_format, max_model_len)
         # A draft model (speculative decoding) is loaded before the KV pools are sized: its
         # pool holds as many blocks as the target's, which share one budget.
         spec = config.speculative
@@ -79,10 +91,13 @@ class ModelRunner:
             draft_config, draft_source = load_draft_source(spec, model_config, load_format,
                                                            max_model_len, config)
             if spec.method == "eagle3":
-                draft = self._load_eagle3_head(draft_config, draft_source)
+                draft = self._load_eagle3_head(draft_config, draft_source, max_model_len)
             else:
-                draft = self._load_model(draft_config, draft_source, draft_source.load_format)
-        self.kv_cache = self._allocate_kv_cache(draft)
+                draft = self._load_model(draft_config, draft_source, draft_source.load_format,
+                                         max_model_len)
+        self.kv_pool = self._size_kv_pool(draft, max_model_len)
+        self.max_blocks_per_seq = cdiv(self.kv_pool.max_model_len, self.block_size)
+        self.kv_cache = self._bind_kv_pool(self.model)
         sms = num_sms(self.device)
         workspace = None
         if self.use_triton:
@@ -120,12 +135,12 @@ class ModelRunner:
             self.drafter.release_graphs()
         free_device_memory()
 
-    def _load_eagle3_head(self, cfg: ModelConfig, source: ModelSource
+    def _load_eagle3_head(self, cfg: ModelConfig, source: ModelSource, max_model_len: int
                           ) -> Eagle3LlamaForCausalLM:
         """The head, reading the target's token embedding unless it has its own, and the
         target set to keep the hidden states it reads."""
         draft_vocab, aux_layers = eagle3_settings(source.hf_config, self.model_config)
-        head = self._load_model(cfg, source, source.load_format, lambda ops: (
+        head = self._load_model(cfg, source, source.load_format, max_model_len, lambda ops: (
             Eagle3LlamaForCausalLM(cfg, draft_vocab, self.model_config.hidden_size,
                                    self.backend, ops)))
         if not head.has_own_embedding:
@@ -140,8 +155,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _load_model(self, cfg: ModelConfig, source: ModelSource, load_format: str,
-                    build: Callable[[LayerOps], nn.Module] | None = None) -> Any:
-        """`build`: the model from its layer ops (default: the family's class of `cfg`)."""
+                    max_model_len: int, build: Callable[[LayerOps], nn.Module] | None = None
+                    ) -> Any:
+        """`build`: the model from its layer ops (default: the family's class of `cfg`); its
+        RoPE table covers `max_model_len` positions."""
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -159,7 +176,7 @@ class ModelRunner:
         else:
             model.load_weights(source.iter_weights())
         process_weights_after_loading(model)
-        model.cos_sin_cache = cos_sin_cache(cfg.head_dim, self.max_model_len, cfg.rope_theta,
+        model.cos_sin_cache = cos_sin_cache(cfg.head_dim, max_model_len, cfg.rope_theta,
                                             cfg.rope_scaling, self.device)
         return model.eval()
 
@@ -188,9 +205,10 @@ class ModelRunner:
     def kv_dtype(self) -> torch.dtype:
         return kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
 
-    def _allocate_kv_cache(self, draft: LlamaForCausalLM | None) -> torch.Tensor:
-        """The target's KV pool; `draft`: a draft model whose pool of as many blocks shares
-        the budget (allocated by `_bind_kv_pool`)."""
+    def _size_kv_pool(self, draft: LlamaForCausalLM | None, max_model_len: int) -> KVPoolSize:
+        """The KV pool's blocks, from `num_kv_blocks` or the memory left, and the longest
+        sequence they hold (at most `max_model_len`); `draft`: a draft model whose pool of as
+        many blocks shares the budget (allocated by `_bind_kv_pool`)."""
         block_bytes = self._kv_block_bytes(self.model)
         if draft is not None:
             block_bytes += self._kv_block_bytes(draft)
@@ -204,23 +222,21 @@ class ModelRunner:
                 budget = self.config.cpu_kv_cache_gb * 2**30
             # More blocks than every sequence at full length could use would sit idle.
             num_blocks = min(int(budget // block_bytes),
-                             self.config.max_num_seqs * self.max_blocks_per_seq + 1)
+                             self.config.max_num_seqs * cdiv(max_model_len, self.block_size) + 1)
         # Rank 0's block ids (or, under torchrun, every rank's scheduler's) index every pool.
         if self.tp_size > 1:
             agreed = torch.tensor([num_blocks], device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             num_blocks = int(agreed.item())
-        self.max_model_len = self.model_config.fit_max_model_len(
-            self.max_model_len, self.config.max_model_len is not None,
-            num_blocks * self.block_size)
-        self.max_blocks_per_seq = cdiv(self.max_model_len, self.block_size)
-        self.num_kv_blocks = num_blocks
-        return self._bind_kv_pool(self.model)
+        fitted = self.model_config.fit_max_model_len(
+            max_model_len, self.config.max_model_len is not None, num_blocks * self.block_size)
+        return KVPoolSize(num_blocks, fitted)
 
     def _bind_kv_pool(self, model: LlamaForCausalLM) -> torch.Tensor:
-        """A KV pool of `num_kv_blocks` blocks for `model`, bound to its attention layers."""
+        """A KV pool of `kv_pool.num_blocks` blocks for `model`, bound to its attention
+        layers."""
         cfg = model.config
-        kv = allocate_kv_pool(2, cfg.num_hidden_layers, num_blocks=self.num_kv_blocks,
+        kv = allocate_kv_pool(2, cfg.num_hidden_layers, num_blocks=self.kv_pool.num_blocks,
                               block_size=self.block_size,
                               num_kv_heads=cfg.num_key_value_heads // self.tp_size,
                               head_dim=cfg.head_dim, dtype=self.kv_dtype, device=self.device)

@@ -12,7 +12,7 @@ the same program and its own engine core in lockstep (as vLLM's external launche
 schedulers make the same decisions from the same calls and the same number of KV blocks.
 
 Either way the ranks agree on the KV pool's size (the smallest any rank can hold;
-ModelRunner._allocate_kv_cache), and a rank that exits stops the engine (RankDiedError) rather
+ModelRunner._size_kv_pool), and a rank that exits stops the engine (RankDiedError) rather
 than leaving the others waiting in a collective.
 """
 from __future__ import annotations

@@ -167,7 +167,7 @@ class Worker:
 
 
 def run_worker(rank: int, init_method: str, model: str, config: EngineConfig, load_format: str,
-               max_model_len: int, eos_token_ids: list[int], conn: Connection) -> None:
+               eos_token_ids: list[int], conn: Connection) -> None:
     """The main function of rank `rank` > 0, in a process of its own. `config` is resolved
     (engine/core.py resolve_config); the EOS ids come from rank 0, which has the tokenizer."""
     configure_logging()
@@ -176,7 +176,7 @@ def run_worker(rank: int, init_method: str, model: str, config: EngineConfig, lo
     # As on rank 0: unseeded requests draw from the default generator, the same on every rank.
     torch.manual_seed(config.seed)
     runner = ModelRunner(ModelConfig.from_hf(source.hf_config), config, source,
-                         source.load_format, max_model_len, eos_token_ids, rank)
+                         source.load_format, eos_token_ids, rank)
     freeze_heap()
     Worker(runner).serve(conn)
 
@@ -185,7 +185,7 @@ class WorkerGroup:
     """Ranks 1..tp_size-1 as workers in processes of their own; the calling process becomes
     rank 0 and sends them each step (`execute_model`)."""
 
-    def __init__(self, model: str, config: EngineConfig, load_format: str, max_model_len: int,
+    def __init__(self, model: str, config: EngineConfig, load_format: str,
                  eos_token_ids: list[int]):
         if dist.is_initialized():
             raise ValueError("a tensor-parallel engine is already running in this process; "
@@ -198,7 +198,7 @@ class WorkerGroup:
             conn, child = ctx.Pipe()
             proc = ctx.Process(target=run_worker, daemon=True, name=f"liteinfer-tp{rank}",
                                args=(rank, init_method, model, config, load_format,
-                                     max_model_len, eos_token_ids, child))
+                                     eos_token_ids, child))
             proc.start()
             self.conns.append(conn)
             self.procs.append(proc)

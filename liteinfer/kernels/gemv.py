@@ -23,10 +23,11 @@ Rounding follows the unfused layers of Hugging Face's Llama (norm.py, activation
 intermediate that is a tensor there is rounded to the activation dtype here.
 
 Rows longer than CHUNKED_MIN_K (an 8B model's down: 14,336) go through a second kernel
-instead: a whole row is then a program's tile on its own, and one e4m3 row a program streamed
-those weights at 0.62 of the floor; CHUNKED_TILE's programs own several rows and walk K in
-chunks that Triton's pipeline keeps in flight, with the products summed elementwise and reduced
-once. On the 8B's shorter rows (4,096) the whole-row kernel stays faster.
+instead: a whole row is then a program's tile on its own, and one e4m3 row a program streams
+those weights well under the copy bandwidth (journal items 90 and 91); CHUNKED_TILE's programs
+own several rows and walk K in chunks that Triton's pipeline keeps in flight, with the products
+summed elementwise and reduced once. On the 8B's shorter rows (4,096) the whole-row kernel
+stays faster.
 
 On Hopper and later both kernels are programmatic dependent launches: launched while the
 previous kernel in the stream finishes, they wait for it before reading any activation and let

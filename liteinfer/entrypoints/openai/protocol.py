@@ -153,8 +153,8 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         """A flat list of in-range ints (a token-id prompt) is what the union would make of it;
-        checked at C speed here, where the union's member-by-member matching takes ~20 us for
-        128 ids. Anything else goes through the union (and its errors)."""
+        checked at C speed here, in less than half the time of the union's member-by-member
+        matching (journal item 71). Anything else goes through the union (and its errors)."""
         if type(value) is list and value and ints_below(value, COUNT_MAX + 1):
             return value
         return handler(value)

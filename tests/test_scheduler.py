@@ -9,8 +9,8 @@ from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.sampler import SampledTokens
 from liteinfer.engine.scheduler import (
+    ScheduledStep,
     Scheduler,
-    SchedulerOutput,
     padded_decodes,
     prompt_piece_sizes,
 )
@@ -31,7 +31,7 @@ def scheduler_of(bm: BlockManager, max_num_seqs: int, max_num_batched_tokens: in
                      mixed_prompt_tokens, eos_token_ids=[])
 
 
-def run_step(scheduler: Scheduler, batch: SchedulerOutput) -> None:
+def run_step(scheduler: Scheduler, batch: ScheduledStep) -> None:
     """What the engine core does around the model: launch, then token 2 for every sampling
     sequence."""
     scheduler.mark_launched(batch)
@@ -126,7 +126,7 @@ def test_mixed_steps_carry_prompt_pieces_of_captured_sizes():
     run_step(scheduler, first)
     steps = []
 
-    def step() -> SchedulerOutput:
+    def step() -> ScheduledStep:
         batch = scheduler.schedule()
         steps.append((batch.num_decodes, batch.num_tokens))
         run_step(scheduler, batch)

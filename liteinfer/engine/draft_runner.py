@@ -27,7 +27,7 @@ from liteinfer.engine.runner_output import (
     ProposalPlan,
     ProposedDrafts,
 )
-from liteinfer.engine.scheduler import SchedulerOutput
+from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
@@ -102,7 +102,7 @@ class DraftModelRunner:
         self.step_model.sampled_tokens = sampled_tokens
 
     @torch.inference_mode()
-    def before_step(self, batch: SchedulerOutput) -> DraftPlan | None:
+    def before_step(self, batch: StepBatch) -> DraftPlan | None:
         """Runs the draft model over the step's tokens (launched before the step samples: its
         pending tokens are read from the step before's samples), and plans the proposals
         after it if it asks for some."""
@@ -112,7 +112,7 @@ class DraftModelRunner:
         proposals = self._plan(batch)
         return None if proposals is None else DraftPlan(proposals)
 
-    def _plan(self, batch: SchedulerOutput) -> ProposalPlan | None:
+    def _plan(self, batch: StepBatch) -> ProposalPlan | None:
         k = batch.num_lookahead_tokens
         if not k:
             return None
@@ -200,7 +200,7 @@ class Eagle3Runner(DraftModelRunner):
         self.target = target
 
     @torch.inference_mode()
-    def before_step(self, batch: SchedulerOutput) -> DraftPlan:
+    def before_step(self, batch: StepBatch) -> DraftPlan:
         _, positions, meta, sample_rows, _ = self.step_model.prepare(batch, self.block_size,
                                                                      self.table_width)
         next_ids = np.zeros(sum(batch.num_tokens), dtype=np.int64)

@@ -60,18 +60,17 @@ class RequestStates:
         for new in out.new_requests:
             requests[new.req_id] = CachedRequestState(new.req_id, new.prompt_token_ids,
                                                       new.sampling_params)
-        seqs = []
-        for s in out.scheduled:
-            state = requests[s.req_id]
-            if s.new_token_ids:
-                state.token_ids += s.new_token_ids
-            if s.resumed:
-                state.block_table = list(s.new_block_ids)
-            elif s.new_block_ids:
-                state.block_table += s.new_block_ids
-            state.num_computed_tokens = s.num_computed_tokens
-            state.num_pending = s.num_pending
-            seqs.append(state)
+        step = out.scheduled
+        seqs = [requests[rid] for rid in step.req_ids]
+        for state, computed, pending in zip(seqs, step.num_computed_tokens, step.num_pending):
+            state.num_computed_tokens = computed
+            state.num_pending = pending
+        for i, ids in step.new_token_ids:
+            seqs[i].token_ids += ids
+        for i in step.resumed:
+            seqs[i].block_table = []
+        for i, ids in step.new_block_ids:
+            seqs[i].block_table += ids
         return StepBatch(seqs, out.num_scheduled_tokens, out.is_prefill, out.num_decodes,
                          out.scheduled_spec_decode_tokens, out.num_lookahead_tokens)
 

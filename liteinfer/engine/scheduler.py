@@ -12,7 +12,7 @@ from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.sampler import SamplerOutput
 from liteinfer.engine.scheduler_output import (
     NewRequestData,
-    ScheduledRequest,
+    ScheduledRequests,
     SchedulerOutput,
 )
 from liteinfer.engine.sequence import Sequence, SequenceStatus
@@ -148,19 +148,28 @@ class Scheduler:
     def _runner_output(self, step: ScheduledStep) -> SchedulerOutput:
         """The step for the model runner: each sequence's changes since the runner last saw
         it. Runs for every sequence of every step: deltas only, no copies of whole lists."""
-        new, scheduled = [], []
-        for seq in step.seqs:
+        seqs = step.seqs
+        new, tokens, blocks, resumed = [], [], [], []
+        for i, seq in enumerate(seqs):
             sent = seq.num_sent_token_ids
             if not sent:
                 new.append(NewRequestData(seq.request_id, seq.prompt_token_ids,
                                           seq.sampling_params))
                 sent = seq.num_prompt_tokens
-            token_ids, table, num_blocks = seq.token_ids, seq.block_table, seq.num_sent_blocks
-            scheduled.append(ScheduledRequest(
-                seq.request_id, seq.num_computed_tokens, token_ids[sent:], table[num_blocks:],
-                not num_blocks and seq.num_sent_token_ids > 0, seq.num_pending))
-            seq.num_sent_token_ids = len(token_ids)
-            seq.num_sent_blocks = len(table)
+            elif not seq.num_sent_blocks:
+                resumed.append(i)
+            n = len(seq.token_ids)
+            if n != sent:
+                tokens.append((i, seq.token_ids[sent:]))
+            seq.num_sent_token_ids = n
+            sent = seq.num_sent_blocks
+            n = len(seq.block_table)
+            if n != sent:
+                blocks.append((i, seq.block_table[sent:]))
+                seq.num_sent_blocks = n
+        scheduled = ScheduledRequests([s.request_id for s in seqs],
+                                      [s.num_computed_tokens for s in seqs],
+                                      [s.num_pending for s in seqs], tokens, blocks, resumed)
         finished, self.finished_req_ids = self.finished_req_ids, []
         return SchedulerOutput(scheduled, step.num_tokens, step.is_prefill, step.num_decodes,
                                step.draft_token_ids, step.num_lookahead_tokens, new, finished)

@@ -22,16 +22,21 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
 
 
-class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request of a step: what changed since the runner last saw it, and its counters as
-    the scheduler holds them before the step."""
+class ScheduledRequests(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The step's requests, in its order, as parallel lists (built and applied with one pass
+    over the requests, every step): their counters as the scheduler holds them before the
+    step, and what changed since the runner last saw them, for those where something did."""
 
-    req_id: str
-    num_computed_tokens: int
-    new_token_ids: list[int] = []  # appended to its token ids (sampled tokens read back)
-    new_block_ids: list[int] = []  # appended to its block table
-    resumed: bool = False  # new_block_ids is its whole table (admitted again after preemption)
-    num_pending: int = 0  # tokens sampled on the device that the scheduler has not read yet
+    req_ids: list[str]
+    num_computed_tokens: list[int]
+    # Tokens sampled on the device that the scheduler has not read yet.
+    num_pending: list[int]
+    # (index, token ids appended to its token ids): sampled tokens the scheduler has read.
+    new_token_ids: list[tuple[int, list[int]]] = []
+    # (index, block ids appended to its block table).
+    new_block_ids: list[tuple[int, list[int]]] = []
+    # Indices whose new block ids are the whole table (admitted again after preemption).
+    resumed: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -39,7 +44,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     mixed step, one token of each decoding request beside them); decode steps one token per
     request. The first `num_decodes` requests decode one token each."""
 
-    scheduled: list[ScheduledRequest]
+    scheduled: ScheduledRequests
     num_scheduled_tokens: list[int]  # tokens each request computes in this step
     is_prefill: bool
     num_decodes: int

@@ -55,18 +55,17 @@ class StepBatch(Generic[R]):
     prompt_logprob_spans: list[tuple[int, int, int]] = field(init=False)
 
     def __post_init__(self) -> None:
-        # A sequence samples when this step reaches its last token.
-        if self.draft_token_ids:
-            self.sample_mask = [seq.num_computed_tokens + n == len(seq) + len(d) for seq, n, d
-                                in zip(self.seqs, self.num_tokens, self.draft_token_ids)]
-            self.sampling_seqs = []
-            for seq, m, d in zip(self.seqs, self.sample_mask, self.draft_token_ids):
-                if m:
-                    self.sampling_seqs += [seq] * (1 + len(d))
-        else:
-            self.sample_mask = [seq.num_computed_tokens + n == len(seq)
-                                for seq, n in zip(self.seqs, self.num_tokens)]
-            self.sampling_seqs = [seq for seq, m in zip(self.seqs, self.sample_mask) if m]
+        # A sequence samples when this step reaches its last token. A decoding one computes
+        # its last token by construction: only the others are checked (this runs every step).
+        d = self.num_decodes
+        seqs, drafts = self.seqs, self.draft_token_ids or [()] * len(self.seqs)
+        self.sample_mask = [True] * d + [
+            seqs[i].num_computed_tokens + self.num_tokens[i] == len(seqs[i]) + len(drafts[i])
+            for i in range(d, len(seqs))]
+        self.sampling_seqs = seqs[:d]
+        for i in range(d, len(seqs)):
+            if self.sample_mask[i]:
+                self.sampling_seqs += [seqs[i]] * (1 + len(drafts[i]))
         self.prompt_logprob_spans = []
         for i in range(self.num_decodes, len(self.seqs)):
             seq = self.seqs[i]

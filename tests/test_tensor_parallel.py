@@ -279,11 +279,11 @@ def test_a_worker_runs_rank_0s_step_from_its_scheduler_output(tiny_llama_dir):
     finally:
         core.runner.execute, core.runner.stage = run_rank_0, stage_rank_0
     assert core.scheduler.num_preemptions > 0 and core.block_manager.prefix_hits > 0
-    assert any(s.resumed for step, _ in steps for s in step.scheduled)
+    assert any(step.scheduled.resumed for step, _ in steps)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     # Each prompt crosses once, however often its sequence is preempted.
     assert sum(len(step.new_requests) for step, _ in steps) == len(prompts)
-    decode_sizes = [size / len(step.scheduled) for step, size in steps
+    decode_sizes = [size / len(step.scheduled.req_ids) for step, size in steps
                     if not step.is_prefill and not step.new_requests]
     assert decode_sizes and max(decode_sizes) < 32
     # Every finished request leaves with the next step; the last steps' stay until another.

@@ -37,12 +37,12 @@ MODEL = Path(__file__).resolve().parents[1] / "benchmarks/models/llama-3.2-1b-in
 
 
 def stub_device_work() -> None:
-    def forward(self, batch, staged):
-        build_step_inputs(batch, self.block_size, self.max_blocks_per_seq)
-        rows = len(batch.sampling_seqs)
+    def forward(self, step):
+        build_step_inputs(step.batch, self.block_size, self.max_blocks_per_seq)
+        rows = len(step.batch.sampling_seqs)
         return (torch.zeros(rows, 1) if rows else None), None
 
-    def sample(self, logits, seqs, bitmask=None):
+    def sample(self, logits, seqs, min_tok_rows, bitmask=None):
         ids = torch.tensor([1000 + (len(s) % 5000) for s in seqs])
         if bitmask is not None:  # a constrained row takes the lowest token its grammar allows
             for row in bitmask.rows:

@@ -29,7 +29,8 @@ def instrument(engine) -> list[dict]:
     runner, steps = engine.core.runner, []
     execute = runner.execute
 
-    def timed_execute(batch, *rest):
+    def timed_execute(staged):
+        batch = staged.batch
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
         if not batch.is_prefill:
             kind = "decode-graph" if runner.graphs is not None else "decode-eager"
@@ -39,7 +40,7 @@ def instrument(engine) -> list[dict]:
             kind = "prompt-eager"
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        result = execute(batch, *rest)
+        result = execute(staged)
         steps.append({"kind": kind, "decodes": batch.num_decodes, "prompt": prompt_tokens,
                       "events": (start, end)})
         return result

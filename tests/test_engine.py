@@ -418,9 +418,10 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
     forward, buckets = runner._forward, []
 
     @torch.inference_mode()
-    def through_layout(batch, staged):
+    def through_layout(staged):
+        batch = staged.batch
         if not layout.fits(batch):
-            return forward(batch, staged)
+            return forward(staged)
         step, d, p = layout.build(batch)
         layout.reset(buffer)  # stale inputs of an earlier bucket must not matter either
         layout.fill(buffer.numpy(), step, d, p)

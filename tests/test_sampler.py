@@ -3,21 +3,21 @@ import math
 import pytest
 import torch
 
-from liteinfer.engine.sampler import Sampler, SamplerOutput, _apply_penalties
-from liteinfer.engine.sequence import Sequence
+from liteinfer.engine.request_state import CachedRequestState
+from liteinfer.engine.sampler import Sampler, SamplerOutput, _apply_penalties, below_min_tokens
 from liteinfer.sampling_params import SamplingParams
 
 EOS = 3
 
 
-def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-    return sampler.sample(logits, seqs).result()
+def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[CachedRequestState]
+           ) -> SamplerOutput:
+    return sampler.sample(logits, seqs, below_min_tokens(seqs)).result()
 
 
-def make_seq(prompt=(1, 2), output=(), **kw) -> Sequence:
-    seq = Sequence("r", list(prompt), SamplingParams(**kw))
-    for t in output:
-        seq.append_token(t)
+def make_seq(prompt=(1, 2), output=(), **kw) -> CachedRequestState:
+    seq = CachedRequestState("r", list(prompt), SamplingParams(**kw))
+    seq.token_ids += output
     return seq
 
 
@@ -147,11 +147,11 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert sample(Sampler([EOS]), logits, [make_seq(output=[6, 6], **kw)]).token_ids == [EOS]
 
 
-def run_steps(seqs: list[Sequence], logits: torch.Tensor, steps: int) -> list[list[int]]:
+def run_steps(seqs: list[CachedRequestState], logits: torch.Tensor, steps: int) -> list[list[int]]:
     sampler = Sampler([EOS])
     for _ in range(steps):
         for s, t in zip(seqs, sample(sampler, logits[:len(seqs)], seqs).token_ids):
-            s.append_token(t)
+            s.token_ids.append(t)
     return [s.output_token_ids for s in seqs]
 
 

@@ -6,11 +6,12 @@ import itertools
 import torch
 
 from liteinfer.engine.block_manager import BlockManager
+from liteinfer.engine.request_state import RequestStates
 from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.sampler import SampledTokens
 from liteinfer.engine.scheduler import (
+    ScheduledStep,
     Scheduler,
-    SchedulerOutput,
     padded_decodes,
     prompt_piece_sizes,
 )
@@ -31,7 +32,7 @@ def scheduler_of(bm: BlockManager, max_num_seqs: int, max_num_batched_tokens: in
                      mixed_prompt_tokens, eos_token_ids=[])
 
 
-def run_step(scheduler: Scheduler, batch: SchedulerOutput) -> None:
+def run_step(scheduler: Scheduler, batch: ScheduledStep) -> None:
     """What the engine core does around the model: launch, then token 2 for every sampling
     sequence."""
     scheduler.mark_launched(batch)
@@ -126,7 +127,7 @@ def test_mixed_steps_carry_prompt_pieces_of_captured_sizes():
     run_step(scheduler, first)
     steps = []
 
-    def step() -> SchedulerOutput:
+    def step() -> ScheduledStep:
         batch = scheduler.schedule()
         steps.append((batch.num_decodes, batch.num_tokens))
         run_step(scheduler, batch)
@@ -151,4 +152,45 @@ def test_mixed_steps_carry_prompt_pieces_of_captured_sizes():
     assert steps[1] == (2, [1, 1, 10, 5])
     while scheduler.has_unfinished():
         step()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_the_runners_request_states_follow_the_scheduler_through_its_outputs():
+    """Applied step by step, the SchedulerOutputs bring a runner's request states to what the
+    scheduler's sequences hold before each step (tokens, block table, counters: so no token
+    or block crosses twice), through overlapped steps, preemption with re-admission and
+    finished requests; each prompt crosses once."""
+    bm = BlockManager(12, 16)
+    scheduler = scheduler_of(bm, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256)
+    seqs = [request(40, 30) for _ in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    states = RequestStates()
+    outputs, launched = [], None
+    while scheduler.has_unfinished() or launched is not None:
+        batch = scheduler.schedule()
+        if batch is not None:
+            out = batch.output
+            outputs.append(out)
+            step = states.apply(out)
+            assert [s.req_id for s in step.seqs] == [s.request_id for s in batch.seqs]
+            for state, seq in zip(step.seqs, batch.seqs):
+                assert state.token_ids == seq.token_ids and state.block_table == seq.block_table
+                assert (state.num_computed_tokens, len(state)) == (seq.num_computed_tokens,
+                                                                   len(seq))
+            assert step.sample_mask == batch.sample_mask
+            scheduler.mark_launched(batch)
+        if launched is not None:  # overlapped: the step before is read after this launch
+            seqs_, tokens = launched.sampling_seqs, torch.full((len(launched.sampling_seqs),), 2)
+            sampled = SampledTokens(tokens, tokens, [s.sampling_params for s in seqs_], None)
+            scheduler.update_from_output(launched, ModelRunnerOutput(sampled if seqs_ else None))
+        launched = batch
+    assert scheduler.num_preemptions > 0 and all(s.num_output_tokens == 30 for s in seqs)
+    assert sorted(n.req_id for o in outputs for n in o.new_requests) == sorted(
+        s.request_id for s in seqs)
+    assert any(o.scheduled.resumed for o in outputs)
+    # Each finished request leaves the runner once, with the next step after it finished.
+    finished = [rid for o in outputs for rid in o.finished_req_ids]
+    assert len(finished) == len(set(finished)) and not set(finished) & set(states.requests)
+    assert set(finished) | set(states.requests) == {s.request_id for s in seqs}
     assert bm.num_free_blocks == bm.num_blocks

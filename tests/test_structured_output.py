@@ -159,11 +159,12 @@ def test_constrained_steps_sample_in_the_next_call_before_the_next_launch(tiny_l
     forward, sample, execute = runner.forward, runner.sample, runner.execute
 
     def traced(name, fn):
-        def run(batch, *args):
+        def run(staged, *args):
             events.append((name, call))
             if name == "sample":  # every earlier step read: its token is in the grammar
-                assert [s.num_pending for s in batch.sampling_seqs] == [1]
-            return fn(batch, *args)
+                seqs = engine.core.scheduler.requests
+                assert [seqs[s.req_id].num_pending for s in staged.batch.sampling_seqs] == [1]
+            return fn(staged, *args)
         return run
 
     runner.forward, runner.sample = traced("forward", forward), traced("sample", sample)

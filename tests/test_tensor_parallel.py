@@ -1,7 +1,7 @@
 """Tensor parallelism over two CPU processes (gloo): the same tokens as one rank, through
 batching, preemption, prefix caching, seeded sampling and bad requests, and every rank in step
 throughout; each rank holding its slice of every weight, the vocabulary's included; the workers
-mirroring rank 0's requests exactly from its per-step deltas, and never scheduling."""
+running rank 0's steps exactly from its SchedulerOutput deltas, and never scheduling."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -17,6 +17,8 @@ from liteinfer import LLM, SamplingParams
 from liteinfer.attention import get_backend
 from liteinfer.engine import worker
 from liteinfer.engine.model_runner import ModelRunner
+from liteinfer.engine.request_state import CachedRequestState
+from liteinfer.engine.scheduler_output import SchedulerOutput
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.layers.linear import _ShardedLinear
 from liteinfer.layers.norm_act import RMSNorm
@@ -220,60 +222,73 @@ def test_speculation_on_two_ranks_matches_one(tiny_llama_dir, method):
         tp.shutdown()
 
 
-def test_a_worker_mirrors_rank_0s_sequences(tiny_llama_dir):
-    """Rank 0's deltas, through their wire format, bring a worker's mirror to the step rank 0
-    runs: the same model inputs, sampled rows and prompt-logprob rows every step, and the same
-    sampled tokens (a second model runner in this process plays the worker), through preemption,
-    re-admission with the prefix cache, and penalties; a decode step costs a few bytes a
-    sequence, and finished requests leave the mirror."""
+def test_a_worker_runs_rank_0s_step_from_its_scheduler_output(tiny_llama_dir):
+    """Rank 0's SchedulerOutput, through its wire format, brings a second runner's request
+    states (a worker's, in this process) to the step rank 0's runner runs from the object
+    itself: the same model inputs, sampled rows and prompt-logprob rows every step, and the
+    same sampled tokens, through preemption, re-admission with the prefix cache, and penalties.
+    Both runners' states match the scheduler's sequences without being them; a decode step
+    costs a few bytes a request, each prompt crosses once, and finished requests leave."""
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                     num_kv_blocks=20, max_num_seqs=6)
     core = llm.engine.core
     source = load_model_source(str(tiny_llama_dir))
-    mirror = worker.Worker(ModelRunner(core.model_config, core.config, source,
-                                       source.load_format, core.eos_token_ids))
-    builder = worker.WorkerStepBuilder()
-    steps, worker_batches = [], []
-    run_worker_step = mirror.runner.execute
-    mirror.runner.execute = lambda batch: worker_batches.append(batch) or run_worker_step(batch)
+    mirror = ModelRunner(core.model_config, core.config, source, source.load_format,
+                         core.eos_token_ids)
+    steps = []
     run_rank_0 = core.runner.execute
 
-    def execute(batch, staged):
-        message = msgspec.msgpack.encode(builder.build(batch))
-        step = msgspec.msgpack.decode(message, type=worker.WorkerStep)
+    def execute(staged):
+        message = msgspec.msgpack.encode(staged_messages.pop(id(staged)))
+        step = msgspec.msgpack.decode(message, type=SchedulerOutput)
         steps.append((step, len(message)))
-        mirror.execute_model(step)
-        # The mirror holds the requests rank 0 has sent and not finished since.
-        assert mirror.requests.keys() == builder.sent.keys()
-        assert not any(sent.seq.is_finished for sent in builder.sent.values())
-        theirs = worker_batches[-1]
-        assert theirs.sample_mask == batch.sample_mask
-        assert theirs.prompt_logprob_spans == batch.prompt_logprob_spans
+        theirs = mirror.stage(step)
+        ours, batch = staged.batch, theirs.batch
+        assert mirror.requests.requests.keys() == core.runner.requests.requests.keys()
+        assert batch.sample_mask == ours.sample_mask
+        assert batch.prompt_logprob_spans == ours.prompt_logprob_spans
         a, b = (build_step_inputs(x, core.config.block_size, core.runner.max_blocks_per_seq)
-                for x in (batch, theirs))
+                for x in (ours, batch))
         for name in ("input_ids", "pending_rows", "positions", "slots", "context_lens",
                      "block_tables", "sample_rows", "prompt_rows"):
             assert np.array_equal(getattr(a, name), getattr(b, name)), name
-        output = run_rank_0(batch, staged)
-        rows = len(batch.sampling_seqs)
+        for state in ours.seqs:  # not launched yet: the scheduler's sequences as sent
+            seq = core.scheduler.requests[state.req_id]
+            assert isinstance(state, CachedRequestState) and not isinstance(seq, type(state))
+            assert (state.token_ids, state.block_table) == (seq.token_ids, seq.block_table)
+            assert state.num_pending == seq.num_pending
+        output = run_rank_0(staged)
+        mirror.execute(theirs)
+        rows = len(ours.sampling_seqs)
         assert torch.equal(core.runner.step_model.sampled_tokens[:rows],
-                           mirror.runner.step_model.sampled_tokens[:rows])
+                           mirror.step_model.sampled_tokens[:rows])
         return output
 
-    core.runner.execute = execute
+    staged_messages = {}
+    stage_rank_0 = core.runner.stage
+
+    def stage(out):
+        staged = stage_rank_0(out)
+        staged_messages[id(staged)] = out
+        return staged
+
+    core.runner.execute, core.runner.stage = execute, stage
     try:
         prompts, params = _mixed_requests()
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        core.runner.execute = run_rank_0
+        core.runner.execute, core.runner.stage = run_rank_0, stage_rank_0
     assert core.scheduler.num_preemptions > 0 and core.block_manager.prefix_hits > 0
-    assert any(s.resumed for step, _ in steps for s in step.seqs)
+    assert any(step.scheduled.resumed for step, _ in steps)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     # Each prompt crosses once, however often its sequence is preempted.
     assert sum(len(step.new_requests) for step, _ in steps) == len(prompts)
-    decode_sizes = [size / len(step.seqs) for step, size in steps
+    decode_sizes = [size / len(step.scheduled.req_ids) for step, size in steps
                     if not step.is_prefill and not step.new_requests]
     assert decode_sizes and max(decode_sizes) < 32
+    # Every finished request leaves with the next step; the last steps' stay until another.
+    finished = {rid for step, _ in steps for rid in step.finished_req_ids}
+    assert len(finished) + len(mirror.requests.requests) == len(prompts)
 
 
 def _worker_that_cannot_schedule(*args):

@@ -16,7 +16,6 @@ import torch
 
 from liteinfer.config import EngineConfig, ModelConfig, parse_dtype
 from liteinfer.engine.block_manager import BlockManager
-from liteinfer.engine.cuda_graph import StagedDecode
 from liteinfer.engine.instrumentation import StepRecord, StepRecorder
 from liteinfer.engine.messages import (
     EngineCoreInfo,
@@ -24,9 +23,9 @@ from liteinfer.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
 )
-from liteinfer.engine.model_runner import ModelRunner
+from liteinfer.engine.model_runner import ModelRunner, StagedStep
 from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
-from liteinfer.engine.scheduler import Scheduler, SchedulerOutput
+from liteinfer.engine.scheduler import ScheduledStep, Scheduler
 from liteinfer.engine.sequence import Sequence
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed, torchrun_rank
 from liteinfer.engine.worker import EXIT_WAIT, WorkerGroup
@@ -47,7 +46,8 @@ logger = logging.getLogger(__name__)
 class InFlight:
     """A launched step whose sampled tokens the host has not read yet."""
 
-    scheduled: SchedulerOutput
+    scheduled: ScheduledStep
+    staged: StagedStep  # the runner's view of it
     output: ModelRunnerOutput | None  # None: its sampling waits for its grammars (`forward`)
     forward: StepForward | None = None
     record: StepRecord | None = None  # while the core records steps (`start_recording`)
@@ -55,10 +55,11 @@ class InFlight:
 
 @dataclass
 class Ahead:
-    """The next step, scheduled (and its inputs sent, where `staged`) before its launch."""
+    """The next step, scheduled (and given to the model runner, where `staged`: a captured
+    decode step's inputs are sent then) before its launch."""
 
-    scheduled: SchedulerOutput
-    staged: StagedDecode | None
+    scheduled: ScheduledStep
+    staged: StagedStep | None
 
 
 def resolve_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
@@ -312,7 +313,7 @@ class EngineCore:
                     or self.scheduler.wants_drafts()
                     or any(s.reads_outputs for s in scheduled.seqs))
 
-    def _schedule(self) -> tuple[SchedulerOutput | None, list[EngineCoreOutput]]:
+    def _schedule(self) -> tuple[ScheduledStep | None, list[EngineCoreOutput]]:
         """The next step (None if there is nothing to run), and the outputs of the requests
         that failed if scheduling raised."""
         if self.recorder is not None:
@@ -330,7 +331,7 @@ class EngineCore:
         if scheduled is None:
             return None
         try:
-            return Ahead(scheduled, self.runner.stage(scheduled))
+            return Ahead(scheduled, self.runner.stage(scheduled.output))
         except Exception as e:  # as in _launch; the next step is scheduled afresh
             outputs += self._fail(scheduled.seqs, e)
             return None
@@ -344,11 +345,12 @@ class EngineCore:
             if recorder is not None:
                 recorder.launching()
             if self.workers is not None:
-                self.workers.execute_model(scheduled)
+                self.workers.execute_model(scheduled.output)
+            staged = staged or self.runner.stage(scheduled.output)
             if self._samples_constrained(scheduled):
-                inflight = InFlight(scheduled, None, self.runner.forward(scheduled, staged))
+                inflight = InFlight(scheduled, staged, None, self.runner.forward(staged))
             else:
-                inflight = InFlight(scheduled, self.runner.execute(scheduled, staged))
+                inflight = InFlight(scheduled, staged, self.runner.execute(staged))
         except RankDiedError:
             raise
         except Exception as e:  # the step's requests fail, the core goes on
@@ -359,7 +361,7 @@ class EngineCore:
         self.inflight = inflight
         return []
 
-    def _samples_constrained(self, scheduled: SchedulerOutput) -> bool:
+    def _samples_constrained(self, scheduled: ScheduledStep) -> bool:
         manager = self.structured_output
         return manager.has_requests and any(
             manager.is_constrained(s.request_id) for s in scheduled.sampling_seqs)
@@ -380,7 +382,7 @@ class EngineCore:
                     [s.request_id for s in scheduled.sampling_seqs], drafts)
             except GrammarWorkerDied as e:  # the constrained requests fail, the others go on
                 failed, bitmask = self._fail_constrained(e), None
-            inflight.output = self.runner.sample(scheduled, inflight.forward, bitmask)
+            inflight.output = self.runner.sample(inflight.staged, inflight.forward, bitmask)
             if inflight.record is not None and self.recorder is not None:
                 self.recorder.sampled(inflight.record)
         except Exception as e:  # as in _launch

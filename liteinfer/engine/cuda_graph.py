@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata
-from liteinfer.engine.scheduler import SchedulerOutput
+from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
 
 T = TypeVar("T")
@@ -135,7 +135,7 @@ class CUDAGraphRunner:
         """The captured batch size a step of `num_rows` sequences replays."""
         return self.graphs.size_for(num_rows)
 
-    def stage(self, batch: SchedulerOutput) -> StagedDecode:
+    def stage(self, batch: StepBatch) -> StagedDecode:
         """Sends the step's inputs to the device buffer (behind the work already queued, which
         may still read the previous step's); `replay` launches it."""
         # Fills the mirror directly rather than through build_step_inputs (step_inputs.py): a

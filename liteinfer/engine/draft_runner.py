@@ -37,7 +37,7 @@ from liteinfer.engine.runner_output import (
     ProposalPlan,
     ProposedDrafts,
 )
-from liteinfer.engine.scheduler import SchedulerOutput
+from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
@@ -193,7 +193,7 @@ class DraftModelRunner:
         self.graphs = self.prompt_graphs = self.proposals.graphs = None
 
     @torch.inference_mode()
-    def before_step(self, batch: SchedulerOutput) -> DraftPlan | None:
+    def before_step(self, batch: StepBatch) -> DraftPlan | None:
         """Runs the draft model over the step's tokens (launched before the step samples: its
         pending tokens are read from the step before's samples), and plans the proposals
         after it if it asks for some."""
@@ -208,7 +208,7 @@ class DraftModelRunner:
         proposals = self._plan(batch)
         return None if proposals is None else DraftPlan(proposals)
 
-    def _plan(self, batch: SchedulerOutput) -> ProposalPlan | None:
+    def _plan(self, batch: StepBatch) -> ProposalPlan | None:
         k = batch.num_lookahead_tokens
         if not k:
             return None
@@ -275,7 +275,7 @@ class Eagle3Runner(DraftModelRunner):
     token a sequence, on its own hidden states, give the others."""
 
     def __init__(self, model: Eagle3LlamaForCausalLM, target: LlamaForCausalLM,
-                 decode_rows: Callable[[SchedulerOutput], int], kv_cache: torch.Tensor,
+                 decode_rows: Callable[[StepBatch], int], kv_cache: torch.Tensor,
                  sampled_tokens: torch.Tensor, config: EngineConfig, table_width: int,
                  device: torch.device):
         """`decode_rows(batch)`: the rows the step's decoding sequences take at the head of the
@@ -293,7 +293,7 @@ class Eagle3Runner(DraftModelRunner):
         self.proposals.capture(pool)
 
     @torch.inference_mode()
-    def before_step(self, batch: SchedulerOutput) -> DraftPlan:
+    def before_step(self, batch: StepBatch) -> DraftPlan:
         _, positions, meta, sample_rows, _ = self.step_model.prepare(batch, self.block_size,
                                                                      self.table_width)
         next_ids = np.zeros(sum(batch.num_tokens), dtype=np.int64)

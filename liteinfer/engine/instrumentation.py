@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from liteinfer.engine.messages import EngineCoreOutput
-from liteinfer.engine.scheduler import SchedulerOutput
+from liteinfer.engine.step_batch import StepBatch
 
 EAGER = "eager"
 DECODE_GRAPH = "decode-graph"
@@ -55,7 +55,7 @@ class StepRecord:
     gpu_idle_ms: float | None = None  # device idle between the previous step and this one
 
 
-def token_counts(scheduled: SchedulerOutput) -> tuple[int, int, int]:
+def token_counts(scheduled: StepBatch) -> tuple[int, int, int]:
     """(prompt, decode, draft) tokens the step computes."""
     decode = scheduled.num_decodes
     draft = prompt = 0
@@ -91,7 +91,7 @@ class StepRecorder:
     """Collects a StepRecord per launched step. `describe` says how the runner ran a step
     (ModelRunner.describe); `cuda` times steps on the device."""
 
-    def __init__(self, describe: Callable[[SchedulerOutput], StepRun], cuda: bool,
+    def __init__(self, describe: Callable[[StepBatch], StepRun], cuda: bool,
                  profile_ranges: bool = False):
         self.records: list[StepRecord] = []
         self._describe = describe
@@ -117,7 +117,7 @@ class StepRecorder:
             self._start_event = self._event()
             self._start_event.record()
 
-    def launched(self, scheduled: SchedulerOutput, waiting: int) -> StepRecord:
+    def launched(self, scheduled: StepBatch, waiting: int) -> StepRecord:
         end = time.perf_counter()
         end_event = None
         if self._cuda:

@@ -23,9 +23,11 @@ from liteinfer.engine.draft_runner import (
 from liteinfer.engine.instrumentation import DECODE_GRAPH, EAGER, PROMPT_GRAPH, StepRun
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.prompt_graph import capture_step_graphs
+from liteinfer.engine.request_state import CachedRequestState, RequestStates
 from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
-from liteinfer.engine.sampler import Sampler, logprob_entries, logprob_table
-from liteinfer.engine.scheduler import SchedulerOutput
+from liteinfer.engine.sampler import Sampler, below_min_tokens, logprob_entries, logprob_table
+from liteinfer.engine.scheduler_output import SchedulerOutput
+from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
@@ -57,9 +59,21 @@ class KVPoolSize:
     max_model_len: int
 
 
+@dataclass
+class StagedStep:
+    """A step applied to the runner's request states, ready to launch."""
+
+    batch: StepBatch[CachedRequestState]
+    # Sampling rows whose request had fewer outputs than its min_tokens before the step: taken
+    # here, as the states may move on to the next step before this one is sampled.
+    below_min_tokens: list[int]
+    decode: StagedDecode | None  # a captured decode step's inputs, sent already
+
+
 class ModelRunner:
-    """Owns the model, the KV pool, the sampler and (on CUDA) the captured decode and prompt
-    graphs."""
+    """Owns the model, the KV pool, the sampler, (on CUDA) the captured decode and prompt
+    graphs, and its own state of every request it runs: each step's SchedulerOutput is applied
+    to it (`stage`), the same way on every tensor-parallel rank."""
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, source: ModelSource,
                  load_format: str, eos_token_ids: list[int], tp_rank: int = 0):
@@ -68,6 +82,7 @@ class ModelRunner:
         configuration from."""
         self.model_config = model_config
         self.config = config
+        self.requests = RequestStates()
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
         # This rank's heads (all of them on one rank).
         self.num_q_heads = model_config.num_attention_heads // self.tp_size
@@ -251,35 +266,37 @@ class ModelRunner:
         width = cfg.hidden_size * 4 + cfg.intermediate_size * 3
         return (tokens * width + self.config.max_num_seqs * cfg.vocab_size * 2) * 4
 
-    def execute(self, batch: SchedulerOutput, staged: StagedDecode | None = None
-                ) -> ModelRunnerOutput:
+    def stage(self, out: SchedulerOutput) -> StagedStep:
+        """Applies the step to the request states and, for a captured decode step, sends its
+        inputs ahead of its launch (`forward`/`execute`), e.g. while the step before it waits to
+        be sampled; other steps' inputs go with their launch. The pending tokens are read at
+        the launch."""
+        batch = self.requests.apply(out)
+        decode = None
+        if self._replays_decode(batch):
+            decode = self.graphs.stage(batch)
+        return StagedStep(batch, below_min_tokens(batch.sampling_seqs), decode)
+
+    def execute(self, step: StagedStep) -> ModelRunnerOutput:
         """Launches one step and its sampling without waiting for the device. The sampled
         tokens stay in the step model's buffer, where the next step reads the pending ones."""
-        return self.sample(batch, self.forward(batch, staged))
-
-    def stage(self, batch: SchedulerOutput) -> StagedDecode | None:
-        """Sends a captured decode step's inputs ahead of its launch (`forward`/`execute` with
-        the result), e.g. while the step before it waits to be sampled; None for other steps,
-        whose inputs go with their launch. The pending tokens are read at the launch."""
-        if not batch.is_prefill and self.graphs is not None:
-            return self.graphs.stage(batch)
-        return None
+        return self.sample(step, self.forward(step))
 
     @torch.inference_mode()
-    def forward(self, batch: SchedulerOutput, staged: StagedDecode | None = None
-                ) -> StepForward:
+    def forward(self, step: StagedStep) -> StepForward:
         """Launches the step's forward pass (and scores the prompt tokens that asked for
-        logprobs); `sample` follows, at once or once the constrained rows' bitmask is known.
-        `staged`: the step's inputs, sent already (`stage`)."""
+        logprobs); `sample` follows, at once or once the constrained rows' bitmask is known."""
+        batch = step.batch
         # The draft model reads the step's pending tokens before the step's samples replace them.
         plan = None if self.drafter is None else self.drafter.before_step(batch)
-        logits, prompt_hidden = self._forward(batch, staged)
+        logits, prompt_hidden = self._forward(step)
+        self.requests.launched(batch)
         prompt_logprobs = ([] if prompt_hidden is None else
                            self._prompt_logprobs(batch, prompt_hidden))
         return StepForward(logits, prompt_logprobs, plan)
 
     @torch.inference_mode()
-    def sample(self, batch: SchedulerOutput, forward: StepForward,
+    def sample(self, step: StagedStep, forward: StepForward,
                grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """Samples the launched step's rows (`grammar_bitmask` masks the constrained ones)
         before any later step is launched: the logits may sit in a captured graph's output."""
@@ -288,19 +305,20 @@ class ModelRunner:
                 self.drafter.after_sampling(forward.draft_plan, torch.empty(
                     0, dtype=torch.int64, device=self.device))
             return ModelRunnerOutput(None, forward.prompt_logprobs)
-        sampled = self.sampler.sample(forward.logits, batch.sampling_seqs, grammar_bitmask)
+        sampled = self.sampler.sample(forward.logits, step.batch.sampling_seqs,
+                                      step.below_min_tokens, grammar_bitmask)
         self.step_model.keep_sampled(sampled.token_ids)
         drafts = None
         if forward.draft_plan is not None:
             drafts = self.drafter.after_sampling(forward.draft_plan, sampled.token_ids)
         return ModelRunnerOutput(sampled, forward.prompt_logprobs, drafts)
 
-    def _forward(self, batch: SchedulerOutput, staged: StagedDecode | None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(self, step: StagedStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logits of the rows that sample ([rows, vocab], None if none do) and the final
         hidden states of the rows scoring prompt tokens (None if none do)."""
-        if self._replays_decode(batch):
-            return self.graphs.replay(staged or self.graphs.stage(batch)), None
+        batch = step.batch
+        if step.decode is not None:
+            return self.graphs.replay(step.decode), None
         prompt_hidden = None
         if self._replays_prompt(batch):
             hidden, rows = self.prompt_graphs.run(batch)
@@ -312,29 +330,30 @@ class ModelRunner:
                 prompt_hidden = hidden[prompt_rows]
         return (self.model.compute_logits(hidden[rows]) if rows.numel() else None), prompt_hidden
 
-    def _decode_rows(self, batch: SchedulerOutput) -> int:
+    def _decode_rows(self, batch: StepBatch) -> int:
         """Rows the step's decoding sequences take at the head of its hidden states (and of
         the model's `aux_hidden_states`): a captured prompt step pads them to its bucket."""
         if self._replays_prompt(batch):
             return self.prompt_graphs.layout.bucket(batch)[0]
         return batch.num_decodes
 
-    def _replays_decode(self, batch: SchedulerOutput) -> bool:
+    def _replays_decode(self, batch: StepBatch) -> bool:
         return not batch.is_prefill and self.graphs is not None
 
-    def _replays_prompt(self, batch: SchedulerOutput) -> bool:
+    def _replays_prompt(self, batch: StepBatch) -> bool:
         return (self.prompt_graphs is not None and not batch.prompt_logprob_spans
                 and self.prompt_graphs.fits(batch))
 
-    def describe(self, batch: SchedulerOutput) -> StepRun:
-        """How `forward` runs the step: eagerly or as which captured graph (instrumentation)."""
+    def describe(self, batch: StepBatch) -> StepRun:
+        """How `forward` runs the step (the scheduler's view of it or the runner's): eagerly
+        or as which captured graph (instrumentation)."""
         if self._replays_decode(batch):
             return StepRun(DECODE_GRAPH, (self.graphs.size_for(len(batch.seqs)),))
         if self._replays_prompt(batch):
             return StepRun(PROMPT_GRAPH, self.prompt_graphs.layout.bucket(batch))
         return StepRun(EAGER)
 
-    def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor
+    def _prompt_logprobs(self, batch: StepBatch[CachedRequestState], hidden: torch.Tensor
                          ) -> list[list[TokenLogprobs]]:
         """The prompt tokens' logprobs (and each sequence's top-N) of the step's rows scoring
         them (`batch.prompt_logprob_spans`, in order; their final hidden states). Logits are
@@ -348,6 +367,7 @@ class ModelRunner:
             targets += seq.token_ids[pos + 1:pos + 1 + n]
             tops += [seq.sampling_params.prompt_logprobs] * n
             counts.append(n)
+            seq.num_prompt_logprobs += n
         k = max(tops)
         entries: list[TokenLogprobs] = []
         for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):

@@ -21,7 +21,8 @@ import torch
 from liteinfer.attention import AttentionMetadata
 from liteinfer.config import EngineConfig
 from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedInputs, capture_graph
-from liteinfer.engine.scheduler import SchedulerOutput, padded_decodes, prompt_piece_sizes
+from liteinfer.engine.scheduler import padded_decodes, prompt_piece_sizes
+from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels.prefill_tiles import decode_entries, prefill_tile_tokens
@@ -69,7 +70,7 @@ class PromptStepLayout:
     def _tile_tokens(self, prompt_size: int) -> int:
         return prefill_tile_tokens(prompt_size, self.query_group_size)
 
-    def fits(self, batch: SchedulerOutput) -> bool:
+    def fits(self, batch: StepBatch) -> bool:
         if not batch.is_prefill or batch.num_decodes >= self.max_num_seqs:
             return False
         prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
@@ -78,13 +79,13 @@ class PromptStepLayout:
     def _sizes_for(self, num_decodes: int) -> list[int]:
         return self.prompt_sizes[padded_decodes(num_decodes, self.max_num_seqs)]
 
-    def bucket(self, batch: SchedulerOutput) -> tuple[int, int]:
+    def bucket(self, batch: StepBatch) -> tuple[int, int]:
         """The step's bucket: (decoding rows, prompt tokens), each padded."""
         d = batch.num_decodes
         p_size = next(s for s in self._sizes_for(d) if s >= sum(batch.num_tokens) - d)
         return padded_decodes(d, self.max_num_seqs), p_size
 
-    def build(self, batch: SchedulerOutput) -> tuple[StepInputs, int, int]:
+    def build(self, batch: StepBatch) -> tuple[StepInputs, int, int]:
         """The step's inputs and its bucket (decoding rows, prompt tokens)."""
         return (build_step_inputs(batch, self.block_size, self.width), *self.bucket(batch))
 
@@ -173,14 +174,14 @@ class PromptGraphRunner:
             self.layout.reset(self.inputs.dev)
             self.graphs[(d, p)], _ = capture_graph(lambda d=d, p=p: self._forward(d, p), pool)
 
-    def fits(self, batch: SchedulerOutput) -> bool:
+    def fits(self, batch: StepBatch) -> bool:
         return self.layout.fits(batch)
 
     def _forward(self, d: int, p: int) -> None:
         self.out_hidden[:d + p].copy_(forward_bucket(self.step_model, self.layout,
                                                      self.inputs.dev, d, p))
 
-    def run(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the step's graph; returns its hidden states and the rows that sample."""
         step, d_size, p_size = self.layout.build(batch)
         self.inputs.send(self.layout.fill(self.inputs.host(), step, d_size, p_size))

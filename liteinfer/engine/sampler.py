@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from liteinfer.engine.messages import TokenLogprobs
-from liteinfer.engine.sequence import Sequence
+from liteinfer.engine.request_state import CachedRequestState
 from liteinfer.sampling_params import SamplingParams
 from liteinfer.structured_output.manager import GrammarBitmask, apply_grammar_bitmask
 from liteinfer.utils import to_device
@@ -59,6 +59,13 @@ class SampledTokens:
         return self._result
 
 
+def below_min_tokens(seqs: list[CachedRequestState]) -> list[int]:
+    """The rows whose request has fewer outputs than its min_tokens (tokens still pending on
+    the device count: they are outputs too)."""
+    return [i for i, s in enumerate(seqs) if s.sampling_params.min_tokens
+            and len(s) - s.num_prompt_tokens < s.sampling_params.min_tokens]
+
+
 class Sampler:
     def __init__(self, eos_token_ids: Iterable[int], use_triton: bool = False):
         self.eos_token_ids = sorted(set(eos_token_ids))
@@ -70,16 +77,15 @@ class Sampler:
             return argmax_rows(x)
         return x.argmax(dim=-1)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
-               grammar_bitmask: GrammarBitmask | None = None) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, seqs: list[CachedRequestState],
+               min_tok_rows: list[int], grammar_bitmask: GrammarBitmask | None = None
+               ) -> SampledTokens:
         """Samples without waiting for the device. Penalties read the sequences' token ids, so
-        those must hold every earlier token (no pending ones). `grammar_bitmask` masks the
-        rows of constrained requests."""
+        those must hold every earlier token (no pending ones). `min_tok_rows`: the rows below
+        their min_tokens (`below_min_tokens`); `grammar_bitmask` masks the rows of constrained
+        requests."""
         params = [s.sampling_params for s in seqs]
         greedy = [p.greedy for p in params]
-        # len(s) counts tokens still pending on the device: they are outputs too.
-        min_tok_rows = [i for i, s in enumerate(seqs)
-                        if len(s) - s.num_prompt_tokens < s.sampling_params.min_tokens]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         pen_rows = [i for i, s in enumerate(seqs) if s.needs_penalties]
         end_rows = [i for i, s in enumerate(seqs)
@@ -113,7 +119,8 @@ class Sampler:
             return SampledTokens(token_ids, token_ids, params, None)
         return _with_logprobs(logits, token_ids, params)
 
-    def _mask_stop_tokens(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    def _mask_stop_tokens(self, x: torch.Tensor, seqs: list[CachedRequestState],
+                          rows: list[int]) -> None:
         """Below min_tokens nothing may end the sequence: EOS (even with ignore_eos, as vLLM)
         and stop_token_ids get -inf."""
         vocab = x.shape[1]
@@ -156,7 +163,7 @@ def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -
                              torch.ones((), device=device), accumulate=True)
 
 
-def _apply_penalties(x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+def _apply_penalties(x: torch.Tensor, seqs: list[CachedRequestState], rows: list[int]) -> None:
     """Repetition penalty over prompt+output ids (HF/vLLM: divide positive logits, multiply
     negative ones); presence/frequency over output ids (OpenAI: -= p*(count>0) + f*count)."""
     device, vocab = x.device, x.shape[1]
@@ -175,7 +182,7 @@ def _apply_penalties(x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> 
     x[idx] = sub
 
 
-def _sample(x: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+def _sample(x: torch.Tensor, seqs: list[CachedRequestState], greedy: list[bool]) -> torch.Tensor:
     """Samples every row (greedy rows get a throwaway draw from the default generator only)."""
     device, vocab = x.device, x.shape[1]
     ps = [s.sampling_params for s in seqs]

@@ -11,7 +11,13 @@ from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.messages import EngineCoreOutput, SchedulerStats
 from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.sampler import SamplerOutput
+from liteinfer.engine.scheduler_output import (
+    NewRequestData,
+    ScheduledRequests,
+    SchedulerOutput,
+)
 from liteinfer.engine.sequence import Sequence, SequenceStatus
+from liteinfer.engine.step_batch import StepBatch
 from liteinfer.spec_decode import Speculator
 from liteinfer.utils import next_power_of_2
 
@@ -34,63 +40,11 @@ def prompt_piece_sizes(padded_decodes: int, mixed_prompt_tokens: int) -> list[in
 
 
 @dataclass
-class SchedulerOutput:
-    """One model step. Prefill steps compute prompt chunks and verify draft tokens (and, in a
-    mixed step, one token of each decoding sequence beside them); decode steps one token per
-    sequence.
+class ScheduledStep(StepBatch[Sequence]):
+    """A step as the scheduler keeps it, over its sequences, and the step's SchedulerOutput:
+    what the model runner gets (set once the step is complete)."""
 
-    A sequence verifying drafts (speculative decoding) computes its next token and its drafts
-    as a chunk of `1 + len(drafts)` tokens after the decoding ones, and samples a token at
-    every one of them: the drafts the samples agree with are kept, and the first sample that
-    disagrees (or the one after the last draft) follows them (`update_from_output`)."""
-
-    seqs: list[Sequence]
-    num_tokens: list[int]  # tokens each sequence computes in this step
-    is_prefill: bool
-    num_decodes: int = 0  # the leading sequences that decode one token (all, in a decode step)
-    # Per sequence, the draft tokens it verifies (after its last token); empty: no drafts.
-    draft_token_ids: list[list[int]] = field(default_factory=list)
-    # Drafts a model proposes on the device after the step, for each sequence that samples in
-    # it (draft_model, eagle3); 0: none. Their KV is written ahead, so the scheduler reserved
-    # room for them where it could without preempting.
-    num_lookahead_tokens: int = 0
-    # Derived at creation, from the sequences' state before the step (which the scheduler
-    # advances as soon as the step is launched).
-    sample_mask: list[bool] = field(init=False)
-    # The sequence of every sampled row, in row order (a verifying sequence has a row for its
-    # next token and one per draft).
-    sampling_seqs: list[Sequence] = field(init=False)
-    # (sequence index, first token in its chunk, count) of the tokens whose logits give a prompt
-    # token's logprob that sequence asked for and does not have yet (a prompt recomputed after
-    # preemption is not scored twice). Token p scores prompt token p + 1.
-    prompt_logprob_spans: list[tuple[int, int, int]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        # A sequence samples when this step reaches its last token.
-        drafts = self.draft_token_ids or [()] * len(self.seqs)
-        self.sample_mask = [seq.num_computed_tokens + n == len(seq) + len(d)
-                            for seq, n, d in zip(self.seqs, self.num_tokens, drafts)]
-        self.sampling_seqs = []
-        for seq, m, d in zip(self.seqs, self.sample_mask, drafts):
-            if m:
-                self.sampling_seqs += [seq] * (1 + len(d))
-        self.prompt_logprob_spans = []
-        for i in range(self.num_decodes, len(self.seqs)):
-            seq = self.seqs[i]
-            if seq.prompt_logprobs is None:
-                continue
-            start = seq.num_computed_tokens
-            first = max(start, len(seq.prompt_logprobs) - 1)
-            end = min(start + self.num_tokens[i], seq.num_prompt_tokens - 1)
-            if end > first:
-                self.prompt_logprob_spans.append((i, first - start, end - first))
-
-    def samples(self, i: int) -> bool:
-        """Whether a token is sampled for sequence i in this step."""
-        return self.sample_mask[i]
-
-    def num_drafts(self, i: int) -> int:
-        return len(self.draft_token_ids[i]) if self.draft_token_ids else 0
+    output: SchedulerOutput = field(init=False)
 
 
 class Scheduler:
@@ -126,6 +80,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.speculator = speculator
+        # Requests the model runner holds that finished since the last step was scheduled.
+        self.finished_req_ids: list[str] = []
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -147,6 +103,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         self.requests.pop(seq.request_id, None)
+        if seq.num_sent_token_ids:
+            self.finished_req_ids.append(seq.request_id)
         if self.speculator is not None:
             self.speculator.finish(seq.request_id)
 
@@ -174,35 +132,66 @@ class Scheduler:
                 and self.speculator.wants_host_tokens(len(self.running)))
 
     # ---- a step's life ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput | None:
+    def schedule(self) -> ScheduledStep | None:
         # Decodes reserve first. A sequence they preempt goes back to the head of the queue and
         # never fits in the blocks its preemption freed, so nobody is admitted past it.
         decodes, verifies, asked = self._reserve_decodes()
         if self.speculator is not None:
             self.speculator.step_scheduled(drafted=bool(verifies), asked=asked)
         out = self._schedule_prompts(decodes, verifies) or self._decode_batch(decodes)
-        if out is None and self.speculator is not None and not self.running:
-            self.speculator.paused()
-        if out is not None and self.speculator is not None and self.speculator.drafts_on_device:
+        if out is None:
+            if self.speculator is not None and not self.running:
+                self.speculator.paused()
+            return None
+        if self.speculator is not None and self.speculator.drafts_on_device:
             out.num_lookahead_tokens = self._reserve_lookahead(out)
+        out.output = self._runner_output(out)
         return out
 
-    def mark_launched(self, out: SchedulerOutput) -> None:
+    def _runner_output(self, step: ScheduledStep) -> SchedulerOutput:
+        """The step for the model runner: each sequence's changes since the runner last saw
+        it. Runs for every sequence of every step: deltas only, no copies of whole lists."""
+        seqs = step.seqs
+        new, tokens, blocks, resumed = [], [], [], []
+        for i, seq in enumerate(seqs):
+            sent = seq.num_sent_token_ids
+            if not sent:
+                new.append(NewRequestData(seq.request_id, seq.prompt_token_ids,
+                                          seq.sampling_params))
+                sent = seq.num_prompt_tokens
+            elif not seq.num_sent_blocks:
+                resumed.append(i)
+            n = len(seq.token_ids)
+            if n != sent:
+                tokens.append((i, seq.token_ids[sent:]))
+            seq.num_sent_token_ids = n
+            sent = seq.num_sent_blocks
+            n = len(seq.block_table)
+            if n != sent:
+                blocks.append((i, seq.block_table[sent:]))
+                seq.num_sent_blocks = n
+        scheduled = ScheduledRequests([s.request_id for s in seqs],
+                                      [s.num_computed_tokens for s in seqs],
+                                      [s.num_pending for s in seqs], tokens, blocks, resumed)
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        return SchedulerOutput(scheduled, step.num_tokens, step.is_prefill, step.num_decodes,
+                               step.draft_token_ids, step.num_lookahead_tokens, new, finished)
+
+    def mark_launched(self, out: ScheduledStep) -> None:
         """The step is running on the device: its tokens count as computed, and each sampling
-        sequence has one more token pending there, in the step's row `pending_row`."""
+        sequence has one more token pending there."""
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
         if out.is_prefill:  # a decoded token's block is registered once its id is on the host
             for seq in out.seqs:
                 self.block_manager.cache_computed_blocks(seq)
         last = None
-        for row, seq in enumerate(out.sampling_seqs):
+        for seq in out.sampling_seqs:
             if seq is not last:  # a verifying sequence's rows: one pending step
                 seq.num_pending += 1
                 last = seq
-            seq.pending_row = row
 
-    def update_from_output(self, out: SchedulerOutput, runner_output: ModelRunnerOutput
+    def update_from_output(self, out: ScheduledStep, runner_output: ModelRunnerOutput
                            ) -> list[EngineCoreOutput]:
         """Appends the step's sampled tokens (waiting for them to reach the host), checks stops
         and lengths, finishes requests, and returns one output per request that gained a
@@ -225,7 +214,7 @@ class Scheduler:
                     self.speculator.add_drafts(seq.request_id, len(seq.token_ids), drafts)
         return outputs
 
-    def _update_sampled(self, out: SchedulerOutput, sampled: SamplerOutput
+    def _update_sampled(self, out: ScheduledStep, sampled: SamplerOutput
                         ) -> list[EngineCoreOutput]:
         """update_from_output for a step without drafts: one token per sampling sequence."""
         outputs = []
@@ -245,7 +234,7 @@ class Scheduler:
                 self.finish(seq)
         return outputs
 
-    def _update_verified(self, out: SchedulerOutput, sampled: SamplerOutput
+    def _update_verified(self, out: ScheduledStep, sampled: SamplerOutput
                          ) -> list[EngineCoreOutput]:
         """update_from_output for a step that verified drafts: each sequence keeps the drafts
         its samples agree with and the sample after them. The KV of rejected drafts stays in
@@ -312,7 +301,7 @@ class Scheduler:
 
     # ---- picking a step -----------------------------------------------------------------------
     def _schedule_prompts(self, decodes: list[Sequence],
-                          verifies: list[tuple[Sequence, list[int]]]) -> SchedulerOutput | None:
+                          verifies: list[tuple[Sequence, list[int]]]) -> ScheduledStep | None:
         """Prompt chunks in the token budget left after `decodes` (one token each) and the
         sequences verifying drafts, or None if there is no prompt or draft work."""
         seqs = list(decodes)
@@ -357,8 +346,8 @@ class Scheduler:
         drafts = [[] for _ in seqs]
         for i, (_, d) in enumerate(verifies, start=len(decodes)):
             drafts[i] = d
-        return SchedulerOutput(seqs, num_tokens, is_prefill=True, num_decodes=len(decodes),
-                               draft_token_ids=drafts if verifies else [])
+        return ScheduledStep(seqs, num_tokens, is_prefill=True, num_decodes=len(decodes),
+                             draft_token_ids=drafts if verifies else [])
 
     def _trim_to_piece(self, seqs: list[Sequence], num_tokens: list[int],
                        num_decodes: int, num_fixed: int) -> None:
@@ -409,7 +398,7 @@ class Scheduler:
                 decodes.append(seq)
         return decodes, verifies, asked
 
-    def _reserve_lookahead(self, out: SchedulerOutput) -> int:
+    def _reserve_lookahead(self, out: ScheduledStep) -> int:
         """Drafts per sequence a model proposes after the step (0: none), and room for them
         where there is some without preempting: their KV is written at the positions after
         each sampling sequence's next token (the model runner proposes nothing for a sequence
@@ -442,10 +431,10 @@ class Scheduler:
                                        room)
 
     @staticmethod
-    def _decode_batch(seqs: list[Sequence]) -> SchedulerOutput | None:
+    def _decode_batch(seqs: list[Sequence]) -> ScheduledStep | None:
         if not seqs:
             return None
-        return SchedulerOutput(seqs, [1] * len(seqs), is_prefill=False, num_decodes=len(seqs))
+        return ScheduledStep(seqs, [1] * len(seqs), is_prefill=False, num_decodes=len(seqs))
 
     def _at_length_limit(self, seq: Sequence, length: int) -> bool:
         """length: len(seq)."""
@@ -467,6 +456,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.num_sent_blocks = 0  # its next table is sent whole
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from liteinfer.engine.messages import TokenLogprobs
 from liteinfer.engine.thinking_budget import ThinkingBudget
 from liteinfer.sampling_params import SamplingParams
@@ -34,10 +32,7 @@ class Sequence:
         # Penalties read every earlier token on the host: such a sequence's steps never overlap.
         self.needs_penalties = params.needs_penalties
         # So does a reasoning budget, until the reasoning is over.
-        self.thinking: ThinkingBudget | None = None
-        if params.thinking_token_budget is not None and params.think_token_ids is not None:
-            self.thinking = ThinkingBudget(params.thinking_token_budget,
-                                           *params.think_token_ids, self.prompt_token_ids)
+        self.thinking = ThinkingBudget.of(params, self.prompt_token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -45,12 +40,12 @@ class Sequence:
         # the leading blocks registered or found so far (block_manager.py).
         self.num_cached_tokens = 0
         self.block_key_hashes: list[int] = []
-        # Tokens sampled on the device whose ids the host has not read yet (overlapped steps),
-        # and the row of the newest one in the model runner's sampled-token buffer.
+        # Tokens sampled on the device whose ids the host has not read yet (overlapped steps).
         self.num_pending = 0
-        self.pending_row = -1
-        # Seeded requests only; the sampler creates it on the logits' device at the first draw.
-        self.generator: torch.Generator | None = None
+        # What the model runner holds of it (its SchedulerOutput deltas): token ids and blocks
+        # sent so far; 0 token ids: never sent. Blocks go back to 0 when it is preempted.
+        self.num_sent_token_ids = 0
+        self.num_sent_blocks = 0
         # Entry t: prompt token t's logprobs given tokens < t; none for token 0. Filled as the
         # prompt is computed, sent with the first output.
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
@@ -61,7 +56,12 @@ class Sequence:
     @property
     def reads_outputs(self) -> bool:
         """Whether sampling reads every earlier token on the host (no step may overlap it)."""
-        return self.needs_penalties or (self.thinking is not None and not self.thinking.over)
+        return self.needs_penalties or (self.thinking is not None
+                                        and not self.thinking.is_over(self.token_ids))
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None if self.prompt_logprobs is None else len(self.prompt_logprobs)
 
     def __len__(self) -> int:
         """Tokens including pending ones: what the KV cache must hold."""

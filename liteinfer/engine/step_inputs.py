@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from liteinfer.engine.scheduler import SchedulerOutput
+from liteinfer.engine.step_batch import StepBatch
 from liteinfer.kernels.prefill_tiles import decode_entries, decode_split_counts, prefill_tile_map
 from liteinfer.utils import ragged_index
 
@@ -49,7 +49,7 @@ class StepInputs:
                                 first_seq, num_tiles, splits)
 
 
-def build_step_inputs(batch: SchedulerOutput, block_size: int, table_width: int) -> StepInputs:
+def build_step_inputs(batch: StepBatch, block_size: int, table_width: int) -> StepInputs:
     """table_width: block table columns, the same every step (a model's longest sequence), so
     the kernels see one row stride and never compile a variant for another."""
     seqs = batch.seqs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from liteinfer.attention import AttentionMetadata
-from liteinfer.engine.scheduler import SchedulerOutput
+from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
@@ -33,7 +33,7 @@ class StepModel:
         # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
         self.query_group_size = cfg.num_attention_heads // cfg.num_key_value_heads
 
-    def prepare(self, batch: SchedulerOutput, block_size: int, table_width: int
+    def prepare(self, batch: StepBatch, block_size: int, table_width: int
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
                            torch.Tensor | None]:
         """An eager step's token ids, positions, attention metadata, the rows whose logits are

@@ -4,6 +4,8 @@ reasoning, and its answer follows. The core sees token ids only: the front end g
 section's start and end tokens."""
 from __future__ import annotations
 
+from liteinfer.sampling_params import SamplingParams
+
 
 class ThinkingBudget:
     """One sequence's reasoning, read a token at a time. The section is open from the start
@@ -18,6 +20,13 @@ class ThinkingBudget:
         self.count = 0  # tokens written inside the section
         self.scanned = len(prompt)
         self.over = False
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt: list[int]) -> ThinkingBudget | None:
+        """The request's budget; None if it has none."""
+        if params.thinking_token_budget is None or params.think_token_ids is None:
+            return None
+        return cls(params.thinking_token_budget, *params.think_token_ids, prompt)
 
     def must_end(self, token_ids: list[int]) -> bool:
         """Whether the token after `token_ids` (the prompt and every output so far) must end
@@ -37,6 +46,11 @@ class ThinkingBudget:
                 self.count += 1
         self.scanned = len(token_ids)
         return self.inside and self.count >= self.budget
+
+    def is_over(self, token_ids: list[int]) -> bool:
+        """Whether there is nothing more to enforce after `token_ids`."""
+        self.must_end(token_ids)
+        return self.over
 
 
 def _last(tokens: list[int], token: int) -> int:

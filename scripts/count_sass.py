@@ -9,6 +9,7 @@ by the codes a thread takes a step (NOTES.md, "4-bit weights"). Run from the rep
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -57,6 +58,7 @@ def loop_and_registers(kernel) -> tuple[int, int]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     rows, codes, num_warps, num_stages = wna16.GEMV_TILE
     for name, norm, add, gated in (("qkv", True, False, False), ("o", False, True, False),
                                    ("gate_up", True, False, True)):

@@ -15,7 +15,7 @@ while it catches up over the target's tokens, its own output (before `norm`) whi
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,7 +25,8 @@ from liteinfer.config import ModelConfig
 from liteinfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from liteinfer.layers.norm_act import RMSNorm
 from liteinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from liteinfer.models.llama import LayerOps, LlamaForCausalLM, LlamaMLP, load_tensor
+from liteinfer.models.llama import LayerOps, LlamaForCausalLM, LlamaMLP
+from liteinfer.models.weights import PACKED_MODULES_MAPPING, load_tensor, packed_param
 
 NUM_AUX_LAYERS = 3
 
@@ -85,6 +86,8 @@ class Eagle3LlamaForCausalLM(nn.Module):
     """`cfg`: the head's config (hidden size, heads, MLP, RoPE; vocab_size the target's);
     `target_hidden_size`: the width of each of the target's fused hidden states."""
 
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = PACKED_MODULES_MAPPING
+
     def __init__(self, cfg: ModelConfig, draft_vocab_size: int, target_hidden_size: int,
                  backend: AttentionBackend, ops: LayerOps):
         super().__init__()
@@ -128,11 +131,8 @@ class Eagle3LlamaForCausalLM(nn.Module):
         for ckpt_name, tensor in weights:
             if ckpt_name == "t2d":  # the inverse map: nothing to keep
                 continue
-            name = ckpt_name.replace("midlayer.", "layers.0.", 1)
-            shard = None
-            for ckpt, (fused, part) in LlamaForCausalLM.stacked_params.items():
-                if f".{ckpt}." in name:
-                    name, shard = name.replace(ckpt, fused), part
+            name, shard = packed_param(ckpt_name.replace("midlayer.", "layers.0.", 1),
+                                       self.packed_modules_mapping)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in an EAGLE-3 "
                                  f"head")

@@ -1,6 +1,6 @@
-"""The Llama architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP; and the families
-built on it (config.MODEL_FAMILIES): Mistral as it is, Qwen2 with q/k/v biases, Qwen3 with an
-RMSNorm over each query and key head before RoPE."""
+"""The Llama architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP. Mistral is Llama
+as it is; the families that vary it (models/qwen2.py, qwen3.py, moe.py) subclass the model and
+set its class attributes or build their own MLPs."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -21,6 +21,7 @@ from liteinfer.layers.linear import (
 from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
 from liteinfer.layers.quantization import QuantConfig
 from liteinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from liteinfer.models.weights import PACKED_MODULES_MAPPING, load_tensor, packed_param
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,11 @@ class LayerOps:
 
 
 class LlamaAttention(nn.Module):
+    """`bias`: biases on the q, k and v projections; `qk_norm`: an RMSNorm over each query and
+    key head before RoPE."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp_rank: int,
-                 tp_size: int):
+                 tp_size: int, bias: bool = False, qk_norm: bool = False):
         super().__init__()
         self.num_heads = cfg.num_attention_heads // tp_size
         self.num_kv_heads = cfg.num_key_value_heads // tp_size
@@ -48,11 +52,11 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv,
-                                          ops.triton, ops.quant, bias=cfg.qkv_bias)
+                                          ops.triton, ops.quant, bias=bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         tp_rank, tp_size, ops.gemv, ops.triton, ops.quant)
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm:
+        if qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton, ops.invariant)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton, ops.invariant)
         self.backend = backend
@@ -94,10 +98,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps,
-                 tp_rank: int, tp_size: int, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: LlamaAttention, mlp: nn.Module,
+                 ops: LayerOps):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, ops, tp_rank, tp_size)
+        self.self_attn = attention
         self.mlp = mlp  # called as mlp(x, norm): adds its output to the residual stream x
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton,
                                        ops.invariant)
@@ -113,25 +117,15 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp(x, self.post_attention_layernorm)
 
 
-@torch.no_grad()
-def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard: Any, name: str) -> None:
-    """One checkpoint tensor into its parameter: through the parameter's loader (a shard of a
-    fused or split layer), else copied whole."""
-    loader = getattr(param, "weight_loader", None)
-    if loader is not None:
-        loader(param, tensor.to(param.dtype), shard)
-        return
-    if param.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                         f"{tuple(param.shape)}")
-    param.copy_(tensor)
-
-
 class LlamaForCausalLM(nn.Module):
+    """A family built on Llama subclasses this model: its class attributes say how its
+    attention differs, `make_mlp` builds its MLPs, and `packed_modules_mapping` (with
+    `param_name` for anything a table cannot say) places its checkpoint's tensors."""
+
     # Checkpoint projections that live inside a fused parameter: name -> (fused name, shard).
-    stacked_params: ClassVar[dict[str, tuple[str, str]]] = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = PACKED_MODULES_MAPPING
+    qkv_bias: ClassVar[bool] = False  # biases on the q, k and v projections
+    qk_norm: ClassVar[bool] = False   # an RMSNorm over each query and key head before RoPE
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  ops: LayerOps = LayerOps(), tp_rank: int = 0, tp_size: int = 1):
@@ -140,8 +134,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank,
                                                    tp_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, ops, tp_rank, tp_size,
-                              self.make_mlp(i, ops, tp_rank, tp_size))
+            LlamaDecoderLayer(cfg, LlamaAttention(cfg, backend, ops, tp_rank, tp_size,
+                                                  self.qkv_bias, self.qk_norm),
+                              self.make_mlp(i, ops, tp_rank, tp_size), ops)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton, ops.invariant)
         # Every rank ends with the full logits.
@@ -190,11 +185,7 @@ class LlamaForCausalLM(nn.Module):
     def param_name(self, name: str) -> tuple[str, Any]:
         """The parameter a checkpoint tensor (Hugging Face name) fills, and which shard of it
         (None: the whole parameter)."""
-        name = name.removeprefix("model.")
-        for ckpt, (fused, shard) in self.stacked_params.items():
-            if f".{ckpt}." in name:
-                return name.replace(ckpt, fused), shard
-        return name, None
+        return packed_param(name.removeprefix("model."), self.packed_modules_mapping)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies (Hugging Face name, tensor) pairs from liteinfer.loader into the parameters."""

@@ -69,6 +69,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
+    qk_norm = True
     block = "mlp"
     expert_projs: ClassVar[dict[str, str]] = {"gate_proj": "gate", "up_proj": "up",
                                               "down_proj": "down"}

@@ -4,7 +4,6 @@ set its class attributes or build their own MLPs."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -12,53 +11,36 @@ from torch import nn
 
 from liteinfer.attention import AttentionBackend, AttentionMetadata
 from liteinfer.config import ModelConfig
-from liteinfer.layers.batch_invariant import BatchInvariantConfig
 from liteinfer.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
-from liteinfer.layers.quantization import QuantConfig
+from liteinfer.layers.ops import LayerOps
 from liteinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from liteinfer.models.weights import PACKED_MODULES_MAPPING, load_tensor, packed_param
-
-
-@dataclass(frozen=True)
-class LayerOps:
-    """Which kernels the layers run: `triton` for RMSNorm and SiLU-and-mul, and for the FP8
-    linears' norm, SwiGLU and quantization passes (else plain torch), `gemv` for one-token
-    projections with the norms and SwiGLU fused in (kernels/gemv.py), `quant` for the decoder
-    layers' linears and the LM head (as `QuantConfig.lm_head_method` says; a
-    BatchInvariantConfig in batch-invariant mode), `invariant` for the torch norms and SwiGLU
-    of that mode (layers/batch_invariant.py)."""
-
-    triton: bool = False
-    gemv: bool = False
-    quant: QuantConfig | BatchInvariantConfig | None = None
-    invariant: bool = False
 
 
 class LlamaAttention(nn.Module):
     """`bias`: biases on the q, k and v projections; `qk_norm`: an RMSNorm over each query and
     key head before RoPE."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp_rank: int,
-                 tp_size: int, bias: bool = False, qk_norm: bool = False):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps,
+                 bias: bool = False, qk_norm: bool = False):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads // tp_size
-        self.num_kv_heads = cfg.num_key_value_heads // tp_size
+        self.num_heads = cfg.num_attention_heads // ops.tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // ops.tp_size
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv,
-                                          ops.triton, ops.quant, bias=bias)
+                                          cfg.num_key_value_heads, ops, bias=bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        tp_rank, tp_size, ops.gemv, ops.triton, ops.quant)
+                                        ops)
         self.q_norm = self.k_norm = None
         if qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton, ops.invariant)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton, ops.invariant)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.backend = backend
         # Views into the engine's KV pool, bound by the model runner.
         self.k_cache = torch.empty(0)
@@ -82,15 +64,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: LayerOps, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, ops: LayerOps):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": size, "up": size},
-                                                       tp_rank, tp_size, ops.gemv, ops.triton,
-                                                       ops.quant)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv,
-                                           ops.triton, ops.quant)
-        self.act = SiluAndMul(ops.triton, ops.invariant)
+                                                       ops)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, ops)
+        self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:
         """Adds the SwiGLU MLP of norm(x) to the residual stream x, in place."""
@@ -103,10 +83,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp  # called as mlp(x, norm): adds its output to the residual stream x
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton,
-                                       ops.invariant)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton,
-                                                ops.invariant)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 meta: AttentionMetadata) -> None:
@@ -127,22 +105,17 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: ClassVar[bool] = False  # biases on the q, k and v projections
     qk_norm: ClassVar[bool] = False   # an RMSNorm over each query and key head before RoPE
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 ops: LayerOps = LayerOps(), tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank,
-                                                   tp_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ops)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, LlamaAttention(cfg, backend, ops, tp_rank, tp_size,
-                                                  self.qkv_bias, self.qk_norm),
-                              self.make_mlp(i, ops, tp_rank, tp_size), ops)
+            LlamaDecoderLayer(cfg, LlamaAttention(cfg, backend, ops, self.qkv_bias, self.qk_norm),
+                              self.make_mlp(i, ops), ops)
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton, ops.invariant)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         # Every rank ends with the full logits.
-        self.lm_head = ParallelLMHead(
-            cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, use_gemv=ops.gemv,
-            quant_method=ops.quant.lm_head_method(ops.triton) if ops.quant else None)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ops)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_weights(self.embed_tokens)
         # Set by the runner once the model sits on its device (fp32, see layers/rotary.py).
@@ -161,9 +134,9 @@ class LlamaForCausalLM(nn.Module):
         self.aux_hidden_states = torch.empty(max_tokens, len(layers) * self.config.hidden_size,
                                              dtype=dtype, device=device)
 
-    def make_mlp(self, layer: int, ops: LayerOps, tp_rank: int, tp_size: int) -> nn.Module:
+    def make_mlp(self, layer: int, ops: LayerOps) -> nn.Module:
         """Layer `layer`'s MLP (a family with experts puts them here)."""
-        return LlamaMLP(self.config, ops, tp_rank, tp_size)
+        return LlamaMLP(self.config, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

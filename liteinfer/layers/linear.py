@@ -60,6 +60,28 @@ def linear_method(quant_config: QuantConfig | None, use_triton: bool) -> LinearM
     return quant_config.linear_method(use_triton)
 
 
+def _gemv_row(layer: nn.Module, x: Any) -> bool:
+    """x is one row for the GEMV kernel in a layer that takes it (LayerOps.gemv); an
+    Fp8Activation (a multi-row gate/up's output) never is."""
+    return layer.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] == 1
+
+
+def matmul(layer: nn.Module, x: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T of a linear layer or the LM head by its `quant_method`: the GEMV kernel for one
+    row, the GEMM otherwise; with residual, added to it in place and returned."""
+    if _gemv_row(layer, x):
+        return layer.quant_method.gemv(layer, x, residual=residual)
+    return layer.quant_method.gemm(layer, x, residual)
+
+
+def matmul_normed(layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
+                  act: SiluAndMul | None = None) -> Any:
+    """act(norm(x) W^T) as `matmul` computes it, the norm and SwiGLU fused into the GEMV."""
+    if _gemv_row(layer, x):
+        return layer.quant_method.gemv(layer, x, norm=norm, gated=act is not None)
+    return layer.quant_method.gemm_normed(layer, x, norm, act)
+
+
 class _ShardedLinear(nn.Module):
     """y = x W^T with W split along `dim` across tensor-parallel ranks (0: output rows,
     1: input columns); each rank holds and loads its own slice."""
@@ -124,13 +146,13 @@ class ColumnParallelLinear(_ShardedLinear):
         return y if self.bias is None else y + self.bias
 
     def forward(self, x: Any) -> torch.Tensor:
-        return self._add_bias(self.quant_method.apply(self, x))
+        return self._add_bias(matmul(self, x))
 
     def forward_normed(self, x: torch.Tensor, norm: RMSNorm,
                        act: SiluAndMul | None = None) -> Any:
         """act(norm(x) W^T) or norm(x) W^T + b: the pre-norm projection of a Llama block. act,
         when given, is the SwiGLU over this layer's [gate; up] output."""
-        y = self.quant_method.apply_normed(self, x, norm, act)
+        y = matmul_normed(self, x, norm, act)
         return y if act is not None else self._add_bias(y)
 
 
@@ -164,8 +186,8 @@ class RowParallelLinear(_ShardedLinear):
     def forward_add(self, x: Any, residual: torch.Tensor) -> None:
         """residual += x W^T, in place (under tensor parallelism, the all-reduced sum)."""
         if self.tp_size > 1:
-            y = self.quant_method.apply(self, x)
+            y = matmul(self, x)
             dist.all_reduce(y)
             residual.add_(y)
         else:
-            self.quant_method.apply(self, x, residual)
+            matmul(self, x, residual)

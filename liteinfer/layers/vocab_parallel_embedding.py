@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from liteinfer.layers.linear import UnquantizedLinearMethod
+from liteinfer.layers.linear import UnquantizedLinearMethod, matmul_normed
 from liteinfer.layers.ops import LayerOps
 from liteinfer.utils import cdiv
 
@@ -104,7 +104,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward_normed(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The [rows, vocab] logits of norm(hidden), on every rank."""
-        logits = self.quant_method.apply_normed(self, hidden, norm, None)
+        logits = matmul_normed(self, hidden, norm)
         if self.tp_size == 1:
             return logits
         rows = logits.shape[0]

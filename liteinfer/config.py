@@ -34,9 +34,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-# The families liteinfer serves, by model_type, with their architecture names (models/ maps each
-# to its model class). The dense ones differ from Llama by a few named switches in ModelConfig
-# (q/k/v biases, q/k norms, a sliding window); the mixtures of experts add a MoeConfig.
+# The families whose configs ModelConfig reads, by model_type, with their architecture names
+# (models.MODEL_REGISTRY gives each its model class). Their configs read as Llama's, with a
+# sliding window for some and a MoeConfig for the mixtures of experts.
 MODEL_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -100,8 +100,9 @@ def _moe_config(cfg: dict[str, Any], family: str) -> MoeConfig | None:
 
 @dataclass
 class ModelConfig:
-    """The hyper-parameters liteinfer needs, read from a Hugging Face config dict: Llama's, the
-    switches of the families built on it and their experts (MODEL_FAMILIES)."""
+    """The hyper-parameters liteinfer needs, read from a Hugging Face config dict: Llama's, a
+    sliding window, and the experts of a mixture (MODEL_FAMILIES). What a family's
+    architecture fixes (Qwen2's q/k/v biases, Qwen3's q/k norms) is its model class's."""
 
     vocab_size: int
     hidden_size: int
@@ -118,8 +119,6 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     model_type: str = "llama"
-    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
-    qk_norm: bool = False   # Qwen3: RMSNorm over each query and key head before RoPE
     # Mistral v0.1: each token attends to the last `sliding_window` positions only (not
     # implemented: such a model runs only with max_model_len <= sliding_window).
     sliding_window: int | None = None
@@ -160,8 +159,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             model_type=family,
-            qkv_bias=family == "qwen2",
-            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=_sliding_window(cfg, family),
             moe=_moe_config(cfg, family),
         )

@@ -92,9 +92,10 @@ def _fp8_dummy_model(model_dir, device: str, dtype: torch.dtype, tied: bool | No
     import dataclasses
 
     from liteinfer.attention import get_backend
+    from liteinfer.layers.ops import LayerOps
     from liteinfer.layers.quantization import Fp8Config
     from liteinfer.loader import load_model_source
-    from liteinfer.models.llama import LayerOps, LlamaForCausalLM
+    from liteinfer.models.llama import LlamaForCausalLM
     cfg = load_model_source(str(model_dir)).model_config
     if tied is not None:
         cfg = dataclasses.replace(cfg, tie_word_embeddings=tied)

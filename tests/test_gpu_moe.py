@@ -26,9 +26,9 @@ def test_a_sparse_layer_at_full_size(model: str, quantization: str | None) -> No
     (norm in the router, sum into the residual stream) against the norm and experts apart."""
     from liteinfer.kernels.norm import rms_norm
     from liteinfer.layers.norm_act import RMSNorm
+    from liteinfer.layers.ops import LayerOps
     from liteinfer.layers.quantization import process_weights_after_loading
     from liteinfer.layers.quantization.fp8 import Fp8Config
-    from liteinfer.models.llama import LayerOps
     from liteinfer.models.moe import SparseMoeBlock
 
     cfg = load_model_source(model).model_config
@@ -38,8 +38,7 @@ def test_a_sparse_layer_at_full_size(model: str, quantization: str | None) -> No
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            block = SparseMoeBlock(cfg.hidden_size, cfg.moe, LayerOps(triton=True, quant=quant),
-                                   0, 1)
+            block = SparseMoeBlock(cfg.hidden_size, cfg.moe, LayerOps(triton=True, quant=quant))
     finally:
         torch.set_default_dtype(default)
     with torch.no_grad():
@@ -47,7 +46,7 @@ def test_a_sparse_layer_at_full_size(model: str, quantization: str | None) -> No
         block.experts.w13_weight.normal_(0, 0.02)
         block.experts.w2_weight.normal_(0, 0.02)
     process_weights_after_loading(block)
-    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton=True).cuda().bfloat16()
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, LayerOps(triton=True)).cuda().bfloat16()
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.1)
     experts = block.experts

@@ -15,6 +15,7 @@ from fixtures import TINY_LLAMA, build_llm, make_tiny_model_dir
 from liteinfer import SamplingParams
 from liteinfer.config import EngineConfig, ModelConfig
 from liteinfer.engine.core import EngineCore
+from liteinfer.models import model_class
 from reference import hf_greedy, random_prompts
 
 MAX_NEW = 16
@@ -52,7 +53,8 @@ def test_config_switches(family) -> None:
     name, directory, _, _ = family
     cfg = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     assert cfg.model_type == name
-    assert (cfg.qkv_bias, cfg.qk_norm) == (name == "qwen2", name == "qwen3")
+    cls = model_class(cfg)
+    assert (cls.qkv_bias, cls.qk_norm) == (name == "qwen2", name == "qwen3")
     assert cfg.head_dim == (32 if name == "qwen3" else 16)
     assert cfg.tie_word_embeddings == (name == "qwen2")
     assert cfg.sliding_window == (4096 if name == "mistral" else None)

@@ -17,6 +17,7 @@ from liteinfer import SamplingParams
 from liteinfer.config import ModelConfig, MoeConfig
 from liteinfer.kernels.fused_moe import GEMV_MAX_ROWS
 from liteinfer.loader import load_model_source
+from liteinfer.models import model_class
 from reference import hf_greedy, random_prompts
 
 MAX_NEW = 12
@@ -62,7 +63,7 @@ def test_config_reads_the_experts(variant) -> None:
     name, directory, _, _ = variant
     cfg = ModelConfig.from_hf(load_model_source(str(directory)).hf_config)
     assert cfg.moe == VARIANTS[name][2]
-    assert cfg.qk_norm == name.startswith("qwen3")
+    assert model_class(cfg).qk_norm == name.startswith("qwen3")
 
 
 def _check_against_transformers(variant, **engine_args: Any) -> None:
@@ -132,10 +133,11 @@ def test_fp8_experts(variant) -> None:
 def test_known_moe_configs() -> None:
     qwen = load_model_source("qwen3-30b-a3b").model_config
     assert qwen.moe == MoeConfig(128, 8, 768, True, tuple(range(48)))
-    assert (qwen.model_type, qwen.qk_norm, qwen.head_dim) == ("qwen3_moe", True, 128)
+    assert (qwen.model_type, model_class(qwen).qk_norm, qwen.head_dim) == ("qwen3_moe", True,
+                                                                             128)
     mixtral = load_model_source("mixtral-8x7b-instruct").model_config
     assert mixtral.moe == MoeConfig(8, 2, 14336, True, tuple(range(32)))
-    assert (mixtral.model_type, mixtral.qk_norm) == ("mixtral", False)
+    assert (mixtral.model_type, model_class(mixtral).qk_norm) == ("mixtral", False)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-8x2-dense1", "mixtral-4x2"])

@@ -22,6 +22,7 @@ from liteinfer.engine.scheduler_output import SchedulerOutput
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.layers.linear import _ShardedLinear
 from liteinfer.layers.norm_act import RMSNorm
+from liteinfer.layers.ops import LayerOps
 from liteinfer.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from liteinfer.loader import load_model_source
 from liteinfer.models.llama import LlamaForCausalLM
@@ -87,7 +88,8 @@ def test_moe_experts_split_by_channel_and_two_ranks_match_one(tmp_path):
     cls = model_class(source.model_config)
 
     def rank_model(rank: int, size: int):
-        model = cls(source.model_config, get_backend("torch"), tp_rank=rank, tp_size=size)
+        model = cls(source.model_config, get_backend("torch"), LayerOps(tp_rank=rank,
+                                                                        tp_size=size))
         model.load_weights(source.iter_weights())
         return model
 
@@ -109,8 +111,8 @@ def test_moe_experts_split_by_channel_and_two_ranks_match_one(tmp_path):
 def _model(directory, tp_rank: int, tp_size: int, load_format: str):
     """A rank's shard of the model, built and filled in this process (no collective runs)."""
     source = load_model_source(str(directory), load_format)
-    model = LlamaForCausalLM(source.model_config, get_backend("torch"), tp_rank=tp_rank,
-                             tp_size=tp_size)
+    model = LlamaForCausalLM(source.model_config, get_backend("torch"),
+                             LayerOps(tp_rank=tp_rank, tp_size=tp_size))
     if load_format == "dummy":
         model.init_dummy_weights(seed=7)
     else:

@@ -32,6 +32,7 @@ from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
 from liteinfer.layers.batch_invariant import BatchInvariantConfig
+from liteinfer.layers.ops import LayerOps
 from liteinfer.layers.quantization import (
     GGUFConfig,
     QuantConfig,
@@ -42,7 +43,7 @@ from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
 from liteinfer.models import model_class
 from liteinfer.models.eagle3 import Eagle3LlamaForCausalLM
-from liteinfer.models.llama import LayerOps, LlamaForCausalLM
+from liteinfer.models.llama import LlamaForCausalLM
 from liteinfer.structured_output.manager import GrammarBitmask
 from liteinfer.utils import cdiv, free_device_memory
 
@@ -182,8 +183,8 @@ class ModelRunner:
             with torch.device(self.device):
                 quant = quant_config(self.config.quantization, source.hf_config, load_format)
                 ops = self._layer_ops(quant, cfg)
-                model = build(ops) if build is not None else model_class(cfg)(
-                    cfg, self.backend, ops, self.tp_rank, self.tp_size)
+                model = (build(ops) if build is not None
+                         else model_class(cfg)(cfg, self.backend, ops))
         finally:
             torch.set_default_dtype(default_dtype)
         if load_format == "dummy":
@@ -200,7 +201,8 @@ class ModelRunner:
         file's blocks are dequantized at load; other quantized checkpoints and the experts'
         kernels are refused for now."""
         if not self.config.batch_invariant:
-            return LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant)
+            return LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant,
+                            tp_rank=self.tp_rank, tp_size=self.tp_size)
         if cfg.moe is not None:
             raise ValueError("batch_invariant does not support mixture-of-experts models yet")
         linears: GGUFConfig | BatchInvariantConfig = BatchInvariantConfig()
@@ -208,7 +210,8 @@ class ModelRunner:
             linears = dataclasses.replace(quant, requantize=linears)
         elif quant is not None:
             raise ValueError("batch_invariant does not support quantized checkpoints yet")
-        return LayerOps(triton=self.use_triton, quant=linears, invariant=True)
+        return LayerOps(triton=self.use_triton, quant=linears, invariant=True,
+                        tp_rank=self.tp_rank, tp_size=self.tp_size)
 
     def _kv_block_bytes(self, model: LlamaForCausalLM) -> int:
         cfg = model.config

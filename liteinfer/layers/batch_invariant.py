@@ -87,8 +87,9 @@ def silu_and_mul_invariant(x: torch.Tensor) -> torch.Tensor:
 
 
 class BatchInvariantLinearMethod(LinearMethod):
-    """The weight in the model dtype, multiplied by `invariant_mm` for every row count (never
-    the one-row GEMV kernel, whose reduction order differs from the GEMM's)."""
+    """The weight in the model dtype, multiplied by `invariant_mm` for every row count (the
+    runner leaves LayerOps.gemv off in this mode: the one-row GEMV kernel's reduction order
+    differs from the GEMM's)."""
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -96,14 +97,6 @@ class BatchInvariantLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing to convert: the weight is used as loaded."""
-
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.gemm(layer, x, residual)
-
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
-                     act: SiluAndMul | None) -> torch.Tensor:
-        return self.gemm_normed(layer, x, norm, act)
 
     def gemm(self, layer: nn.Module, x: torch.Tensor,
              residual: torch.Tensor | None) -> torch.Tensor:

@@ -11,16 +11,13 @@ transformers does, each over its tokens gathered by index.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from liteinfer.layers.norm_act import RMSNorm, silu_and_mul_torch
+from liteinfer.layers.ops import LayerOps
 from liteinfer.layers.quantization.base import MoEMethod
-
-if TYPE_CHECKING:
-    from liteinfer.layers.quantization import QuantConfig
 
 # A checkpoint tensor's place among the experts: (expert, "gate" | "up" | "down").
 ExpertShard = tuple[int, str]
@@ -84,11 +81,11 @@ class MoeRouter(nn.Module):
     Replicated on every rank, in the model dtype whatever the experts' quantization."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool,
-                 use_triton: bool):
+                 ops: LayerOps):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.top_k, self.renormalize, self.use_triton = top_k, renormalize, use_triton
+        self.top_k, self.renormalize, self.use_triton = top_k, renormalize, ops.triton
 
     def checkpoint_shapes(self, param: nn.Parameter) -> list[tuple[None, tuple[int, ...]]]:
         return [(None, tuple(param.shape))]
@@ -123,17 +120,18 @@ class FusedMoE(nn.Module):
     """Every expert of one layer, stacked: this rank's intermediate / tp_size channels of each
     (see MoEMethod for the layout). forward gives this rank's partial sum."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp_rank: int,
-                 tp_size: int, use_triton: bool, quant_config: QuantConfig | None):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 ops: LayerOps):
         super().__init__()
+        tp_size = ops.tp_size
         if intermediate % tp_size:
             raise ValueError(f"experts of {intermediate} channels do not split over {tp_size} "
                              "ranks")
         self.num_experts, self.hidden = num_experts, hidden
         self.intermediate = intermediate // tp_size
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.quant_method: MoEMethod = (UnquantizedMoEMethod(use_triton) if quant_config is None
-                                        else quant_config.moe_method(use_triton))
+        self.tp_rank, self.tp_size = ops.tp_rank, tp_size
+        self.quant_method: MoEMethod = (UnquantizedMoEMethod(ops.triton) if ops.quant is None
+                                        else ops.quant.moe_method(ops.triton))
         self.quant_method.create_weights(self, num_experts, hidden, self.intermediate)
 
     def checkpoint_shapes(self, param: nn.Parameter

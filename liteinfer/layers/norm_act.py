@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from liteinfer.layers.ops import LayerOps
+
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face LlamaRMSNorm (same rounding order)."""
@@ -21,13 +23,12 @@ class RMSNorm(nn.Module):
     """`invariant`: the torch path's batch-invariant form (layers/batch_invariant.py); the
     Triton kernel, one program a row, is batch-invariant as it is."""
 
-    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False,
-                 invariant: bool = False):
+    def __init__(self, hidden_size: int, eps: float, ops: LayerOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.use_triton = use_triton
-        self.invariant = invariant
+        self.use_triton = ops.triton
+        self.invariant = ops.invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
@@ -42,10 +43,10 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """`invariant` as for RMSNorm; the Triton kernel is elementwise, so invariant already."""
 
-    def __init__(self, use_triton: bool = False, invariant: bool = False):
+    def __init__(self, ops: LayerOps):
         super().__init__()
-        self.use_triton = use_triton
-        self.invariant = invariant
+        self.use_triton = ops.triton
+        self.invariant = ops.invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from liteinfer.layers.linear import UnquantizedLinearMethod
-from liteinfer.layers.quantization.base import LinearMethod
+from liteinfer.layers.linear import UnquantizedLinearMethod, matmul_normed
+from liteinfer.layers.ops import LayerOps
 from liteinfer.utils import cdiv
 
 if TYPE_CHECKING:
@@ -43,11 +43,10 @@ class VocabParallelEmbedding(nn.Module):
     """The embedding of `num_embeddings` tokens, each rank holding the rows of its vocabulary
     slice [vocab_start, vocab_start + rows_per_rank), the ones past the vocabulary zero."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0,
-                 tp_size: int = 1):
+    def __init__(self, num_embeddings: int, embedding_dim: int, ops: LayerOps):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        tp_rank, tp_size = self.tp_rank, self.tp_size = ops.tp_rank, ops.tp_size
         self.rows_per_rank = padded_vocab_size(num_embeddings, tp_size) // tp_size
         self.vocab_start = tp_rank * self.rows_per_rank
         self.num_token_rows = self.rank_tokens(tp_rank)  # the rest pad
@@ -86,15 +85,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = norm(hidden) W^T over the vocabulary, W split by rows like the embedding (and,
     with tied embeddings, the embedding's own weight: `tie_weights`). W is loaded in the model
-    dtype and multiplied by `quant_method` (the model dtype's unless given; one that quantizes
-    converts its own copy after loading, so a tied embedding keeps its rows as they are); a
-    one-row input goes through the GEMV kernel with the norm fused in when `use_gemv`."""
+    dtype and multiplied by the method LayerOps.quant gives an LM head (the model dtype's
+    unless it gives one; one that quantizes converts its own copy after loading, so a tied
+    embedding keeps its rows as they are); a one-row input goes through the GEMV kernel with
+    the norm fused in under LayerOps.gemv."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0,
-                 tp_size: int = 1, use_gemv: bool = False,
-                 quant_method: LinearMethod | None = None):
-        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
-        self.use_gemv = use_gemv
+    def __init__(self, num_embeddings: int, embedding_dim: int, ops: LayerOps):
+        super().__init__(num_embeddings, embedding_dim, ops)
+        self.use_gemv = ops.gemv
+        quant_method = ops.quant.lm_head_method(ops.triton) if ops.quant else None
         self.quant_method = quant_method or UnquantizedLinearMethod()
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
@@ -105,7 +104,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward_normed(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The [rows, vocab] logits of norm(hidden), on every rank."""
-        logits = self.quant_method.apply_normed(self, hidden, norm, None)
+        logits = matmul_normed(self, hidden, norm)
         if self.tp_size == 1:
             return logits
         rows = logits.shape[0]

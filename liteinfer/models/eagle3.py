@@ -15,7 +15,7 @@ while it catches up over the target's tokens, its own output (before `norm`) whi
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -24,8 +24,10 @@ from liteinfer.attention import AttentionBackend, AttentionMetadata
 from liteinfer.config import ModelConfig
 from liteinfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from liteinfer.layers.norm_act import RMSNorm
+from liteinfer.layers.ops import LayerOps
 from liteinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from liteinfer.models.llama import LayerOps, LlamaForCausalLM, LlamaMLP, load_tensor
+from liteinfer.models.llama import LlamaForCausalLM, LlamaMLP
+from liteinfer.models.weights import PACKED_MODULES_MAPPING, load_tensor, packed_param
 
 NUM_AUX_LAYERS = 3
 
@@ -42,9 +44,8 @@ class Eagle3Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(2 * cfg.hidden_size, cfg.head_dim, self.num_heads,
-                                          self.num_kv_heads, use_triton=ops.triton)
-        self.o_proj = RowParallelLinear(self.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        use_triton=ops.triton)
+                                          self.num_kv_heads, ops)
+        self.o_proj = RowParallelLinear(self.num_heads * cfg.head_dim, cfg.hidden_size, ops)
         self.backend = backend
         # Views into the head's KV pool, bound by the model runner.
         self.k_cache = torch.empty(0)
@@ -66,10 +67,10 @@ class Eagle3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         self.self_attn = Eagle3Attention(cfg, backend, ops)
-        self.mlp = LlamaMLP(cfg, LayerOps(triton=ops.triton), 0, 1)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
+        self.mlp = LlamaMLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -85,17 +86,21 @@ class Eagle3LlamaForCausalLM(nn.Module):
     """`cfg`: the head's config (hidden size, heads, MLP, RoPE; vocab_size the target's);
     `target_hidden_size`: the width of each of the target's fused hidden states."""
 
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = PACKED_MODULES_MAPPING
+
     def __init__(self, cfg: ModelConfig, draft_vocab_size: int, target_hidden_size: int,
                  backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         self.config = cfg
-        self.fc = ColumnParallelLinear(NUM_AUX_LAYERS * target_hidden_size, cfg.hidden_size,
-                                       use_triton=ops.triton)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        # The head is small: whole on every rank, in the model dtype, multiplied by cuBLAS;
+        # of the target's choices it takes only the Triton norms and SwiGLU.
+        ops = LayerOps(triton=ops.triton)
+        self.fc = ColumnParallelLinear(NUM_AUX_LAYERS * target_hidden_size, cfg.hidden_size, ops)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ops)
         # One layer, in a list as the runner binds KV pools to `layers`.
         self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg, backend, ops)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton)
-        self.lm_head = ParallelLMHead(draft_vocab_size, cfg.hidden_size)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.lm_head = ParallelLMHead(draft_vocab_size, cfg.hidden_size, ops)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
         self.has_own_embedding = False  # whether the checkpoint brought `embed_tokens`
@@ -128,11 +133,8 @@ class Eagle3LlamaForCausalLM(nn.Module):
         for ckpt_name, tensor in weights:
             if ckpt_name == "t2d":  # the inverse map: nothing to keep
                 continue
-            name = ckpt_name.replace("midlayer.", "layers.0.", 1)
-            shard = None
-            for ckpt, (fused, part) in LlamaForCausalLM.stacked_params.items():
-                if f".{ckpt}." in name:
-                    name, shard = name.replace(ckpt, fused), part
+            name, shard = packed_param(ckpt_name.replace("midlayer.", "layers.0.", 1),
+                                       self.packed_modules_mapping)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in an EAGLE-3 "
                                  f"head")

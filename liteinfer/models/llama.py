@@ -1,10 +1,9 @@
-"""The Llama architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP; and the families
-built on it (config.MODEL_FAMILIES): Mistral as it is, Qwen2 with q/k/v biases, Qwen3 with an
-RMSNorm over each query and key head before RoPE."""
+"""The Llama architecture: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP. Mistral is Llama
+as it is; the families that vary it (models/qwen2.py, qwen3.py, moe.py) subclass the model and
+set its class attributes or build their own MLPs."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -12,49 +11,36 @@ from torch import nn
 
 from liteinfer.attention import AttentionBackend, AttentionMetadata
 from liteinfer.config import ModelConfig
-from liteinfer.layers.batch_invariant import BatchInvariantConfig
 from liteinfer.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
-from liteinfer.layers.quantization import QuantConfig
+from liteinfer.layers.ops import LayerOps
 from liteinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-
-@dataclass(frozen=True)
-class LayerOps:
-    """Which kernels the layers run: `triton` for RMSNorm and SiLU-and-mul, and for the FP8
-    linears' norm, SwiGLU and quantization passes (else plain torch), `gemv` for one-token
-    projections with the norms and SwiGLU fused in (kernels/gemv.py), `quant` for the decoder
-    layers' linears and the LM head (as `QuantConfig.lm_head_method` says; a
-    BatchInvariantConfig in batch-invariant mode), `invariant` for the torch norms and SwiGLU
-    of that mode (layers/batch_invariant.py)."""
-
-    triton: bool = False
-    gemv: bool = False
-    quant: QuantConfig | BatchInvariantConfig | None = None
-    invariant: bool = False
+from liteinfer.models.weights import PACKED_MODULES_MAPPING, load_tensor, packed_param
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp_rank: int,
-                 tp_size: int):
+    """`bias`: biases on the q, k and v projections; `qk_norm`: an RMSNorm over each query and
+    key head before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps,
+                 bias: bool = False, qk_norm: bool = False):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads // tp_size
-        self.num_kv_heads = cfg.num_key_value_heads // tp_size
+        self.num_heads = cfg.num_attention_heads // ops.tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // ops.tp_size
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, tp_rank, tp_size, ops.gemv,
-                                          ops.triton, ops.quant, bias=cfg.qkv_bias)
+                                          cfg.num_key_value_heads, ops, bias=bias)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                        tp_rank, tp_size, ops.gemv, ops.triton, ops.quant)
+                                        ops)
         self.q_norm = self.k_norm = None
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton, ops.invariant)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.triton, ops.invariant)
+        if qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.backend = backend
         # Views into the engine's KV pool, bound by the model runner.
         self.k_cache = torch.empty(0)
@@ -78,15 +64,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: LayerOps, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, ops: LayerOps):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": size, "up": size},
-                                                       tp_rank, tp_size, ops.gemv, ops.triton,
-                                                       ops.quant)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, tp_rank, tp_size, ops.gemv,
-                                           ops.triton, ops.quant)
-        self.act = SiluAndMul(ops.triton, ops.invariant)
+                                                       ops)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, ops)
+        self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:
         """Adds the SwiGLU MLP of norm(x) to the residual stream x, in place."""
@@ -94,15 +78,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps,
-                 tp_rank: int, tp_size: int, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: LlamaAttention, mlp: nn.Module,
+                 ops: LayerOps):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, ops, tp_rank, tp_size)
+        self.self_attn = attention
         self.mlp = mlp  # called as mlp(x, norm): adds its output to the residual stream x
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton,
-                                       ops.invariant)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton,
-                                                ops.invariant)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 meta: AttentionMetadata) -> None:
@@ -113,41 +95,27 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp(x, self.post_attention_layernorm)
 
 
-@torch.no_grad()
-def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard: Any, name: str) -> None:
-    """One checkpoint tensor into its parameter: through the parameter's loader (a shard of a
-    fused or split layer), else copied whole."""
-    loader = getattr(param, "weight_loader", None)
-    if loader is not None:
-        loader(param, tensor.to(param.dtype), shard)
-        return
-    if param.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                         f"{tuple(param.shape)}")
-    param.copy_(tensor)
-
-
 class LlamaForCausalLM(nn.Module):
-    # Checkpoint projections that live inside a fused parameter: name -> (fused name, shard).
-    stacked_params: ClassVar[dict[str, tuple[str, str]]] = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+    """A family built on Llama subclasses this model: its class attributes say how its
+    attention differs, `make_mlp` builds its MLPs, and `packed_modules_mapping` (with
+    `param_name` for anything a table cannot say) places its checkpoint's tensors."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 ops: LayerOps = LayerOps(), tp_rank: int = 0, tp_size: int = 1):
+    # Checkpoint projections that live inside a fused parameter: name -> (fused name, shard).
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = PACKED_MODULES_MAPPING
+    qkv_bias: ClassVar[bool] = False  # biases on the q, k and v projections
+    qk_norm: ClassVar[bool] = False   # an RMSNorm over each query and key head before RoPE
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank,
-                                                   tp_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ops)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, ops, tp_rank, tp_size,
-                              self.make_mlp(i, ops, tp_rank, tp_size))
+            LlamaDecoderLayer(cfg, LlamaAttention(cfg, backend, ops, self.qkv_bias, self.qk_norm),
+                              self.make_mlp(i, ops), ops)
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.triton, ops.invariant)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         # Every rank ends with the full logits.
-        self.lm_head = ParallelLMHead(
-            cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size, use_gemv=ops.gemv,
-            quant_method=ops.quant.lm_head_method(ops.triton) if ops.quant else None)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ops)
         if cfg.tie_word_embeddings:
             self.lm_head.tie_weights(self.embed_tokens)
         # Set by the runner once the model sits on its device (fp32, see layers/rotary.py).
@@ -166,9 +134,9 @@ class LlamaForCausalLM(nn.Module):
         self.aux_hidden_states = torch.empty(max_tokens, len(layers) * self.config.hidden_size,
                                              dtype=dtype, device=device)
 
-    def make_mlp(self, layer: int, ops: LayerOps, tp_rank: int, tp_size: int) -> nn.Module:
+    def make_mlp(self, layer: int, ops: LayerOps) -> nn.Module:
         """Layer `layer`'s MLP (a family with experts puts them here)."""
-        return LlamaMLP(self.config, ops, tp_rank, tp_size)
+        return LlamaMLP(self.config, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -190,11 +158,7 @@ class LlamaForCausalLM(nn.Module):
     def param_name(self, name: str) -> tuple[str, Any]:
         """The parameter a checkpoint tensor (Hugging Face name) fills, and which shard of it
         (None: the whole parameter)."""
-        name = name.removeprefix("model.")
-        for ckpt, (fused, shard) in self.stacked_params.items():
-            if f".{ckpt}." in name:
-                return name.replace(ckpt, fused), shard
-        return name, None
+        return packed_param(name.removeprefix("model."), self.packed_modules_mapping)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies (Hugging Face name, tensor) pairs from liteinfer.loader into the parameters."""

@@ -15,19 +15,19 @@ from torch import nn
 from liteinfer.config import MoeConfig
 from liteinfer.layers.fused_moe import FusedMoE, MoeRouter
 from liteinfer.layers.norm_act import RMSNorm
-from liteinfer.models.llama import LayerOps, LlamaForCausalLM
+from liteinfer.layers.ops import LayerOps
+from liteinfer.models.llama import LlamaForCausalLM
 
 
 class SparseMoeBlock(nn.Module):
     """The experts in place of a layer's MLP: the router picks each token's experts from the
     normed residual stream, their weighted sum is added back to it."""
 
-    def __init__(self, hidden: int, moe: MoeConfig, ops: LayerOps, tp_rank: int, tp_size: int):
+    def __init__(self, hidden: int, moe: MoeConfig, ops: LayerOps):
         super().__init__()
-        self.gate = MoeRouter(hidden, moe.num_experts, moe.top_k, moe.renormalize, ops.triton)
-        self.experts = FusedMoE(moe.num_experts, hidden, moe.intermediate_size, tp_rank,
-                                tp_size, ops.triton, ops.quant)
-        self.tp_size = tp_size
+        self.gate = MoeRouter(hidden, moe.num_experts, moe.top_k, moe.renormalize, ops)
+        self.experts = FusedMoE(moe.num_experts, hidden, moe.intermediate_size, ops)
+        self.tp_size = ops.tp_size
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> None:
         """Adds the experts of norm(x) to the residual stream x, in place."""
@@ -49,11 +49,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     # The family's checkpoint name of each expert projection -> gate | up | down.
     expert_projs: ClassVar[dict[str, str]]
 
-    def make_mlp(self, layer: int, ops: LayerOps, tp_rank: int, tp_size: int) -> nn.Module:
+    def make_mlp(self, layer: int, ops: LayerOps) -> nn.Module:
         moe = self.config.moe
         if moe is None or layer not in moe.sparse_layers:
-            return super().make_mlp(layer, ops, tp_rank, tp_size)
-        return SparseMoeBlock(self.config.hidden_size, moe, ops, tp_rank, tp_size)
+            return super().make_mlp(layer, ops)
+        return SparseMoeBlock(self.config.hidden_size, moe, ops)
 
     def param_name(self, name: str) -> tuple[str, Any]:
         name = name.removeprefix("model.")
@@ -69,6 +69,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
+    qk_norm = True
     block = "mlp"
     expert_projs: ClassVar[dict[str, str]] = {"gate_proj": "gate", "up_proj": "up",
                                               "down_proj": "down"}

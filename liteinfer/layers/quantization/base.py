@@ -15,14 +15,14 @@ class LinearMethod(ABC):
     """Creates a linear layer's parameters and computes y = x W^T with them.
 
     `layer` is the linear module (layers/linear.py) or the LM head: it owns the parameters this
-    method registers (`weight` among them), `use_gemv`, and `weight_loader` for checkpoint
-    tensors. A layer's input may be what the method's `apply_normed` returned for the layer
-    before (an FP8 method hands an already-quantized activation from gate/up to down).
+    method registers (`weight` among them) and `weight_loader` for checkpoint tensors. A
+    layer's input may be what the method's `gemm_normed` returned for the layer before (an FP8
+    method hands an already-quantized activation from gate/up to down).
 
-    A one-row tensor into a `use_gemv` layer (a decode step of one sequence) goes through the
-    method's `gemv`, with the norm, SwiGLU or residual add fused in (kernels/gemv.py's kernel,
-    unless the method keeps a weight that kernel does not read); every other input through the
-    method's `gemm` / `gemm_normed`."""
+    The layer chooses the path (layers/linear.py's `matmul`): `gemv` for one row when its
+    LayerOps say so, with the norm, SwiGLU or residual add fused in (kernels/gemv.py's kernel,
+    unless the method keeps a weight that kernel does not read); `gemm` / `gemm_normed` for
+    every other input."""
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
@@ -30,7 +30,7 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Turns the loaded (or dummy-initialized) parameters into the form `apply` reads."""
+        """Turns the loaded (or dummy-initialized) parameters into the form `gemm` reads."""
 
     def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:
         """fp32 scales, one per row, of an e4m3 `weight`; None: the weight is in the model
@@ -39,41 +39,21 @@ class LinearMethod(ABC):
 
     def gemv(self, layer: nn.Module, x: torch.Tensor, *, norm: RMSNorm | None = None,
              gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`apply` / `apply_normed` of one row: f(x) W^T with f the norm when given, SwiGLU'd
-        when gated, or added to residual in place; kernels/gemv.py's kernel over `weight`."""
+        """One row: f(x) W^T with f the norm when given, SwiGLU'd when gated, or added to
+        residual in place; kernels/gemv.py's kernel over `weight`."""
         from liteinfer.kernels.gemv import gemv
         return gemv(x, layer.weight, norm_weight=None if norm is None else norm.weight,
                     eps=0.0 if norm is None else norm.eps, gated=gated, residual=residual,
                     weight_scale=self.gemv_weight_scale(layer))
 
-    def apply(self, layer: nn.Module, x: Any,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T; with residual, adds it to residual in place and returns residual."""
-        if _one_token(layer, x):
-            return self.gemv(layer, x, residual=residual)
-        return self.gemm(layer, x, residual)
-
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
-                     act: SiluAndMul | None) -> Any:
-        """act(norm(x) W^T), in the form the next layer's `apply` takes."""
-        if _one_token(layer, x):
-            return self.gemv(layer, x, norm=norm, gated=act is not None)
-        return self.gemm_normed(layer, x, norm, act)
-
     @abstractmethod
     def gemm(self, layer: nn.Module, x: Any, residual: torch.Tensor | None) -> torch.Tensor:
-        """`apply` of an input the GEMV kernel does not take."""
+        """x W^T; with residual, adds it to residual in place and returns residual."""
 
     @abstractmethod
     def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                     act: SiluAndMul | None) -> Any:
-        """`apply_normed` of an input the GEMV kernel does not take."""
-
-
-def _one_token(layer: nn.Module, x: Any) -> bool:
-    """x is one row for the GEMV kernel; an Fp8Activation (a multi-row gate/up's output) never
-    is."""
-    return layer.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] == 1
+        """act(norm(x) W^T), in the form the next layer's `gemm` takes."""
 
 
 class MoEMethod(ABC):

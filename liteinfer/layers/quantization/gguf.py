@@ -156,14 +156,6 @@ class DequantizedMethod(LinearMethod):
     def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:
         return self.inner.gemv_weight_scale(layer)
 
-    def apply(self, layer: nn.Module, x: Any,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.inner.apply(layer, x, residual)
-
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
-                     act: SiluAndMul | None) -> Any:
-        return self.inner.apply_normed(layer, x, norm, act)
-
     def gemm(self, layer: nn.Module, x: Any, residual: torch.Tensor | None) -> torch.Tensor:
         return self.inner.gemm(layer, x, residual)
 

@@ -101,6 +101,26 @@ def test_bad_heads_are_clear_errors(tiny_llama_dir, tmp_path):
             build_llm(str(tiny_llama_dir), **ENGINE, speculative_config=eagle3_config(head))
 
 
+class ProposalLog:
+    """Every drafting model's proposal, by the token ids it follows, under the current run's
+    key (`run`: graphs off or on), to compare the drafts two runs make after the same tokens."""
+
+    def __init__(self, monkeypatch):
+        from liteinfer.spec_decode.model_drafts import ModelDraftsProposer
+
+        self.run = False
+        self.by_run: dict[bool, dict[tuple[int, ...], list[int]]] = {False: {}, True: {}}
+        propose = ModelDraftsProposer.propose
+
+        def recorded(proposer, request_id, prompt_len, token_ids, max_tokens):
+            drafts = propose(proposer, request_id, prompt_len, token_ids, max_tokens)
+            if drafts:
+                self.by_run[self.run][tuple(token_ids)] = drafts
+            return drafts
+
+        monkeypatch.setattr(ModelDraftsProposer, "propose", recorded)
+
+
 # A captured prompt step's padding tokens (no query tile maps them) take whatever memory the
 # attention output held, which may overflow in the interpreted kernels; no real row reads them.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -112,19 +132,10 @@ def test_head_reads_the_targets_captured_steps(tiny_llm, tiny_llama_dir, tmp_pat
     after each of the long prompt's lengths as with every step eager, and the tokens are
     plain decoding's."""
     from liteinfer.engine.prompt_graph import capture_step_graphs
-    from liteinfer.spec_decode.model_drafts import ModelDraftsProposer
 
     replays = replay_captures_eagerly(monkeypatch)
-    proposed: dict[bool, dict[tuple[int, ...], list[int]]] = {False: {}, True: {}}
-    propose = ModelDraftsProposer.propose
-
-    def recorded(self, request_id, prompt_len, token_ids, max_tokens):
-        drafts = propose(self, request_id, prompt_len, token_ids, max_tokens)
-        if drafts:
-            proposed[captured][tuple(token_ids)] = drafts
-        return drafts
-
-    monkeypatch.setattr(ModelDraftsProposer, "propose", recorded)
+    log = ProposalLog(monkeypatch)
+    proposed = log.by_run
     head = write_eagle3_head(tmp_path / "head")
     prompts = random_prompts(3, 384, 4, 10, seed=41) + random_prompts(1, 384, 40, 40, seed=42)
     # The short prompts draft nothing before min_tokens: they decode beside the long one.
@@ -132,6 +143,7 @@ def test_head_reads_the_targets_captured_steps(tiny_llm, tiny_llama_dir, tmp_pat
     ref = token_ids(tiny_llm.generate(prompts, params, use_tqdm=False))
     padded = []
     for captured in (False, True):
+        log.run = captured
         llm = build_llm(str(tiny_llama_dir), **ENGINE, attention_backend="triton",
                         max_num_seqs=4, max_num_batched_tokens=32, mixed_prompt_tokens=16,
                         speculative_config=eagle3_config(head))

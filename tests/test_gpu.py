@@ -149,23 +149,14 @@ def test_eagle3_graphs_equal_eager(model_dir, prompts, fp32_reference, name, tmp
     reads in one buffer (decode steps, prompt steps with padded decoding rows), its proposals
     replaying its own graphs: transformers' tokens, as with every step eager, and the head
     proposes the same drafts after the same tokens (a head reading the wrong rows would not)."""
-    from liteinfer.spec_decode.model_drafts import ModelDraftsProposer
-    from test_eagle3 import eagle3_config, write_eagle3_head
+    from test_eagle3 import ProposalLog, eagle3_config, write_eagle3_head
 
     replayed = []
     replay = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replayed.append(id(g)) or
                         replay(g))
-    proposed: dict[bool, dict[tuple[int, ...], list[int]]] = {False: {}, True: {}}
-    propose = ModelDraftsProposer.propose
-
-    def recorded(self, request_id, prompt_len, token_ids, max_tokens):
-        drafts = propose(self, request_id, prompt_len, token_ids, max_tokens)
-        if drafts:
-            proposed[graphs][tuple(token_ids)] = drafts
-        return drafts
-
-    monkeypatch.setattr(ModelDraftsProposer, "propose", recorded)
+    log = ProposalLog(monkeypatch)
+    proposed = log.by_run
     # A random head's drafts are rejected: hold the acceptance the draft length follows at 1
     # (as `liteinfer-bench spec` does), so that every step drafts.
     head = write_eagle3_head(tmp_path / "head", aux_layers=(0, 1, 2), hidden_size=512,
@@ -173,6 +164,7 @@ def test_eagle3_graphs_equal_eager(model_dir, prompts, fp32_reference, name, tmp
     lengths = [20 - 3 * (i % 5) for i in range(11)]
     runs = {}
     for graphs in (False, True):
+        log.run = graphs
         llm = build_llm(str(model_dir), dtype="float32", max_model_len=1024,
                         speculative_config=eagle3_config(head, k=4),
                         **{"max_num_seqs": 48, **CONFIGS[name], "enforce_eager": not graphs})

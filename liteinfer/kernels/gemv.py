@@ -67,7 +67,7 @@ def normalize(xf, norm_ptr, k, k_mask, inv_rms, dtype: tl.constexpr):
 
 
 @triton.jit
-def row_inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+def _row_inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
     """1 / RMS of the row x[:K], in a first pass over it (from L2) in BLOCK_K chunks, for
     kernels that then walk the row in chunks."""
     k = tl.arange(0, BLOCK_K)
@@ -76,6 +76,28 @@ def row_inv_rms(x_ptr, K, eps, BLOCK_K: tl.constexpr):
         xf = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
         squares += xf * xf
     return tl.rsqrt(tl.sum(squares, 0) / K + eps)
+
+
+@triton.jit
+def gemv_prologue(w_ptr, up_offset, offs, N, row_len, stride_row, x_ptr, K, eps,
+                  USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, GATED: tl.constexpr,
+                  NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A chunked GEMV program's start: before the PDL wait (it reads nothing the step makes),
+    the first lines of its weight rows (`offs`, of `row_len` elements) into L2, gate's and,
+    `up_offset` elements on, up's; after it, the input row's 1 / RMS where the norm is fused
+    (else 1)."""
+    if USE_PDL:
+        if PREFETCH_LINES > 0:
+            prefetch_weight(w_ptr, offs, N, row_len, stride_row, PREFETCH_LINES)
+            if GATED:
+                prefetch_weight(w_ptr + up_offset, offs, N, row_len, stride_row,
+                                PREFETCH_LINES)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = _row_inv_rms(x_ptr, K, eps, BLOCK_K)
+    return inv_rms
 
 
 @triton.jit
@@ -153,16 +175,8 @@ def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K
                          ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
                          USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     offs, n_mask, k, w_rows = _program_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
-    if USE_PDL:
-        if PREFETCH_LINES > 0:  # the start of the program's rows, gate and up
-            prefetch_weight(w_ptr, offs, N, K, stride_wn, PREFETCH_LINES)
-            if GATED:
-                prefetch_weight(w_ptr + N * stride_wn, offs, N, K, stride_wn, PREFETCH_LINES)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    inv_rms = 1.0
-    if NORM:
-        inv_rms = row_inv_rms(x_ptr, K, eps, BLOCK_K)
+    inv_rms = gemv_prologue(w_ptr, N * stride_wn, offs, N, K, stride_wn, x_ptr, K, eps, USE_PDL,
+                            PREFETCH_LINES, GATED, NORM, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = acc
     for k0 in range(0, K, BLOCK_K):

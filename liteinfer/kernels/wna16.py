@@ -48,8 +48,8 @@ from liteinfer.kernels.fewrow_gemm import (
     split_workspace,
     sum_splits,
 )
-from liteinfer.kernels.gemv import normalize, row_inv_rms, store_outputs
-from liteinfer.kernels.prefetch import prefetch_lines, prefetch_weight
+from liteinfer.kernels.gemv import gemv_prologue, normalize, store_outputs
+from liteinfer.kernels.prefetch import prefetch_lines
 
 # Rows up to which a step runs the in-register kernels; wider steps dequantize and call cuBLAS.
 FEWROW_MAX = FEWROW_MAX_ROWS
@@ -275,16 +275,8 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
     # gate's rows, then up's: up's words, scales and mins start N rows on
     up_w = N * words
     up_g = N * (K // GROUP)
-    if USE_PDL:
-        if PREFETCH_LINES > 0:
-            prefetch_weight(qw_ptr, offs, N, words, words, PREFETCH_LINES)
-            if GATED:
-                prefetch_weight(qw_ptr + up_w, offs, N, words, words, PREFETCH_LINES)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    inv_rms = 1.0
-    if NORM:
-        inv_rms = row_inv_rms(x_ptr, K, eps, BLOCK_K)
+    inv_rms = gemv_prologue(qw_ptr, up_w, offs, N, words, words, x_ptr, K, eps, USE_PDL,
+                            PREFETCH_LINES, GATED, NORM, BLOCK_K)
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     acc_up = acc
     for k0 in range(0, K, BLOCK_K):

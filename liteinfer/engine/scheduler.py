@@ -200,9 +200,10 @@ class Scheduler:
             out.seqs[i].prompt_logprobs.extend(entries)
         sampled = runner_output.wait()
         if self.speculator is not None:
-            self.speculator.step_read(time.perf_counter(), sum(out.num_tokens),
+            num_tokens = sum(out.num_tokens)
+            self.speculator.step_read(time.perf_counter(), num_tokens,
                                       verified=any(out.draft_token_ids),
-                                      decode_only=len(out.sampling_seqs) == sum(out.num_tokens))
+                                      decode_only=len(out.sampling_seqs) == num_tokens)
         if out.draft_token_ids:
             outputs = self._update_verified(out, sampled)
         else:

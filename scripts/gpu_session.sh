@@ -5,6 +5,8 @@
 #        [bench ARGS...]
 # (PROFILE_ARGS passes options to scripts/profile_decode.py). `pytest -m gpu` takes ~9 minutes
 # on an H200 (the kernel tests ~5, the rest ~4.5), so its halves fit one 10-minute command each.
+# The kernel tests run on 8 pytest-xdist workers: their time is mostly Triton compiles on the
+# host; the engine tests run one at a time, since each engine sizes its KV pool from free memory.
 # engine-tests leaves out test_structured_server.py: it has no GPU tests and imports openai,
 # which the CUDA machine lacks.
 set -uo pipefail
@@ -15,7 +17,7 @@ OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
 } | tee "$OUT/env.txt"
 while [ $# -gt 0 ]; do
   case "$1" in
-    kernel-tests) timeout 540 python3 -m pytest -m gpu -q -rfE --durations=20 -p no:cacheprovider tests/kernels > "$OUT/pytest-gpu-kernels.txt" 2>&1; tail -30 "$OUT/pytest-gpu-kernels.txt"; shift ;;
+    kernel-tests) timeout 540 python3 -m pytest -m gpu -n 8 -q -rfE --durations=20 -p no:cacheprovider tests/kernels > "$OUT/pytest-gpu-kernels.txt" 2>&1; tail -30 "$OUT/pytest-gpu-kernels.txt"; shift ;;
     engine-tests) timeout 540 python3 -m pytest -m gpu -q -rfE --durations=20 -p no:cacheprovider --ignore=tests/kernels --ignore=tests/test_structured_server.py tests > "$OUT/pytest-gpu-engine.txt" 2>&1; tail -30 "$OUT/pytest-gpu-engine.txt"; shift ;;
     gputest) shift; timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider "$1" > "$OUT/pytest-gpu.txt" 2>&1; tail -15 "$OUT/pytest-gpu.txt"; shift ;;
     profile) shift; timeout 200 python3 scripts/profile_decode.py $PROFILE_ARGS 2>&1 | grep -v "it/s]" | tail -80; ;;

@@ -398,6 +398,7 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
     map), run eagerly with the Triton kernels on the CPU: token for token. With 16-token
     chunks the decoding rows split across programs in the prefill launch."""
     import liteinfer.engine.step_inputs as step_inputs
+    from liteinfer.engine.prompt_buckets import PromptBuckets
     from liteinfer.engine.prompt_graph import PromptStepLayout, forward_bucket
     from liteinfer.kernels import prefill_tiles
 
@@ -412,10 +413,15 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
                     attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
                     mixed_prompt_tokens=32)
     runner = llm.engine.core.runner
-    layout = PromptStepLayout(4, 32, runner.max_blocks_per_seq, runner.block_size,
+    layout = PromptStepLayout(PromptBuckets(4, 32), runner.max_blocks_per_seq, runner.block_size,
                               runner.query_group_size, runner.step_model.max_decode_splits)
     buffer = torch.zeros(layout.total, dtype=torch.int32)
     forward, buckets = runner._forward, []
+    # No prompt step is captured on the CPU, so the scheduler trims nothing; here it trims to
+    # the layout's buckets, as beside captured prompt steps.
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.prompt_buckets is None
+    scheduler.prompt_buckets = layout.prompt_buckets
 
     @torch.inference_mode()
     def through_layout(staged):

@@ -3,18 +3,15 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from liteinfer.engine.block_manager import BlockManager
+from liteinfer.engine.prompt_buckets import PromptBuckets, padded_decodes, prompt_piece_sizes
 from liteinfer.engine.request_state import RequestStates
 from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.sampler import SampledTokens
-from liteinfer.engine.scheduler import (
-    ScheduledStep,
-    Scheduler,
-    padded_decodes,
-    prompt_piece_sizes,
-)
+from liteinfer.engine.scheduler import ScheduledStep, Scheduler
 from liteinfer.engine.sequence import Sequence
 from liteinfer.sampling_params import SamplingParams
 
@@ -27,9 +24,12 @@ def request(prompt_len: int, max_tokens: int) -> Sequence:
 
 
 def scheduler_of(bm: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, mixed_prompt_tokens: int = 2048) -> Scheduler:
+                 max_model_len: int, mixed_prompt_tokens: int = 2048,
+                 captured: bool = False) -> Scheduler:
+    """`captured`: as beside a model runner that captures prompt steps (their buckets)."""
+    buckets = PromptBuckets(max_num_seqs, mixed_prompt_tokens) if captured else None
     return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len,
-                     mixed_prompt_tokens, eos_token_ids=[])
+                     mixed_prompt_tokens, eos_token_ids=[], prompt_buckets=buckets)
 
 
 def run_step(scheduler: Scheduler, batch: ScheduledStep) -> None:
@@ -46,7 +46,8 @@ def test_a_chunked_prompt_waits_for_room_instead_of_preempting_itself():
     # 16 blocks of 16 tokens. Two sequences decode in 8 blocks; a 200-token prompt (13 blocks)
     # cannot fit until they finish, whatever the 64-token prefill budget would allow per step.
     bm = BlockManager(16, 16)
-    scheduler = scheduler_of(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    scheduler = scheduler_of(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                             captured=True)
     decoding = [request(60, 40), request(60, 40)]
     for seq in decoding:
         scheduler.add(seq)
@@ -116,10 +117,13 @@ def test_prompt_piece_sizes_bring_steps_to_powers_of_two():
     assert [padded_decodes(d, 12) for d in (0, 1, 3, 8, 9, 11)] == [0, 1, 4, 8, 12, 12]
 
 
-def test_mixed_steps_carry_prompt_pieces_of_captured_sizes():
+@pytest.mark.parametrize("captured", [True, False], ids=["captured", "eager"])
+def test_mixed_steps_carry_prompt_pieces_of_captured_sizes(captured):
+    """Beside a runner that captures prompt steps, a mixed step's prompt chunks are trimmed to
+    a bucket's prompt tokens; beside one that runs them eagerly they are only capped."""
     bm = BlockManager(64, 16)
     scheduler = scheduler_of(bm, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
-                             mixed_prompt_tokens=64)
+                             mixed_prompt_tokens=64, captured=captured)
     lone = request(150, 40)
     scheduler.add(lone)
     first = scheduler.schedule()
@@ -137,19 +141,26 @@ def test_mixed_steps_carry_prompt_pieces_of_captured_sizes():
     scheduler.add(long)
     while long.num_computed_tokens < 150:
         step()
-    # Capped at 64 prompt tokens beside the decode and trimmed to 63 (a step of 64 rows); the
-    # last 24 are fewer than the smallest piece (31) and stay whole.
-    assert steps == [(1, [1, 63]), (1, [1, 63]), (1, [1, 24])]
+    # Capped at 64 prompt tokens beside the decode, and where captured trimmed to 63 (a step
+    # of 64 rows); the last 24 are fewer than the smallest piece (31) and stay whole.
+    if captured:
+        assert steps == [(1, [1, 63]), (1, [1, 63]), (1, [1, 24])]
+    else:
+        assert steps == [(1, [1, 64]), (1, [1, 64]), (1, [1, 22])]
     steps.clear()
     a, b = request(40, 3), request(5, 3)
     scheduler.add(a)
     scheduler.add(b)
     step()
-    # Two decodes: pieces of 30 or 62. 45 prompt tokens trim to 30: b's chunk is cut to
-    # nothing and leaves the step, admitted.
-    assert steps == [(2, [1, 1, 30])] and b in scheduler.running and b.num_computed_tokens == 0
-    step()
-    assert steps[1] == (2, [1, 1, 10, 5])
+    if captured:
+        # Two decodes: pieces of 30 or 62. 45 prompt tokens trim to 30: b's chunk is cut to
+        # nothing and leaves the step, admitted.
+        assert steps == [(2, [1, 1, 30])] and b in scheduler.running
+        assert b.num_computed_tokens == 0
+        step()
+        assert steps[1] == (2, [1, 1, 10, 5])
+    else:
+        assert steps == [(2, [1, 1, 40, 5])]
     while scheduler.has_unfinished():
         step()
     assert bm.num_free_blocks == bm.num_blocks

@@ -165,7 +165,8 @@ class EngineCore:
                                                           time_steps)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.max_model_len,
-                                   self.config.mixed_prompt_tokens, self.eos_token_ids, speculator)
+                                   self.config.mixed_prompt_tokens, self.eos_token_ids, speculator,
+                                   self.runner.prompt_buckets)
         self.inflight: InFlight | None = None
         self.structured_output = StructuredOutputManager(
             source.tokenizer, self.model_config.vocab_size, self.eos_token_ids,

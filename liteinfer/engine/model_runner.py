@@ -22,6 +22,7 @@ from liteinfer.engine.draft_runner import (
 )
 from liteinfer.engine.instrumentation import DECODE_GRAPH, EAGER, PROMPT_GRAPH, StepRun
 from liteinfer.engine.messages import TokenLogprobs
+from liteinfer.engine.prompt_buckets import PromptBuckets
 from liteinfer.engine.prompt_graph import capture_step_graphs
 from liteinfer.engine.request_state import CachedRequestState, RequestStates
 from liteinfer.engine.runner_output import ModelRunnerOutput, StepForward
@@ -141,6 +142,12 @@ class ModelRunner:
                 self.step_model, config, self.max_blocks_per_seq, pool)
             if self.drafter is not None:
                 self.drafter.capture_graphs(pool)
+
+    @property
+    def prompt_buckets(self) -> PromptBuckets | None:
+        """The buckets of the captured prompt and mixed steps, which the scheduler trims mixed
+        steps to (None: no prompt step is captured; they run eagerly at any size)."""
+        return None if self.prompt_graphs is None else self.prompt_graphs.layout.prompt_buckets
 
     def release_graphs(self) -> None:
         """Frees the captured graphs. A tensor-parallel rank does so before leaving its group:

@@ -3,8 +3,8 @@
 An eager step of a few hundred prompt tokens spends several times its GPU time launching ~200
 kernels, so steps of up to `mixed_prompt_tokens` prompt tokens are captured too: one graph per
 (decoding rows, prompt tokens) bucket, the decoding rows a power of two and the prompt tokens
-each bringing the step's rows to a power of two (`prompt_piece_sizes`, which the scheduler
-trims mixed steps to). A step is padded to its bucket:
+each bringing the step's rows to a power of two (`PromptBuckets`, engine/prompt_buckets.py,
+which the scheduler trims mixed steps to). A step is padded to its bucket:
 decoding rows first, padded with rows of context 0, then the prompt tokens, padded with tokens
 that write no KV; no tile-map entry covers a padding row. Prefill attention reads its programs'
 work (decoding rows' splits, prompt query tiles) from a tile map, so one grid serves any mix of
@@ -21,7 +21,7 @@ import torch
 from liteinfer.attention import AttentionMetadata
 from liteinfer.config import EngineConfig
 from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedInputs, capture_graph
-from liteinfer.engine.scheduler import padded_decodes, prompt_piece_sizes
+from liteinfer.engine.prompt_buckets import PromptBuckets
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.engine.step_model import StepModel
@@ -33,17 +33,15 @@ class PromptStepLayout:
     starts at the same offset for every bucket). Device-agnostic: the CUDA runner below fills a
     pinned mirror of its device buffer, and the layout runs as well on a CPU buffer."""
 
-    def __init__(self, max_num_seqs: int, mixed_prompt_tokens: int, table_width: int,
-                 block_size: int, query_group_size: int, max_decode_splits: int):
-        self.max_num_seqs = max_num_seqs
+    def __init__(self, buckets: PromptBuckets, table_width: int, block_size: int,
+                 query_group_size: int, max_decode_splits: int):
+        self.prompt_buckets = buckets
+        self.max_num_seqs = buckets.max_num_seqs
         self.query_group_size = query_group_size
         self.max_decode_splits = max_decode_splits
         self.width = table_width
         self.block_size = block_size
-        # A mixed step holds at least one prompt, so at most max_num_seqs - 1 decoding rows.
-        decode_sizes = sorted({padded_decodes(d, max_num_seqs) for d in range(max_num_seqs)})
-        self.prompt_sizes = {d: prompt_piece_sizes(d, mixed_prompt_tokens) for d in decode_sizes}
-        self.buckets = [(d, p) for d in decode_sizes for p in self.prompt_sizes[d]]
+        self.buckets = buckets.all()
         max_tokens = max(d + p for d, p in self.buckets)
         max_rows = max(d + self._prompt_seqs(p) for d, p in self.buckets)
         max_tiles = max(self._tiles(d, p) for d, p in self.buckets)
@@ -71,19 +69,13 @@ class PromptStepLayout:
         return prefill_tile_tokens(prompt_size, self.query_group_size)
 
     def fits(self, batch: StepBatch) -> bool:
-        if not batch.is_prefill or batch.num_decodes >= self.max_num_seqs:
-            return False
-        prompt_tokens = sum(batch.num_tokens) - batch.num_decodes
-        return prompt_tokens <= self._sizes_for(batch.num_decodes)[-1]
-
-    def _sizes_for(self, num_decodes: int) -> list[int]:
-        return self.prompt_sizes[padded_decodes(num_decodes, self.max_num_seqs)]
+        d = batch.num_decodes
+        return batch.is_prefill and self.prompt_buckets.fits(d, sum(batch.num_tokens) - d)
 
     def bucket(self, batch: StepBatch) -> tuple[int, int]:
         """The step's bucket: (decoding rows, prompt tokens), each padded."""
         d = batch.num_decodes
-        p_size = next(s for s in self._sizes_for(d) if s >= sum(batch.num_tokens) - d)
-        return padded_decodes(d, self.max_num_seqs), p_size
+        return self.prompt_buckets.bucket(d, sum(batch.num_tokens) - d)
 
     def build(self, batch: StepBatch) -> tuple[StepInputs, int, int]:
         """The step's inputs and its bucket (decoding rows, prompt tokens)."""
@@ -200,8 +192,8 @@ def capture_step_graphs(step_model: StepModel, config: EngineConfig, table_width
     does not have: those steps run eagerly in that mode (None)."""
     prompt_graphs = None
     if not config.batch_invariant:
-        layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens, table_width,
-                                  config.block_size, step_model.query_group_size,
+        layout = PromptStepLayout(PromptBuckets(config.max_num_seqs, config.mixed_prompt_tokens),
+                                  table_width, config.block_size, step_model.query_group_size,
                                   step_model.max_decode_splits)
         prompt_graphs = PromptGraphRunner(step_model, layout,
                                           step_model.model.config.hidden_size,

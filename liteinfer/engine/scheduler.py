@@ -6,9 +6,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from liteinfer.config import MIN_PROMPT_PIECE
 from liteinfer.engine.block_manager import BlockManager
 from liteinfer.engine.messages import EngineCoreOutput, SchedulerStats
+from liteinfer.engine.prompt_buckets import PromptBuckets
 from liteinfer.engine.runner_output import ModelRunnerOutput
 from liteinfer.engine.sampler import SamplerOutput
 from liteinfer.engine.scheduler_output import (
@@ -19,24 +19,6 @@ from liteinfer.engine.scheduler_output import (
 from liteinfer.engine.sequence import Sequence, SequenceStatus
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.spec_decode import Speculator
-from liteinfer.utils import next_power_of_2
-
-
-def padded_decodes(num_decodes: int, max_num_seqs: int) -> int:
-    """Decoding rows of a captured mixed step: the count rounded up to a power of two, at most
-    max_num_seqs."""
-    return min(next_power_of_2(num_decodes), max_num_seqs) if num_decodes else 0
-
-
-def prompt_piece_sizes(padded_decodes: int, mixed_prompt_tokens: int) -> list[int]:
-    """The prompt token counts a captured step with `padded_decodes` decoding rows comes in,
-    ascending: each brings the step to a power of two of rows, so the GEMMs' tiles and waves
-    come out even (a few rows past a power of two cost cuBLAS a whole extra wave:
-    docs/notes/journal.md, item 22). At least MIN_PROMPT_PIECE, at most mixed_prompt_tokens
-    (which is that size alone if no power of two fits)."""
-    sizes = [(1 << i) - padded_decodes for i in range(mixed_prompt_tokens.bit_length() + 1)]
-    return [s for s in sizes if MIN_PROMPT_PIECE <= s <= mixed_prompt_tokens] or [
-        mixed_prompt_tokens]
 
 
 @dataclass
@@ -54,11 +36,12 @@ class Scheduler:
     token per step, and prompt work (new prompts, chunked to `max_num_batched_tokens`, and
     prompts of preempted sequences being recomputed) rides in the same step, so prompts arriving
     never stall the others' decoding and a step's weights are read once for both. A step that
-    decodes carries at most `mixed_prompt_tokens` prompt tokens, trimmed to one of the sizes
-    captured steps come in (`prompt_piece_sizes`; what a trimmed chunk leaves rides in the next
-    step). A step with no prompt work decodes (captured in CUDA graphs). When a decode finds the
-    pool empty, the newest running sequences are preempted: their blocks are freed and they
-    return to the front of the queue, so the oldest requests always make progress.
+    decodes carries at most `mixed_prompt_tokens` prompt tokens and, where the model runner
+    captures such steps (`prompt_buckets`), is trimmed to one of the sizes they come in (what a
+    trimmed chunk leaves rides in the next step). A step with no prompt work decodes (captured
+    in CUDA graphs). When a decode finds the pool empty, the newest running sequences are
+    preempted: their blocks are freed and they return to the front of the queue, so the oldest
+    requests always make progress.
 
     A step's life: `schedule()` picks it; once the model runner has launched it,
     `mark_launched()` counts its tokens as computed and its sampled tokens as pending (so that
@@ -68,7 +51,9 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, mixed_prompt_tokens: int, eos_token_ids: Iterable[int],
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None,
+                 prompt_buckets: PromptBuckets | None = None):
+        """`prompt_buckets`: the model runner's captured prompt steps (None: none run)."""
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -80,6 +65,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.speculator = speculator
+        self.prompt_buckets = prompt_buckets
         # Requests the model runner holds that finished since the last step was scheduled.
         self.finished_req_ids: list[str] = []
 
@@ -342,7 +328,7 @@ class Scheduler:
             if self.waiting and not self.running and not self.waiting[0].num_pending:
                 raise RuntimeError("KV pool too small for a single request")
             return None
-        if decodes or verifies:
+        if (decodes or verifies) and self.prompt_buckets is not None:
             self._trim_to_piece(seqs, num_tokens, len(decodes), num_fixed)
         drafts = [[] for _ in seqs]
         for i, (_, d) in enumerate(verifies, start=len(decodes)):
@@ -352,14 +338,12 @@ class Scheduler:
 
     def _trim_to_piece(self, seqs: list[Sequence], num_tokens: list[int],
                        num_decodes: int, num_fixed: int) -> None:
-        """Cuts the last prompt chunks down to the largest prompt piece size that fits (fewer
-        tokens than the smallest size stay, padded up to it); a chunk cut to nothing leaves the
-        step (its sequence stays admitted and continues next step). The first `num_fixed`
-        sequences (decoding or verifying drafts) are never cut."""
+        """Cuts the last prompt chunks down to the prompt tokens of a captured bucket
+        (`PromptBuckets.piece`); a chunk cut to nothing leaves the step (its sequence stays
+        admitted and continues next step). The first `num_fixed` sequences (decoding or
+        verifying drafts) are never cut."""
         prompt_tokens = sum(num_tokens) - num_decodes
-        sizes = prompt_piece_sizes(padded_decodes(num_decodes, self.max_num_seqs),
-                                   self.mixed_prompt_tokens)
-        piece = max((s for s in sizes if s <= prompt_tokens), default=prompt_tokens)
+        piece = self.prompt_buckets.piece(num_decodes, prompt_tokens)
         excess = min(prompt_tokens - piece, sum(num_tokens[num_fixed:]))
         while excess:
             cut = min(excess, num_tokens[-1])

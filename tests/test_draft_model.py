@@ -157,21 +157,11 @@ def test_server_with_speculative_config_flag(tiny_llm, tiny_llama_dir):
 
 def replay_captures_eagerly(monkeypatch) -> list:
     """CUDA graphs stood in for on the CPU: capturing a call runs it once, and each replay
-    runs it again and writes its output where the capture's was, as a graph does; a step's
-    staged inputs are written straight to the buffer its graph reads. Returns the list each
+    runs it again and writes its output where the capture's was, as a graph does (a step's
+    inputs go through the step model's input buffer, as on CUDA). Returns the list each
     replayed stand-in is appended to."""
     import liteinfer.engine.cuda_graph as cuda_graph
     import liteinfer.engine.prompt_graph as prompt_graph
-
-    class HostInputs:
-        def __init__(self, size, device):
-            self.dev = torch.zeros(size, dtype=torch.int32)
-
-        def host(self):
-            return self.dev.numpy()
-
-        def send(self, used):
-            pass
 
     replays = []
 
@@ -191,7 +181,6 @@ def replay_captures_eagerly(monkeypatch) -> list:
 
     for module in (cuda_graph, prompt_graph):
         monkeypatch.setattr(module, "capture_graph", capture)
-        monkeypatch.setattr(module, "StagedInputs", HostInputs)
     return replays
 
 

@@ -156,7 +156,7 @@ def test_head_reads_the_targets_captured_steps(tiny_llm, tiny_llama_dir, tmp_pat
             runner = llm.engine.core.runner
             if captured:
                 runner.graphs, runner.prompt_graphs = capture_step_graphs(
-                    runner.step_model, runner.config, runner.max_blocks_per_seq, None)
+                    runner.step_model, runner.config, None)
                 runner.drafter.capture_graphs(None)
                 replays.clear()
                 runner.drafter.decode_rows = lambda b, rows=runner.drafter.decode_rows: (

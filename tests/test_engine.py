@@ -413,9 +413,9 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
                     attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
                     mixed_prompt_tokens=32)
     runner = llm.engine.core.runner
-    layout = PromptStepLayout(PromptBuckets(4, 32), runner.max_blocks_per_seq, runner.block_size,
+    layout = PromptStepLayout(PromptBuckets(4, 32), runner.step_model.layout,
                               runner.query_group_size, runner.step_model.max_decode_splits)
-    buffer = torch.zeros(layout.total, dtype=torch.int32)
+    buffer = torch.zeros(layout.input_layout.total, dtype=torch.int32)
     forward, buckets = runner._forward, []
     # No prompt step is captured on the CPU, so the scheduler trims nothing; here it trims to
     # the layout's buckets, as beside captured prompt steps.
@@ -429,11 +429,11 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
         if not layout.fits(batch):
             return forward(staged)
         step, d, p = layout.build(batch)
-        layout.reset(buffer)  # stale inputs of an earlier bucket must not matter either
+        layout.reset(buffer, d, p)  # stale inputs of an earlier bucket must not matter either
         layout.fill(buffer.numpy(), step, d, p)
         buckets.append((step.num_decodes, d, len(step.input_ids) - step.num_decodes, p))
         hidden = forward_bucket(runner.step_model, layout, buffer, d, p)
-        rows = layout.sample_rows(buffer, len(step.sample_rows))
+        rows = layout.sample_rows(buffer, step, d, p)
         return (runner.model.compute_logits(hidden[rows]) if rows.numel() else None), None
 
     runner._forward = through_layout

@@ -262,8 +262,8 @@ def test_a_worker_runs_rank_0s_step_from_its_scheduler_output(tiny_llama_dir):
         output = run_rank_0(staged)
         mirror.execute(theirs)
         rows = len(ours.sampling_seqs)
-        assert torch.equal(core.runner.step_model.sampled_tokens[:rows],
-                           mirror.step_model.sampled_tokens[:rows])
+        assert torch.equal(core.runner.step_model.pending.sampled[:rows],
+                           mirror.step_model.pending.sampled[:rows])
         return output
 
     staged_messages = {}

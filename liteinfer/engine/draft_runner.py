@@ -30,6 +30,8 @@ import torch
 from liteinfer.attention import AttentionMetadata
 from liteinfer.config import EngineConfig, ModelConfig, SpeculativeConfig
 from liteinfer.engine.cuda_graph import CUDAGraphRunner, GraphsBySize
+from liteinfer.engine.input_layout import step_input_layout
+from liteinfer.engine.pending_tokens import PendingTokens
 from liteinfer.engine.prompt_graph import PromptGraphRunner, capture_step_graphs
 from liteinfer.engine.runner_output import (
     DraftPlan,
@@ -156,9 +158,8 @@ class ProposalPasses:
 
 
 class DraftModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor,
-                 sampled_tokens: torch.Tensor, config: EngineConfig, table_width: int,
-                 device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, pending: PendingTokens,
+                 config: EngineConfig, table_width: int, device: torch.device):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = config.block_size
@@ -173,9 +174,9 @@ class DraftModelRunner:
             workspace = DecodeWorkspace.allocate(
                 config.max_num_seqs, cfg.num_attention_heads // tp, cfg.head_dim,
                 max_splits_for(1, num_kv_heads, sms), device)
-        self.step_model = StepModel(model, 0, num_kv_heads, cfg.head_dim, sms, workspace, device)
         # Pending tokens are read where the target's steps read them.
-        self.step_model.sampled_tokens = sampled_tokens
+        self.step_model = StepModel(model, pending, num_kv_heads, cfg.head_dim, sms, workspace,
+                                    device, step_input_layout(config, table_width, workspace))
         self.config = config
         self.proposals = ProposalPasses(self._propose, self.step_model, config.max_num_seqs,
                                         table_width, self.block_size, device)
@@ -185,8 +186,8 @@ class DraftModelRunner:
     def capture_graphs(self, pool) -> None:
         """Captures the passes over a step's tokens (where the target's steps are captured,
         and in the same pool) and the proposal passes."""
-        self.graphs, self.prompt_graphs = capture_step_graphs(
-            self.step_model, self.config, self.table_width, pool, logits=False)
+        self.graphs, self.prompt_graphs = capture_step_graphs(self.step_model, self.config, pool,
+                                                              logits=False)
         self.proposals.capture(pool)
 
     def release_graphs(self) -> None:
@@ -202,8 +203,7 @@ class DraftModelRunner:
         elif self.prompt_graphs is not None and self.prompt_graphs.fits(batch):
             self.prompt_graphs.run(batch)
         else:
-            ids, positions, meta, _, _ = self.step_model.prepare(batch, self.block_size,
-                                                                 self.table_width)
+            ids, positions, meta, _, _ = self.step_model.prepare(batch)
             self.model(ids, positions, meta)
         proposals = self._plan(batch)
         return None if proposals is None else DraftPlan(proposals)
@@ -276,11 +276,11 @@ class Eagle3Runner(DraftModelRunner):
 
     def __init__(self, model: Eagle3LlamaForCausalLM, target: LlamaForCausalLM,
                  decode_rows: Callable[[StepBatch], int], kv_cache: torch.Tensor,
-                 sampled_tokens: torch.Tensor, config: EngineConfig, table_width: int,
+                 pending: PendingTokens, config: EngineConfig, table_width: int,
                  device: torch.device):
         """`decode_rows(batch)`: the rows the step's decoding sequences take at the head of the
         target's hidden states (more than there are where a captured step pads them)."""
-        super().__init__(model, kv_cache, sampled_tokens, config, table_width, device)
+        super().__init__(model, kv_cache, pending, config, table_width, device)
         self.target = target
         self.decode_rows = decode_rows
         # The head's output at each proposing sequence's newest token: the next pass's input.
@@ -294,8 +294,7 @@ class Eagle3Runner(DraftModelRunner):
 
     @torch.inference_mode()
     def before_step(self, batch: StepBatch) -> DraftPlan:
-        _, positions, meta, sample_rows, _ = self.step_model.prepare(batch, self.block_size,
-                                                                     self.table_width)
+        _, positions, meta, sample_rows, _ = self.step_model.prepare(batch)
         next_ids = np.zeros(sum(batch.num_tokens), dtype=np.int64)
         drafts = batch.draft_token_ids or [[]] * len(batch.seqs)
         start = 0

@@ -20,8 +20,10 @@ from liteinfer.engine.draft_runner import (
     eagle3_settings,
     load_draft_source,
 )
+from liteinfer.engine.input_layout import step_input_layout
 from liteinfer.engine.instrumentation import DECODE_GRAPH, EAGER, PROMPT_GRAPH, StepRun
 from liteinfer.engine.messages import TokenLogprobs
+from liteinfer.engine.pending_tokens import PendingTokens
 from liteinfer.engine.prompt_buckets import PromptBuckets
 from liteinfer.engine.prompt_graph import capture_step_graphs
 from liteinfer.engine.request_state import CachedRequestState, RequestStates
@@ -121,25 +123,25 @@ class ModelRunner:
             workspace = DecodeWorkspace.allocate(
                 config.max_num_seqs, self.num_q_heads, model_config.head_dim,
                 max_splits_for(1, self.num_kv_heads, sms), self.device)
-        self.step_model = StepModel(self.model, config.max_sampled_rows, self.num_kv_heads,
-                                    model_config.head_dim, sms,
-                                    workspace, self.device)
+        self.step_model = StepModel(self.model, PendingTokens(config.max_sampled_rows, self.device),
+                                    self.num_kv_heads, model_config.head_dim, sms, workspace,
+                                    self.device,
+                                    step_input_layout(config, self.max_blocks_per_seq, workspace))
         self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)
         self.drafter: DraftModelRunner | None = None
         if isinstance(draft, Eagle3LlamaForCausalLM):
             self.drafter = Eagle3Runner(draft, self.model, self._decode_rows,
                                         self._bind_kv_pool(draft),
-                                        self.step_model.sampled_tokens, config,
+                                        self.step_model.pending, config,
                                         self.max_blocks_per_seq, self.device)
         elif draft is not None:
             self.drafter = DraftModelRunner(draft, self._bind_kv_pool(draft),
-                                            self.step_model.sampled_tokens, config,
+                                            self.step_model.pending, config,
                                             self.max_blocks_per_seq, self.device)
         self.graphs = self.prompt_graphs = None
         if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
-            self.graphs, self.prompt_graphs = capture_step_graphs(
-                self.step_model, config, self.max_blocks_per_seq, pool)
+            self.graphs, self.prompt_graphs = capture_step_graphs(self.step_model, config, pool)
             if self.drafter is not None:
                 self.drafter.capture_graphs(pool)
 
@@ -317,7 +319,7 @@ class ModelRunner:
             return ModelRunnerOutput(None, forward.prompt_logprobs)
         sampled = self.sampler.sample(forward.logits, step.batch.sampling_seqs,
                                       step.below_min_tokens, grammar_bitmask)
-        self.step_model.keep_sampled(sampled.token_ids)
+        self.step_model.pending.keep(sampled.token_ids)
         drafts = None
         if forward.draft_plan is not None:
             drafts = self.drafter.after_sampling(forward.draft_plan, sampled.token_ids)
@@ -333,8 +335,7 @@ class ModelRunner:
         if self._replays_prompt(batch):
             hidden, rows = self.prompt_graphs.run(batch)
         else:
-            input_ids, positions, meta, rows, prompt_rows = self.step_model.prepare(
-                batch, self.block_size, self.max_blocks_per_seq)
+            input_ids, positions, meta, rows, prompt_rows = self.step_model.prepare(batch)
             hidden = self.model(input_ids, positions, meta)
             if prompt_rows is not None:
                 prompt_hidden = hidden[prompt_rows]

@@ -10,8 +10,9 @@ that write no KV; no tile-map entry covers a padding row. Prefill attention read
 work (decoding rows' splits, prompt query tiles) from a tile map, so one grid serves any mix of
 context and prompt lengths. The LM head runs after the replay on the rows that sample only.
 
-All inputs live in one flat int32 device buffer at fixed offsets (`PromptStepLayout`), filled
-from a pinned host mirror with one copy per step (`StagedInputs`, as in captured decode).
+A bucket's inputs are its shape's views of the step model's input buffer (`PromptStepLayout`
+over engine/input_layout.py), filled from a pinned host mirror with one copy per step, as in
+captured decode and eager steps.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import torch
 
 from liteinfer.attention import AttentionMetadata
 from liteinfer.config import EngineConfig
-from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedInputs, capture_graph
+from liteinfer.engine.cuda_graph import CUDAGraphRunner, capture_graph
+from liteinfer.engine.input_layout import InputLayout, StepShape
 from liteinfer.engine.prompt_buckets import PromptBuckets
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
@@ -29,32 +31,25 @@ from liteinfer.kernels.prefill_tiles import decode_entries, prefill_tile_tokens
 
 
 class PromptStepLayout:
-    """The buckets, and where a bucket's inputs sit in one flat int32 buffer (a name's region
-    starts at the same offset for every bucket). Device-agnostic: the CUDA runner below fills a
-    pinned mirror of its device buffer, and the layout runs as well on a CPU buffer."""
+    """The buckets, and each bucket's shape in the step model's input layout (`inputs`).
+    Device-agnostic: the CUDA runner below fills a pinned mirror of its device buffer, and the
+    layout runs as well on a CPU buffer."""
 
-    def __init__(self, buckets: PromptBuckets, table_width: int, block_size: int,
-                 query_group_size: int, max_decode_splits: int):
+    def __init__(self, buckets: PromptBuckets, inputs: InputLayout, query_group_size: int,
+                 max_decode_splits: int):
         self.prompt_buckets = buckets
         self.max_num_seqs = buckets.max_num_seqs
         self.query_group_size = query_group_size
         self.max_decode_splits = max_decode_splits
-        self.width = table_width
-        self.block_size = block_size
+        self.input_layout = inputs
         self.buckets = buckets.all()
-        max_tokens = max(d + p for d, p in self.buckets)
-        max_rows = max(d + self._prompt_seqs(p) for d, p in self.buckets)
-        max_tiles = max(self._tiles(d, p) for d, p in self.buckets)
-        self.sizes = {"ids": max_tokens, "pending": max_tokens, "positions": max_tokens,
-                      "slots": max_tokens, "context_lens": max_rows, "cu_seqlens": max_rows + 1,
-                      "sample_rows": max_tokens, "tiles": 2 * max_tiles,
-                      "block_tables": max_rows * self.width}  # last: only used rows are copied
-        self.offsets: dict[str, int] = {}
-        self.total = 0
-        for name, n in self.sizes.items():
-            self.offsets[name] = self.total
-            self.total += n
-        self.max_tokens = max_tokens
+        for d, p in self.buckets:
+            inputs.offsets(self.shape(d, p))  # a ValueError for one the buffer cannot hold
+        self.max_tokens = max(d + p for d, p in self.buckets)
+
+    def shape(self, d: int, p: int) -> StepShape:
+        """Bucket (d, p)'s shape: its tokens, rows and tile-map entries."""
+        return StepShape(d + p, d + self._prompt_seqs(p), self._tiles(d, p))
 
     def _prompt_seqs(self, prompt_size: int) -> int:
         return min(prompt_size, self.max_num_seqs)
@@ -79,67 +74,35 @@ class PromptStepLayout:
 
     def build(self, batch: StepBatch) -> tuple[StepInputs, int, int]:
         """The step's inputs and its bucket (decoding rows, prompt tokens)."""
-        return (build_step_inputs(batch, self.block_size, self.width), *self.bucket(batch))
+        inputs = self.input_layout
+        return (build_step_inputs(batch, inputs.block_size, inputs.width), *self.bucket(batch))
 
-    def reset(self, buffer: torch.Tensor) -> None:
-        """Inputs of an empty step: no KV written or read, no query tile mapped."""
-        buffer.zero_()
-        for name in ("pending", "slots", "tiles"):
-            self._region(buffer, name, self.sizes[name]).fill_(-1)
-
-    def _region(self, buffer: torch.Tensor | np.ndarray, name: str, n: int):
-        return buffer[self.offsets[name]:self.offsets[name] + n]
+    def reset(self, buffer: torch.Tensor, d: int, p: int) -> None:
+        """Inputs of an empty step in bucket (d, p): no KV written or read, no tile mapped."""
+        self.input_layout.reset(buffer, self.shape(d, p))
 
     def inputs(self, buffer: torch.Tensor, d: int, p: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Views of bucket (d, p)'s token ids, pending rows, positions and metadata."""
-        t, rows = d + p, d + self._prompt_seqs(p)
-        def view(name, n):
-            return self._region(buffer, name, n)
+        v = self.input_layout.views(buffer, self.shape(d, p))
         meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=view("slots", t), context_lens=view("context_lens", rows),
-            block_tables=view("block_tables", rows * self.width).view(rows, self.width),
-            cu_seqlens_q=view("cu_seqlens", rows + 1), num_decodes=d,
-            tile_map=view("tiles", 2 * self._tiles(d, p)).view(-1, 2),
-            tile_tokens=self._tile_tokens(p))
-        return view("ids", t), view("pending", t), view("positions", t), meta
+            is_prefill=True, slot_mapping=v.slots, context_lens=v.context_lens,
+            block_tables=v.block_tables, cu_seqlens_q=v.cu_seqlens, num_decodes=d,
+            tile_map=v.tiles, tile_tokens=self._tile_tokens(p))
+        return v.ids, v.pending, v.positions, meta
 
-    def sample_rows(self, buffer: torch.Tensor, n: int) -> torch.Tensor:
-        return self._region(buffer, "sample_rows", n)
+    def sample_rows(self, buffer: torch.Tensor, step: StepInputs, d: int, p: int
+                    ) -> torch.Tensor:
+        """The rows of bucket (d, p)'s hidden states that `step` samples in."""
+        return self.input_layout.views(buffer, self.shape(d, p)).sample_rows[
+            :len(step.sample_rows)]
 
     def fill(self, host: np.ndarray, step: StepInputs, d_size: int, p_size: int) -> int:
         """Writes the step into a host buffer in its bucket's layout; returns the used length."""
-        def view(name, n):
-            return self._region(host, name, n)
-        d, n_seqs = step.num_decodes, len(step.query_lens)
-        p = len(step.input_ids) - d
-        t, rows = d_size + p_size, d_size + self._prompt_seqs(p_size)
-        # Token arrays: decoding rows, their padding, prompt tokens, their padding.
-        for name, data, pad in (("ids", step.input_ids, 0), ("pending", step.pending_rows, -1),
-                                ("positions", step.positions, 0), ("slots", step.slots, -1)):
-            out = view(name, t)
-            out[:] = pad
-            out[:d] = data[:d]
-            out[d_size:d_size + p] = data[d:]
-        # Sequence arrays: decoding sequences, padding rows (context 0), prompt sequences.
-        ctx = view("context_lens", rows)
-        ctx[:] = 0
-        ctx[:d] = step.context_lens[:d]
-        ctx[d_size:d_size + n_seqs - d] = step.context_lens[d:]
-        query_lens = np.zeros(rows, dtype=np.int64)
-        query_lens[:d_size] = 1
-        query_lens[d_size:d_size + n_seqs - d] = step.query_lens[d:]
-        view("cu_seqlens", rows + 1)[:] = np.concatenate([[0], np.cumsum(query_lens)])
-        tables = view("block_tables", rows * self.width).reshape(rows, self.width)
-        tables[:d] = step.block_tables[:d]
-        tables[d_size:d_size + n_seqs - d] = step.block_tables[d:]
-        samples = step.sample_rows
-        view("sample_rows", len(samples))[:] = np.where(samples < d, samples,
-                                                        samples - d + d_size)
-        num_tiles = self._tiles(d_size, p_size)
-        view("tiles", 2 * num_tiles)[:] = step.attention_tile_map(
-            self._tile_tokens(p_size), d_size, self.max_decode_splits, num_tiles).reshape(-1)
-        return self.offsets["block_tables"] + (d_size + n_seqs - d) * self.width
+        shape = self.shape(d_size, p_size)
+        tile_map = step.attention_tile_map(self._tile_tokens(p_size), d_size,
+                                           self.max_decode_splits, shape.tiles)
+        return self.input_layout.fill(host, step, shape, d_size, tile_map)
 
 
 def forward_bucket(step_model: StepModel, layout: PromptStepLayout, buffer: torch.Tensor,
@@ -147,7 +110,7 @@ def forward_bucket(step_model: StepModel, layout: PromptStepLayout, buffer: torc
     """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
     ids, pending, positions, meta = layout.inputs(buffer, d, p)
     meta.workspace = step_model.decode_workspace  # for the decoding rows' splits (tile map)
-    return step_model.model(step_model.with_pending(ids, pending), positions, meta)
+    return step_model.model(step_model.pending.read(ids, pending), positions, meta)
 
 
 class PromptGraphRunner:
@@ -158,12 +121,12 @@ class PromptGraphRunner:
                  dtype: torch.dtype, device: torch.device, pool):
         self.step_model = step_model
         self.layout = layout
-        self.inputs = StagedInputs(self.layout.total, device)
+        self.inputs = step_model.inputs
         self.out_hidden = torch.empty(self.layout.max_tokens, hidden_size, dtype=dtype,
                                       device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         for d, p in reversed(self.layout.buckets):  # largest first: smaller ones reuse memory
-            self.layout.reset(self.inputs.dev)
+            self.layout.reset(self.inputs.dev, d, p)
             self.graphs[(d, p)], _ = capture_graph(lambda d=d, p=p: self._forward(d, p), pool)
 
     def fits(self, batch: StepBatch) -> bool:
@@ -178,13 +141,11 @@ class PromptGraphRunner:
         step, d_size, p_size = self.layout.build(batch)
         self.inputs.send(self.layout.fill(self.inputs.host(), step, d_size, p_size))
         self.graphs[(d_size, p_size)].replay()
-        t = d_size + p_size
-        rows = self.layout.sample_rows(self.inputs.dev, len(step.sample_rows))
-        return self.out_hidden[:t], rows
+        rows = self.layout.sample_rows(self.inputs.dev, step, d_size, p_size)
+        return self.out_hidden[:d_size + p_size], rows
 
 
-def capture_step_graphs(step_model: StepModel, config: EngineConfig, table_width: int, pool,
-                        logits: bool = True
+def capture_step_graphs(step_model: StepModel, config: EngineConfig, pool, logits: bool = True
                         ) -> tuple[CUDAGraphRunner, PromptGraphRunner | None]:
     """A model's captured decode steps and prompt steps (pool: shared by every graph, as they
     replay one at a time); `logits`: whether decode steps end with the LM head. Batch-invariant
@@ -193,11 +154,10 @@ def capture_step_graphs(step_model: StepModel, config: EngineConfig, table_width
     prompt_graphs = None
     if not config.batch_invariant:
         layout = PromptStepLayout(PromptBuckets(config.max_num_seqs, config.mixed_prompt_tokens),
-                                  table_width, config.block_size, step_model.query_group_size,
+                                  step_model.layout, step_model.query_group_size,
                                   step_model.max_decode_splits)
         prompt_graphs = PromptGraphRunner(step_model, layout,
                                           step_model.model.config.hidden_size,
                                           config.torch_dtype, step_model.device, pool)
-    graphs = CUDAGraphRunner(step_model, config.max_num_seqs, table_width, config.block_size,
-                             step_model.device, pool, logits)
+    graphs = CUDAGraphRunner(step_model, config.max_num_seqs, pool, logits)
     return graphs, prompt_graphs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from liteinfer.engine.pending_tokens import assign_rows
 from liteinfer.engine.scheduler_output import SchedulerOutput
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.thinking_budget import ThinkingBudget
@@ -27,7 +28,7 @@ class CachedRequestState:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         # Tokens sampled on the device whose ids the scheduler has not read yet, and the row of
-        # the newest one in the step model's sampled-token buffer.
+        # the newest one in the step's samples (engine/pending_tokens.py).
         self.num_pending = 0
         self.pending_row = -1
         # Seeded requests only; the sampler creates it on the logits' device at the first draw.
@@ -77,5 +78,4 @@ class RequestStates:
     def launched(self, batch: StepBatch[CachedRequestState]) -> None:
         """The step runs: each sampling request's newest pending token will be in the step's
         row it samples last in."""
-        for row, state in enumerate(batch.sampling_seqs):
-            state.pending_row = row
+        assign_rows(batch.sampling_seqs)

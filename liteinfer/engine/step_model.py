@@ -1,11 +1,15 @@
-"""The model as every step runs it, eager or captured: token ids that are still pending on the
-device are read from the last step's sampled tokens, and narrow decode batches split their
-attention over the KV length (split-K). An eager step's inputs are built here too."""
+"""The model as every step runs it, eager or captured: its inputs in one buffer that every kind
+of step fills (engine/input_layout.py), token ids that are still pending on the device read
+from the last step's sampled tokens (engine/pending_tokens.py), and narrow decode batches
+split their attention over the KV length (split-K)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from liteinfer.attention import AttentionMetadata
+from liteinfer.engine.input_layout import InputLayout, StepInputBuffer, StepShape
+from liteinfer.engine.pending_tokens import PendingTokens
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
@@ -15,68 +19,75 @@ from liteinfer.utils import to_device
 
 
 class StepModel:
-    """The model, the sampled-token buffer that feeds the next step, and the split-K
-    workspace (None: no split-K, as on the torch backends)."""
+    """The model, the step input buffer and its layout, the sampled tokens that feed the next
+    step (`pending`: a draft model reads the target's) and the split-K workspace (None: no
+    split-K, as on the torch backends)."""
 
-    def __init__(self, model: LlamaForCausalLM, max_sampled_rows: int, num_kv_heads: int,
+    def __init__(self, model: LlamaForCausalLM, pending: PendingTokens, num_kv_heads: int,
                  head_dim: int, num_sms: int, decode_workspace: DecodeWorkspace | None,
-                 device: torch.device):
+                 device: torch.device, layout: InputLayout):
         self.model = model
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_sms = num_sms
         self.decode_workspace = decode_workspace
-        # The newest step's sampled tokens, which feed the next step on the device.
-        self.sampled_tokens = torch.zeros(max_sampled_rows, dtype=torch.int32, device=device)
+        self.pending = pending
+        self.layout = layout
+        self.inputs = StepInputBuffer(layout.total, device)
         self.device = device
         cfg = model.config
         # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
         self.query_group_size = cfg.num_attention_heads // cfg.num_key_value_heads
 
-    def prepare(self, batch: StepBatch, block_size: int, table_width: int
+    def prepare(self, batch: StepBatch
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
                            torch.Tensor | None]:
         """An eager step's token ids, positions, attention metadata, the rows whose logits are
         sampled and the rows scoring prompt tokens (`prompt_logprob_spans`; None if there are
-        none)."""
-        step = build_step_inputs(batch, block_size, table_width)
-        def as_tensor(data, dtype):
-            return to_device(data, dtype, self.device)
-        meta = AttentionMetadata(
-            is_prefill=batch.is_prefill,
-            slot_mapping=as_tensor(step.slots, torch.int64),
-            context_lens=as_tensor(step.context_lens, torch.int32),
-            block_tables=as_tensor(step.block_tables, torch.int32),
-            cu_seqlens_q=as_tensor(step.cu_seqlens, torch.int32) if batch.is_prefill else None,
-            num_decodes=step.num_decodes if batch.is_prefill else 0,
-            query_lens_host=step.query_lens.tolist(),
-            context_lens_host=step.context_lens.tolist(),
-        )
+        none): views of the input buffer, filled and sent here."""
+        layout, host = self.layout, self.inputs.host()
         triton = self.decode_workspace is not None
-        if triton and batch.is_prefill:
+        prompt_rows = None
+        if batch.is_prefill:
+            step = build_step_inputs(batch, layout.block_size, layout.width)
             d = step.num_decodes
-            meta.tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
-                                                   self.query_group_size)
-            meta.tile_map = as_tensor(step.attention_tile_map(
-                meta.tile_tokens, d, self.max_decode_splits), torch.int32)
+            tile_map, tile_tokens = None, 0
+            if triton:
+                tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
+                                                  self.query_group_size)
+                tile_map = step.attention_tile_map(tile_tokens, d, self.max_decode_splits)
+            shape = StepShape(len(step.input_ids), len(step.query_lens),
+                              0 if tile_map is None else len(tile_map))
+            self.inputs.send(layout.fill(host, step, shape, d, tile_map))
+            context_lens, query_lens = step.context_lens, step.query_lens.tolist()
+            num_samples, has_pending = len(step.sample_rows), step.has_pending
+            # A device index: indexing with a host list would copy it synchronously and stall
+            # the host until the whole step has run, instead of letting it prepare the next.
+            if len(step.prompt_rows):
+                prompt_rows = to_device(step.prompt_rows, torch.int64, self.device)
+        else:
+            d = num_samples = len(batch.seqs)
+            shape = StepShape(d, d)
+            context_lens = layout.fill_decode(host, batch.seqs, d)
+            views = layout.views(host, shape)
+            views.sample_rows[:] = np.arange(d)
+            has_pending = bool((views.pending >= 0).any())
+            query_lens = [1] * d
+            self.inputs.send(layout.used(shape, d))
+        v = layout.views(self.inputs.dev, shape)
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill, slot_mapping=v.slots, context_lens=v.context_lens,
+            block_tables=v.block_tables,
+            cu_seqlens_q=v.cu_seqlens if batch.is_prefill else None,
+            num_decodes=d if batch.is_prefill else 0,
+            query_lens_host=query_lens, context_lens_host=context_lens.tolist())
+        if triton and batch.is_prefill:
+            meta.tile_tokens, meta.tile_map = tile_tokens, v.tiles
             meta.workspace = self.decode_workspace
         elif triton:
-            self.set_split_k(meta, step.num_decodes, self.rows_may_split(step.context_lens))
-        ids = as_tensor(step.input_ids, torch.int32)
-        if step.has_pending:
-            ids = self.with_pending(ids, as_tensor(step.pending_rows, torch.int32))
-        # A device index: indexing with a host list would copy it synchronously and stall the
-        # host until the whole step has run, instead of letting it prepare the next one.
-        prompt_rows = as_tensor(step.prompt_rows, torch.int64) if len(step.prompt_rows) else None
-        return (ids, as_tensor(step.positions, torch.int64), meta,
-                as_tensor(step.sample_rows, torch.int64), prompt_rows)
-
-    def with_pending(self, ids: torch.Tensor, pending_rows: torch.Tensor) -> torch.Tensor:
-        """Token ids with pending ones (row >= 0) read from the last sampled tokens."""
-        return torch.where(pending_rows >= 0, self.sampled_tokens[pending_rows.clamp(min=0)], ids)
-
-    def keep_sampled(self, token_ids: torch.Tensor) -> None:
-        self.sampled_tokens[:token_ids.shape[0]].copy_(token_ids)
+            self.set_split_k(meta, d, self.rows_may_split(context_lens))
+        ids = self.pending.read(v.ids, v.pending) if has_pending else v.ids
+        return ids, v.positions, meta, v.sample_rows[:num_samples], prompt_rows
 
     @property
     def max_decode_splits(self) -> int:

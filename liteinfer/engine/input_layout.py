@@ -1,0 +1,229 @@
+"""A step's model inputs in one flat int32 buffer, one per model (the target's and a draft
+model's): eager steps, captured decode steps and captured prompt steps all fill it here.
+
+Each step shape (tokens, sequence rows, tile-map entries; a captured step's is its padded
+size) has its regions end to end, the block tables last, so a step sends only the prefix it
+uses, in one copy from a pinned host mirror (`StepInputBuffer`). An eager step takes views of
+the device buffer as its tensors; a graph captured for a shape reads that shape's views, so
+every captured graph shares the one buffer. Regions of different shapes overlap: each fill
+writes every element its shape's views read, padding included (a padding row reads no KV and
+writes none), and a shape is reset before it is captured (`reset`).
+
+Decode steps are filled from the request states directly (`fill_decode`): a one-sequence 1B
+decode step is the shortest on the GPU, and all of its host work must hide under it. Other
+steps are filled from `StepInputs` (step_inputs.py), numpy arrays computed for all tokens at
+once.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from liteinfer.config import EngineConfig
+from liteinfer.engine.pending_tokens import NOT_PENDING, PendingRequest, last_token_inputs
+from liteinfer.engine.step_inputs import StepInputs
+from liteinfer.kernels.decode_splits import DecodeWorkspace
+from liteinfer.kernels.prefill_tiles import decode_entries
+
+
+class StepInputBuffer:
+    """The flat int32 device buffer, sent from two host mirrors in turn, so that one is filled
+    while the copy from the other may still be in flight (pinned on CUDA). On the CPU the
+    mirrors are copied at once."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.dev = torch.zeros(size, dtype=torch.int32, device=device)
+        cuda = device.type == "cuda"
+        self._hosts = [torch.zeros(size, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._copied = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._step = 0
+
+    def host(self) -> np.ndarray:
+        """The next host mirror to fill (waits until its previous copy has finished)."""
+        copied = self._copied[self._step % 2]
+        if copied is not None:
+            copied.synchronize()
+        return self._hosts[self._step % 2].numpy()
+
+    def send(self, used: int) -> None:
+        """Copies the first `used` elements of the mirror just filled to the device buffer."""
+        which = self._step % 2
+        self.dev[:used].copy_(self._hosts[which][:used], non_blocking=True)
+        if self._copied[which] is not None:
+            self._copied[which].record()
+        self._step += 1
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A step's size as its inputs are laid out: tokens, sequence rows (a captured step's
+    padding rows included) and prefill attention's tile-map entries (0 for decode steps)."""
+
+    tokens: int
+    rows: int
+    tiles: int = 0
+
+
+@dataclass
+class StepViews:
+    """One shape's regions of a buffer (tensors or host arrays)."""
+
+    ids: Any           # [tokens]; 0 where the id is pending
+    pending: Any       # [tokens]: row in the newest samples, NOT_PENDING = id known
+    positions: Any     # [tokens]
+    slots: Any         # [tokens]: KV pool slot, -1 = padding (not written)
+    sample_rows: Any   # [tokens]: token rows whose logits are sampled (a prefix is used)
+    context_lens: Any  # [rows]: KV tokens including this step's, 0 for padding rows
+    cu_seqlens: Any    # [rows + 1]: where each row's tokens start
+    tiles: Any         # [tiles, 2]: prefill attention's tile map
+    block_tables: Any  # [rows, table_width]
+
+
+_TOKEN_REGIONS = ("ids", "pending", "positions", "slots", "sample_rows")
+
+
+@functools.lru_cache(maxsize=1024)  # captured shapes, and the eager steps' recent ones
+def _offsets(shape: StepShape, table_width: int) -> dict[str, int]:
+    t, r = shape.tokens, shape.rows
+    sizes = {name: t for name in _TOKEN_REGIONS}
+    sizes.update(context_lens=r, cu_seqlens=r + 1, tiles=2 * shape.tiles,
+                 block_tables=r * table_width)
+    offsets, at = {}, 0
+    for name, n in sizes.items():
+        offsets[name] = at
+        at += n
+    offsets["end"] = at
+    return offsets
+
+
+class InputLayout:
+    """Where each shape's inputs sit (`views`) and the fills. `max_shape` bounds every shape
+    (each of its fields at least any step's)."""
+
+    def __init__(self, table_width: int, block_size: int, max_shape: StepShape):
+        self.width = table_width
+        self.block_size = block_size
+        self.total = _offsets(max_shape, table_width)["end"]
+
+    def offsets(self, shape: StepShape) -> dict[str, int]:
+        """Each region's start, and "end": where the shape's block tables end."""
+        offsets = _offsets(shape, self.width)
+        if offsets["end"] > self.total:
+            raise ValueError(f"a step of {shape} does not fit the input layout "
+                             f"({self.total} elements)")
+        return offsets
+
+    def views(self, buffer: torch.Tensor | np.ndarray, shape: StepShape) -> StepViews:
+        o = self.offsets(shape)
+        t, r = shape.tokens, shape.rows
+        def region(name: str, n: int):
+            return buffer[o[name]:o[name] + n]
+        return StepViews(
+            *(region(name, t) for name in _TOKEN_REGIONS),
+            context_lens=region("context_lens", r), cu_seqlens=region("cu_seqlens", r + 1),
+            tiles=region("tiles", 2 * shape.tiles).reshape(-1, 2),
+            block_tables=region("block_tables", r * self.width).reshape(r, self.width))
+
+    def used(self, shape: StepShape, table_rows: int) -> int:
+        """The prefix a step of `shape` sends: up to its first `table_rows` block tables (the
+        others are padding rows', which nothing reads)."""
+        return self.offsets(shape)["block_tables"] + table_rows * self.width
+
+    def reset(self, buffer: torch.Tensor, shape: StepShape) -> None:
+        """Inputs of an empty step: no KV written or read, no query tile mapped."""
+        o = self.offsets(shape)
+        buffer[:o["end"]].zero_()
+        v = self.views(buffer, shape)
+        for region in (v.pending, v.slots, v.tiles):
+            region.fill_(-1)
+
+    def fill_decode(self, host: np.ndarray, seqs: Sequence[PendingRequest], rows: int
+                    ) -> np.ndarray:
+        """Writes a decode step of `seqs` padded to `rows` (each decodes its newest token) into
+        a host mirror in shape (rows, rows); returns the context lengths. Sample rows are not
+        written: every decoding row samples."""
+        n = len(seqs)
+        o = self.offsets(StepShape(rows, rows))
+        block_size = self.block_size
+        lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+        pos = lens - 1
+        last_blocks = np.fromiter(
+            (s.block_table[p // block_size] for s, p in zip(seqs, pos.tolist())),
+            dtype=np.int64, count=n)
+        ids, pending = last_token_inputs(seqs)
+        at = o["ids"]
+        host[at:at + n] = ids
+        host[at + n:at + rows] = 0
+        at = o["pending"]
+        host[at:at + n] = pending
+        host[at + n:at + rows] = NOT_PENDING
+        at = o["positions"]
+        host[at:at + n] = pos
+        host[at + n:at + rows] = 0  # padding rows' RoPE reads position 0
+        at = o["slots"]
+        host[at:at + n] = last_blocks * block_size + pos % block_size
+        host[at + n:at + rows] = -1
+        at = o["context_lens"]
+        host[at:at + n] = lens
+        host[at + n:at + rows] = 0
+        at = o["block_tables"]
+        tables = host[at:at + n * self.width].reshape(n, self.width)
+        tables[:] = 0  # past a row's blocks: what the torch backends' gathers read
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        return lens
+
+    def fill(self, host: np.ndarray, step: StepInputs, shape: StepShape, d_size: int,
+             tile_map: np.ndarray | None = None) -> int:
+        """Writes a prompt or mixed step into a host mirror in `shape`, its `num_decodes`
+        decoding rows padded to `d_size` rows and its prompt tokens and rows after them padded
+        to the shape (an eager step: no padding); returns the length to send. `tile_map`:
+        prefill attention's, of `shape.tiles` entries (None: the step has none)."""
+        v = self.views(host, shape)
+        d, n_seqs = step.num_decodes, len(step.query_lens)
+        p = len(step.input_ids) - d
+        # Token arrays: decoding rows, their padding, prompt tokens, their padding.
+        for out, data, pad in ((v.ids, step.input_ids, 0), (v.pending, step.pending_rows, -1),
+                               (v.positions, step.positions, 0), (v.slots, step.slots, -1)):
+            out[:] = pad
+            out[:d] = data[:d]
+            out[d_size:d_size + p] = data[d:]
+        # Sequence arrays: decoding sequences, padding rows (context 0), prompt sequences.
+        rows = shape.rows
+        v.context_lens[:] = 0
+        v.context_lens[:d] = step.context_lens[:d]
+        v.context_lens[d_size:d_size + n_seqs - d] = step.context_lens[d:]
+        query_lens = np.zeros(rows, dtype=np.int64)
+        query_lens[:d_size] = 1
+        query_lens[d_size:d_size + n_seqs - d] = step.query_lens[d:]
+        v.cu_seqlens[0] = 0
+        np.cumsum(query_lens, out=v.cu_seqlens[1:])
+        v.block_tables[:d] = step.block_tables[:d]
+        v.block_tables[d_size:d_size + n_seqs - d] = step.block_tables[d:]
+        samples = step.sample_rows
+        v.sample_rows[:len(samples)] = np.where(samples < d, samples, samples - d + d_size)
+        if tile_map is not None:
+            v.tiles[:] = tile_map.reshape(-1, 2)
+        return self.used(shape, d_size + n_seqs - d)
+
+
+def step_input_layout(config: EngineConfig, table_width: int,
+                      decode_workspace: DecodeWorkspace | None) -> InputLayout:
+    """A layout with room for any step of a model run with `config`: an eager step's tokens (a
+    prompt budget's, a verification step's of every sequence with its drafts), a captured
+    prompt step's with its padding (its padded decoding rows and up to max_num_seqs prompt
+    rows), and their tile maps (a decoding row's programs, at most the split-K workspace's
+    splits, the entries a captured step reserves for them, a query tile a token at most and a
+    partial a row)."""
+    max_decode_splits = 1 if decode_workspace is None else decode_workspace.max_splits
+    tokens = max(config.max_num_batched_tokens, config.max_sampled_rows,
+                 config.max_num_seqs + config.mixed_prompt_tokens)
+    rows = 2 * config.max_num_seqs
+    seqs = config.max_num_seqs
+    tiles = seqs * max_decode_splits + decode_entries(seqs) + tokens + rows
+    return InputLayout(table_width, config.block_size, StepShape(tokens, rows, tiles))

@@ -142,11 +142,13 @@ class InputLayout:
         for region in (v.pending, v.slots, v.tiles):
             region.fill_(-1)
 
-    def fill_decode(self, host: np.ndarray, seqs: Sequence[PendingRequest], rows: int
-                    ) -> np.ndarray:
+    def fill_decode(self, host: np.ndarray, seqs: Sequence[PendingRequest], rows: int,
+                    table_tails: bool = True) -> np.ndarray:
         """Writes a decode step of `seqs` padded to `rows` (each decodes its newest token) into
         a host mirror in shape (rows, rows); returns the context lengths. Sample rows are not
-        written: every decoding row samples."""
+        written: every decoding row samples. `table_tails`: zero each block table past its
+        blocks, which the torch backends' gathers read; the Triton kernels read a row's blocks
+        only, and a captured step skips the memset."""
         n = len(seqs)
         o = self.offsets(StepShape(rows, rows))
         block_size = self.block_size
@@ -156,24 +158,19 @@ class InputLayout:
             (s.block_table[p // block_size] for s, p in zip(seqs, pos.tolist())),
             dtype=np.int64, count=n)
         ids, pending = last_token_inputs(seqs)
-        at = o["ids"]
-        host[at:at + n] = ids
-        host[at + n:at + rows] = 0
-        at = o["pending"]
-        host[at:at + n] = pending
-        host[at + n:at + rows] = NOT_PENDING
-        at = o["positions"]
-        host[at:at + n] = pos
-        host[at + n:at + rows] = 0  # padding rows' RoPE reads position 0
-        at = o["slots"]
-        host[at:at + n] = last_blocks * block_size + pos % block_size
-        host[at + n:at + rows] = -1
-        at = o["context_lens"]
-        host[at:at + n] = lens
-        host[at + n:at + rows] = 0
+        host[o["ids"]:o["ids"] + n] = ids
+        host[o["pending"]:o["pending"] + n] = pending
+        host[o["positions"]:o["positions"] + n] = pos
+        host[o["slots"]:o["slots"] + n] = last_blocks * block_size + pos % block_size
+        host[o["context_lens"]:o["context_lens"] + n] = lens
+        if rows > n:  # padding rows: no KV read or written, RoPE at position 0
+            for name, pad in (("ids", 0), ("pending", NOT_PENDING), ("positions", 0),
+                              ("slots", -1), ("context_lens", 0)):
+                host[o[name] + n:o[name] + rows] = pad
         at = o["block_tables"]
         tables = host[at:at + n * self.width].reshape(n, self.width)
-        tables[:] = 0  # past a row's blocks: what the torch backends' gathers read
+        if table_tails:
+            tables[:] = 0
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
         return lens

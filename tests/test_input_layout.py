@@ -1,0 +1,87 @@
+"""The step input layout (engine/input_layout.py) alone: every kind of step written over a
+buffer that holds another shape's inputs reads the same inputs as the step's own arrays
+(engine/step_inputs.py), its padding rows reading and writing no KV."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from liteinfer.engine.input_layout import InputLayout, StepShape
+from liteinfer.engine.pending_tokens import NOT_PENDING
+from liteinfer.engine.request_state import CachedRequestState
+from liteinfer.engine.step_batch import StepBatch
+from liteinfer.engine.step_inputs import build_step_inputs
+from liteinfer.sampling_params import SamplingParams
+
+BLOCK, WIDTH = 4, 12
+rng = np.random.default_rng(7)
+
+
+def state(i: int, length: int, computed: int, pending: int) -> CachedRequestState:
+    s = CachedRequestState(f"r{i}", rng.integers(1, 1000, length).tolist(),
+                           SamplingParams(max_tokens=8))
+    s.num_computed_tokens, s.num_pending = computed, pending
+    s.pending_row = i if pending else -1
+    s.block_table = rng.permutation(100)[:-(-(length + pending) // BLOCK)].tolist()
+    return s
+
+
+def garbage(layout: InputLayout) -> np.ndarray:
+    return rng.integers(-50, 5000, layout.total).astype(np.int32)
+
+
+@pytest.mark.parametrize("rows", [5, 8])
+def test_a_decode_step_reads_its_own_inputs_over_another_shapes(rows):
+    layout = InputLayout(WIDTH, BLOCK, StepShape(64, 16, 32))
+    seqs = [state(i, int(rng.integers(3, 40)), 0, i % 2) for i in range(5)]
+    for s in seqs:
+        s.num_computed_tokens = len(s) - 1
+    batch = StepBatch(seqs, [1] * 5, False, 5)
+    host = garbage(layout)
+    lens = layout.fill_decode(host, seqs, rows)
+    ref = build_step_inputs(batch, BLOCK, WIDTH)
+    v = layout.views(host, StepShape(rows, rows))
+    assert np.array_equal(lens, ref.context_lens)
+    for got, want in ((v.ids, ref.input_ids), (v.pending, ref.pending_rows),
+                      (v.positions, ref.positions), (v.slots, ref.slots),
+                      (v.context_lens, ref.context_lens), (v.block_tables, ref.block_tables)):
+        assert np.array_equal(got[:5], want)
+    assert (v.ids[5:] == 0).all() and (v.pending[5:] == NOT_PENDING).all()
+    assert (v.positions[5:] == 0).all() and (v.slots[5:] == -1).all()
+    assert (v.context_lens[5:] == 0).all()
+    assert layout.used(StepShape(rows, rows), 5) == (
+        layout.offsets(StepShape(rows, rows))["block_tables"] + 5 * WIDTH)
+
+
+def test_a_mixed_step_padded_to_a_bucket_reads_its_own_inputs_over_another_shapes():
+    """Two decoding rows padded to 4, a prompt chunk and a sequence verifying drafts after
+    them padded to 24 tokens and 4 rows."""
+    layout = InputLayout(WIDTH, BLOCK, StepShape(64, 16, 32))
+    seqs = [state(0, 20, 20, 1), state(1, 9, 8, 0), state(2, 30, 10, 0), state(3, 12, 11, 0)]
+    batch = StepBatch(seqs, [1, 1, 8, 3], True, 2, [[], [], [], [5, 6]])
+    step = build_step_inputs(batch, BLOCK, WIDTH)
+    shape, d_size = StepShape(4 + 24, 4 + 4, 3), 4
+    tiles = np.arange(6, dtype=np.int32).reshape(3, 2)
+    host = garbage(layout)
+    used = layout.fill(host, step, shape, d_size, tiles)
+    v = layout.views(host, shape)
+    assert used == layout.offsets(shape)["block_tables"] + (d_size + 2) * WIDTH
+    for got, want, pad in ((v.ids, step.input_ids, 0), (v.pending, step.pending_rows, -1),
+                           (v.positions, step.positions, 0), (v.slots, step.slots, -1)):
+        assert np.array_equal(got[:2], want[:2]) and (got[2:4] == pad).all()
+        assert np.array_equal(got[4:4 + 11], want[2:]) and (got[4 + 11:] == pad).all()
+    assert v.context_lens.tolist() == [21, 9, 0, 0, 18, 14, 0, 0]
+    assert v.cu_seqlens.tolist() == [0, 1, 2, 3, 4, 12, 15, 15, 15]
+    assert np.array_equal(v.block_tables[:2], step.block_tables[:2])
+    assert np.array_equal(v.block_tables[4:6], step.block_tables[2:])
+    # Rows 0 and 1 decode, the prompt's last token does not sample, the verifying sequence's
+    # three do; in the bucket the last three move past the padding.
+    assert step.sample_rows.tolist() == [0, 1, 10, 11, 12]
+    assert v.sample_rows[:5].tolist() == [0, 1, 12, 13, 14]
+    assert np.array_equal(v.tiles, tiles)
+
+
+def test_a_shape_past_the_layout_is_an_error():
+    layout = InputLayout(WIDTH, BLOCK, StepShape(64, 16, 32))
+    with pytest.raises(ValueError, match="does not fit the input layout"):
+        layout.offsets(StepShape(65, 16, 32))

@@ -270,7 +270,10 @@ def check_target_distribution(peaked_llama_dir, speculative_config) -> None:
         d = next_dist(prompt + greedy_path)
         greedy_path.append(max(d, key=d.get))
 
-    llm = build_llm(str(peaked_llama_dir), **ENGINE, max_num_seqs=16,
+    # A prompt or two a step beside the decodes: requests reach their second token (the one
+    # step each may draft in) at different steps, not all in one wave whose drafts the
+    # scheduler stops asking for once they have none left to propose.
+    llm = build_llm(str(peaked_llama_dir), **ENGINE, max_num_seqs=16, max_num_batched_tokens=32,
                     speculative_config=speculative_config(prompt, greedy_path))
     try:
         torch.manual_seed(0)  # unseeded requests draw from the default generator

@@ -38,7 +38,7 @@ def test_a_decode_step_reads_its_own_inputs_over_another_shapes(rows):
         s.num_computed_tokens = len(s) - 1
     batch = StepBatch(seqs, [1] * 5, False, 5)
     host = garbage(layout)
-    lens = layout.fill_decode(host, seqs, rows)
+    lens, used = layout.fill_decode(host, seqs, rows)
     ref = build_step_inputs(batch, BLOCK, WIDTH)
     v = layout.views(host, StepShape(rows, rows))
     assert np.array_equal(lens, ref.context_lens)
@@ -49,7 +49,7 @@ def test_a_decode_step_reads_its_own_inputs_over_another_shapes(rows):
     assert (v.ids[5:] == 0).all() and (v.pending[5:] == NOT_PENDING).all()
     assert (v.positions[5:] == 0).all() and (v.slots[5:] == -1).all()
     assert (v.context_lens[5:] == 0).all()
-    assert layout.used(StepShape(rows, rows), 5) == (
+    assert used == layout.used(StepShape(rows, rows), 5) == (
         layout.offsets(StepShape(rows, rows))["block_tables"] + 5 * WIDTH)
 
 

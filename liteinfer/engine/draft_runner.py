@@ -171,7 +171,7 @@ class DraftModelRunner:
         workspace = None
         if config.attention_backend == "triton":
             workspace = DecodeWorkspace.allocate(
-                config.max_num_seqs, cfg.num_attention_heads // tp, cfg.head_dim,
+                config.split_workspace_rows, cfg.num_attention_heads // tp, cfg.head_dim,
                 max_splits_for(1, num_kv_heads, sms), device)
         self.step_model = StepModel(model, 0, num_kv_heads, cfg.head_dim, sms, workspace, device)
         # Pending tokens are read where the target's steps read them.

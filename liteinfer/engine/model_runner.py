@@ -118,7 +118,7 @@ class ModelRunner:
         workspace = None
         if self.use_triton:
             workspace = DecodeWorkspace.allocate(
-                config.max_num_seqs, self.num_q_heads, model_config.head_dim,
+                config.split_workspace_rows, self.num_q_heads, model_config.head_dim,
                 max_splits_for(1, self.num_kv_heads, sms), self.device)
         self.step_model = StepModel(self.model, config.max_sampled_rows, self.num_kv_heads,
                                     model_config.head_dim, sms,

@@ -7,8 +7,9 @@ each bringing the step's rows to a power of two (`prompt_piece_sizes`, which the
 trims mixed steps to). A step is padded to its bucket:
 decoding rows first, padded with rows of context 0, then the prompt tokens, padded with tokens
 that write no KV; no tile-map entry covers a padding row. Prefill attention reads its programs'
-work (decoding rows' splits, prompt query tiles) from a tile map, so one grid serves any mix of
-context and prompt lengths. The LM head runs after the replay on the rows that sample only.
+work (the splits of decoding rows and verifications, prompt query tiles) from a tile map, so
+one grid serves any mix of context and prompt lengths. The LM head runs after the replay on the
+rows that sample only.
 
 All inputs live in one flat int32 device buffer at fixed offsets (`PromptStepLayout`), filled
 from a pinned host mirror with one copy per step (`StagedInputs`, as in captured decode).
@@ -25,7 +26,7 @@ from liteinfer.engine.scheduler import padded_decodes, prompt_piece_sizes
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.engine.step_model import StepModel
-from liteinfer.kernels.prefill_tiles import decode_entries, prefill_tile_tokens
+from liteinfer.kernels.prefill_tiles import prefill_tile_tokens, split_entries
 
 
 class PromptStepLayout:
@@ -34,10 +35,12 @@ class PromptStepLayout:
     pinned mirror of its device buffer, and the layout runs as well on a CPU buffer."""
 
     def __init__(self, max_num_seqs: int, mixed_prompt_tokens: int, table_width: int,
-                 block_size: int, query_group_size: int, max_decode_splits: int):
+                 block_size: int, query_group_size: int, max_decode_splits: int,
+                 split_rows: int):
         self.max_num_seqs = max_num_seqs
         self.query_group_size = query_group_size
         self.max_decode_splits = max_decode_splits
+        self.split_rows = split_rows
         self.width = table_width
         self.block_size = block_size
         # A mixed step holds at least one prompt, so at most max_num_seqs - 1 decoding rows.
@@ -62,9 +65,10 @@ class PromptStepLayout:
         return min(prompt_size, self.max_num_seqs)
 
     def _tiles(self, decodes: int, prompt_size: int) -> int:
-        """Tile-map entries of bucket (decodes, prompt_size): the decoding rows' and the query
-        tiles of any `prompt_size` tokens (each sequence adds at most one partial)."""
-        return (decode_entries(decodes) + prompt_size // self._tile_tokens(prompt_size)
+        """Tile-map entries of bucket (decodes, prompt_size): the split rows' beyond their own
+        tiles, and the query tiles of any `prompt_size` tokens (each sequence adds at most one
+        partial)."""
+        return (split_entries(decodes) + prompt_size // self._tile_tokens(prompt_size)
                 + self._prompt_seqs(prompt_size))
 
     def _tile_tokens(self, prompt_size: int) -> int:
@@ -146,7 +150,8 @@ class PromptStepLayout:
                                                         samples - d + d_size)
         num_tiles = self._tiles(d_size, p_size)
         view("tiles", 2 * num_tiles)[:] = step.attention_tile_map(
-            self._tile_tokens(p_size), d_size, self.max_decode_splits, num_tiles).reshape(-1)
+            self._tile_tokens(p_size), d_size, self.max_decode_splits, self.split_rows,
+            num_tiles).reshape(-1)
         return self.offsets["block_tables"] + (d_size + n_seqs - d) * self.width
 
 
@@ -154,7 +159,7 @@ def forward_bucket(step_model: StepModel, layout: PromptStepLayout, buffer: torc
                    d: int, p: int) -> torch.Tensor:
     """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
     ids, pending, positions, meta = layout.inputs(buffer, d, p)
-    meta.workspace = step_model.decode_workspace  # for the decoding rows' splits (tile map)
+    meta.workspace = step_model.decode_workspace  # for the split rows (tile map)
     return step_model.model(step_model.with_pending(ids, pending), positions, meta)
 
 
@@ -202,7 +207,7 @@ def capture_step_graphs(step_model: StepModel, config: EngineConfig, table_width
     if not config.batch_invariant:
         layout = PromptStepLayout(config.max_num_seqs, config.mixed_prompt_tokens, table_width,
                                   config.block_size, step_model.query_group_size,
-                                  step_model.max_decode_splits)
+                                  step_model.max_decode_splits, step_model.split_rows)
         prompt_graphs = PromptGraphRunner(step_model, layout,
                                           step_model.model.config.hidden_size,
                                           config.torch_dtype, step_model.device, pool)

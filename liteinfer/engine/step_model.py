@@ -58,7 +58,7 @@ class StepModel:
             meta.tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
                                                    self.query_group_size)
             meta.tile_map = as_tensor(step.attention_tile_map(
-                meta.tile_tokens, d, self.max_decode_splits), torch.int32)
+                meta.tile_tokens, d, self.max_decode_splits, self.split_rows), torch.int32)
             meta.workspace = self.decode_workspace
         elif triton:
             self.set_split_k(meta, step.num_decodes, self.rows_may_split(step.context_lens))
@@ -83,6 +83,12 @@ class StepModel:
         """Most programs a decoding row splits into (1 without split-K)."""
         workspace = self.decode_workspace
         return 1 if workspace is None else workspace.max_splits
+
+    @property
+    def split_rows(self) -> int:
+        """Workspace rows: a prompt step's split rows index them by token (0 without split-K)."""
+        workspace = self.decode_workspace
+        return 0 if workspace is None else workspace.partial_out.shape[0]
 
     def rows_may_split(self, context_lens) -> bool:
         """Whether a decoding row of these host-side lengths is long enough to split."""

@@ -240,14 +240,13 @@ class EngineCore:
         return recorder.finish()
 
     def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks, or leaves torchrun's group (nothing to do on
-        one rank)."""
+        """Frees the runner's graphs and scratch buffers, then stops the other tensor-parallel
+        ranks or leaves torchrun's group."""
+        self.runner.release()
         if self.workers is not None:
-            self.runner.release_graphs()
             self.workers.shutdown()
             self.workers = None
         elif self.external_rank is not None and torch.distributed.is_initialized():
-            self.runner.release_graphs()
             torch.distributed.destroy_process_group()
         self.structured_output.shutdown()
 

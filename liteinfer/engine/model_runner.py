@@ -156,7 +156,8 @@ class ModelRunner:
         self.scratch.free()
         if self.drafter is not None:
             self.drafter.release()
-        free_device_memory()
+        if self.device.type == "cuda":
+            free_device_memory()
 
     def _load_eagle3_head(self, cfg: ModelConfig, source: ModelSource, max_model_len: int
                           ) -> Eagle3LlamaForCausalLM:

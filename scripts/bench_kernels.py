@@ -56,6 +56,7 @@ from liteinfer.kernels import fused_moe as moe
 from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
 from liteinfer.kernels.argmax import argmax_rows
+from liteinfer.kernels.gemm_splits import SplitKWorkspace
 from liteinfer.kernels.gemv import gemv
 from liteinfer.kernels.kv_cache import rope_store_kv
 from liteinfer.kernels.norm import rms_norm
@@ -447,6 +448,7 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
         norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
         int4_bytes = sum(t.nbytes for t in packed[:3])
         add = fusion == "residual"
+        ws = SplitKWorkspace.allocate([(n, wna16.MAX_SPLITS)], DEV)  # as the runner's, shared
         for m in row_counts:
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             if m == 1:
@@ -461,7 +463,8 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
                 ref = F.linear(x, deq)
                 r = res if add else None
                 paths = {
-                    "int4": lambda x=x, r=r: wna16.wna16_gemm(x, *packed, residual=r),
+                    "int4": lambda x=x, r=r: wna16.wna16_gemm(x, *packed, residual=r,
+                                                              workspace=ws),
                     "int4 deq+cublas": lambda x=x: F.linear(
                         x, wna16.dequantize_weight(*packed, DTYPE)),
                     "bf16": lambda x=x, w=weight, r=r: F.linear(x, w) if r is None

@@ -41,6 +41,7 @@ from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
+from liteinfer.layers.ops import StepScratch
 from liteinfer.loader import ModelSource, load_model_source
 from liteinfer.models.eagle3 import NUM_AUX_LAYERS, Eagle3LlamaForCausalLM, default_aux_layers
 from liteinfer.models.llama import LlamaForCausalLM
@@ -168,12 +169,15 @@ class DraftModelRunner:
         tp = config.tensor_parallel_size
         num_kv_heads = cfg.num_key_value_heads // tp
         sms = num_sms(device)
-        workspace = None
+        # The draft's own decode workspace (its heads' shape); its layers share the target's
+        # split-K workspace (LayerOps.scratch). Freed with its graphs (`release`).
+        self.scratch = StepScratch()
         if config.attention_backend == "triton":
-            workspace = DecodeWorkspace.allocate(
+            self.scratch.decode = DecodeWorkspace.allocate(
                 config.split_workspace_rows, cfg.num_attention_heads // tp, cfg.head_dim,
                 max_splits_for(1, num_kv_heads, sms), device)
-        self.step_model = StepModel(model, 0, num_kv_heads, cfg.head_dim, sms, workspace, device)
+        self.step_model = StepModel(model, 0, num_kv_heads, cfg.head_dim, sms, self.scratch,
+                                    device)
         # Pending tokens are read where the target's steps read them.
         self.step_model.sampled_tokens = sampled_tokens
         self.config = config
@@ -189,8 +193,10 @@ class DraftModelRunner:
             self.step_model, self.config, self.table_width, pool, logits=False)
         self.proposals.capture(pool)
 
-    def release_graphs(self) -> None:
+    def release(self) -> None:
+        """Frees the captured graphs and the scratch buffers; no pass runs after it."""
         self.graphs = self.prompt_graphs = self.proposals.graphs = None
+        self.scratch.free()
 
     @torch.inference_mode()
     def before_step(self, batch: StepBatch) -> DraftPlan | None:

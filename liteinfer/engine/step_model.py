@@ -10,22 +10,23 @@ from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
+from liteinfer.layers.ops import StepScratch
 from liteinfer.models.llama import LlamaForCausalLM
 from liteinfer.utils import to_device
 
 
 class StepModel:
-    """The model, the sampled-token buffer that feeds the next step, and the split-K
-    workspace (None: no split-K, as on the torch backends)."""
+    """The model, the sampled-token buffer that feeds the next step, and the runner's scratch
+    buffers, whose split-K decode workspace the attention metadata carries (None: no split-K,
+    as on the torch backends)."""
 
     def __init__(self, model: LlamaForCausalLM, max_sampled_rows: int, num_kv_heads: int,
-                 head_dim: int, num_sms: int, decode_workspace: DecodeWorkspace | None,
-                 device: torch.device):
+                 head_dim: int, num_sms: int, scratch: StepScratch, device: torch.device):
         self.model = model
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_sms = num_sms
-        self.decode_workspace = decode_workspace
+        self.scratch = scratch
         # The newest step's sampled tokens, which feed the next step on the device.
         self.sampled_tokens = torch.zeros(max_sampled_rows, dtype=torch.int32, device=device)
         self.device = device
@@ -70,6 +71,10 @@ class StepModel:
         prompt_rows = as_tensor(step.prompt_rows, torch.int64) if len(step.prompt_rows) else None
         return (ids, as_tensor(step.positions, torch.int64), meta,
                 as_tensor(step.sample_rows, torch.int64), prompt_rows)
+
+    @property
+    def decode_workspace(self) -> DecodeWorkspace | None:
+        return self.scratch.decode
 
     def with_pending(self, ids: torch.Tensor, pending_rows: torch.Tensor) -> torch.Tensor:
         """Token ids with pending ones (row >= 0) read from the last sampled tokens."""

@@ -197,6 +197,9 @@ class ModelConfig:
 SPECULATIVE_METHODS = ("ngram", "suffix", "reference", "draft_model", "eagle3")
 # Methods whose drafts a model proposes on the device, in the model runner.
 MODEL_METHODS = ("draft_model", "eagle3")
+# Verifications a step can split along their keys (their tokens' split-K workspace rows): more
+# fill the SMs unsplit (16 rows x 8 KV heads: 128 programs on 132 SMs).
+NARROW_VERIFICATIONS = 16
 
 
 @dataclass(frozen=True)
@@ -397,6 +400,14 @@ class EngineConfig:
     def max_sampled_rows(self) -> int:
         """Most rows a step samples: one per sequence, and one more per draft it verifies."""
         return self.max_num_seqs * (1 + self.num_speculative_tokens)
+
+    @property
+    def split_workspace_rows(self) -> int:
+        """Rows of the split-K workspace: one a decoding sequence, and one a query token of a
+        verification split along its keys (kernels/prefill_tiles.py), for up to
+        NARROW_VERIFICATIONS of them a step."""
+        narrow = min(self.max_num_seqs, NARROW_VERIFICATIONS)
+        return max(self.max_num_seqs, narrow * (1 + self.num_speculative_tokens))
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

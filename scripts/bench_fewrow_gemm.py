@@ -24,6 +24,7 @@ from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_attention import paged_decode_attention
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
 from liteinfer.kernels.fewrow_gemm import FewRowTiles, fewrow_gemm, fewrow_tiles
+from liteinfer.kernels.gemm_splits import SplitKWorkspace
 from liteinfer.kernels.quant_fp8 import per_token_quant_fp8
 from liteinfer.layers.quantization.fp8 import Fp8Activation, fp8_matmul, quantize_weight
 
@@ -78,15 +79,19 @@ def gemm_rows(rows: int, dtypes: list[str], quick: bool) -> list[dict[str, Any]]
                 cublas = [lambda w=w: torch.nn.functional.linear(x, w) for w in bf16]
             record("cublas", graph_us(cublas))
             rule = fewrow_tiles(rows, n, k, wbytes, num_sms(dev))
+            # One workspace for every launch, as the engine's runner shares one.
+            ws = SplitKWorkspace.allocate([(n, 4)], dev)  # the grid cuts K in 4 at most
             for t in [rule] if quick else [rule, *tiles_for(rows)]:
                 if t is None:
                     continue
                 if dtype == "fp8":
                     fns = [lambda w=w, s=s, t=t: fewrow_gemm(xq, w, x_scale=xs, weight_scale=s,
-                                                             out_dtype=torch.bfloat16, tiles=t)
+                                                             out_dtype=torch.bfloat16, tiles=t,
+                                                             workspace=ws)
                            for w, s in fp8]
                 else:
-                    fns = [lambda w=w, t=t: fewrow_gemm(x, w, tiles=t) for w in bf16]
+                    fns = [lambda w=w, t=t: fewrow_gemm(x, w, tiles=t, workspace=ws)
+                           for w in bf16]
                 try:
                     record("fewrow-rule" if t is rule else "fewrow", graph_us(fns), t)
                 except Exception as e:  # a tile that does not compile (shared memory)

@@ -9,6 +9,8 @@ CUDA-graph replay, which is how the engine runs it, at 1, the engine's and 4x th
 width, and with this step's RoPE + KV write fused in (`decode+newkv`, the engine's path). Prefill
 is also timed as a graph replay, and compared with torch's SDPA (the engine's path for a lone
 prompt with nothing cached) and with PyTorch's varlen FlashAttention-2 on the packed projections.
+`--only verify` times speculative verifications (1 + k queries over a long context) in the
+prefill launch, split along their keys as the engine sizes them and in one program a KV head.
 `--only moe` times one Qwen3-30B-A3B sparse layer instead (router and experts, 128 experts of
 2048 x 768, top-8; `--moe-dtype fp8` for e4m3 experts) at 1, 8, 32 and 128 tokens: a CUDA graph
 of MOE_LAYERS such layers (each its own weights, as a decode step walks through them) against
@@ -25,7 +27,8 @@ steps' prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) time
 decode sweep then times the engine's path alone (split policy, this step's K/V fused in).
 
     python scripts/bench_kernels.py [--sweep] [--pool token-major] [--head-dim 128]
-                                    [--only decode prefill elementwise moe wna16] [--moe-dtype fp8]
+                                    [--only decode prefill verify elementwise moe wna16]
+                                    [--moe-dtype fp8]
                                     [--decode-shapes 1x256 128x256 ...] [--kv-dtype fp8]
 """
 from __future__ import annotations
@@ -53,10 +56,17 @@ from liteinfer.kernels import fused_moe as moe
 from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
 from liteinfer.kernels.argmax import argmax_rows
+from liteinfer.kernels.gemm_splits import SplitKWorkspace
 from liteinfer.kernels.gemv import gemv
 from liteinfer.kernels.kv_cache import rope_store_kv
 from liteinfer.kernels.norm import rms_norm
-from liteinfer.kernels.prefill_tiles import PrefillTiles, prefill_tile_map, prefill_tile_tokens
+from liteinfer.kernels.prefill_tiles import (
+    PrefillTiles,
+    prefill_tile_map,
+    prefill_tile_tokens,
+    split_counts,
+    split_entries,
+)
 from liteinfer.layers.fused_moe import fused_moe_torch
 from liteinfer.layers.quantization.fp8 import quantize_weight
 from liteinfer.layers.quantization.wna16 import quantize_rtn
@@ -114,6 +124,8 @@ RAGGED = "mixed2048"  # a shape's context: 64-2,048 prompt tokens + 0-128 decode
 DECODE_SHAPES = [(b, c) for b in (1, 4, 32, 128) for c in (128, 384, 3712, 15488)] + [
     (28, 1024), (32, 2048), (28, RAGGED), (32, RAGGED)]  # the decoding rows of W=32 runs
 PREFILL_SHAPES = [(1, 15360), (32, 128), (8, 2048), (1, 2016), (2, 1008)]  # + mixed-step pieces
+# Verifications (sequences, 1 + k query tokens, context) as a speculative step has them alone
+VERIFY_SHAPES = [(1, 5, 4096), (1, 5, 16384), (4, 5, 16384), (1, 17, 16384), (16, 5, 8192)]
 ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
 # Llama-3.1-8B's projections (name, out features, in features, the engine's fusion at one row)
 WNA16_SHAPES = (("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "residual"),
@@ -221,6 +233,38 @@ def bench_prefill(rows: list[dict], shapes=PREFILL_SHAPES, label: str = "",
                          graph_tflops=tflop / (graph_ms / 1e3),
                          sdpa_tflops=tflop / (sdpa_ms / 1e3),
                          flash_varlen_tflops=tflop / (flash_ms / 1e3)))
+
+
+def bench_verify(rows: list[dict], num_sms: int, shapes=VERIFY_SHAPES) -> None:
+    """Verification steps' attention in the prefill launch, each query in one program a KV head
+    (`verify-whole`, as before it split) and split along its keys as the engine sizes it alone
+    in the launch (`verify`), both as graph replays; the rate is KV bytes read."""
+    max_splits = splits.max_splits_for(1, HKV, num_sms)
+    for nseq, q_len, ctx in shapes:
+        k_cache, v_cache, tables, lens = paged_pool([ctx] * nseq)
+        q = torch.randn(nseq * q_len, HQ, D, dtype=DTYPE, device=DEV)
+        cu = torch.arange(nseq + 1, device=DEV, dtype=torch.int32) * q_len
+        m = prefill_tile_tokens(q_len, HQ // HKV)
+        counts = split_counts([ctx - q_len + 1] * nseq, split_entries(0) + nseq, max_splits,
+                              alone=True)
+        ws = splits.DecodeWorkspace.allocate(nseq * q_len, HQ, D, max_splits, DEV)
+        outs = {}
+        for label, prompt_splits in (("verify-whole", None), ("verify", counts)):
+            tile_map = torch.from_numpy(prefill_tile_map(
+                [q_len] * nseq, [ctx] * nseq, m, prompt_splits=prompt_splits)).to(DEV)
+            out = outs[label] = torch.empty_like(q)
+
+            def run(tile_map=tile_map, out=out) -> torch.Tensor:
+                return pre.packed_prefill_attention(q, k_cache, v_cache, cu, lens, tables,
+                                                    tile_map, m, SCALE, out, ws)
+            run()
+            err = check(out, outs["verify-whole"], 2e-2)
+            us = do_bench_cudagraph(run, return_mode="median") * 1e3
+            kv_bytes = 2 * nseq * ctx * HKV * D * k_cache.element_size()
+            rows.append(dict(kernel=label, batch=nseq, ctx=f"{q_len}/{ctx}",
+                             max_splits=int(max(prompt_splits if prompt_splits is not None
+                                                else [1])),
+                             graph_us=us, gbps=kv_bytes / 1e3 / us, err=err))
 
 
 def bench_elementwise(rows: list[dict]) -> None:
@@ -404,6 +448,7 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
         norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
         int4_bytes = sum(t.nbytes for t in packed[:3])
         add = fusion == "residual"
+        ws = SplitKWorkspace.allocate([(n, wna16.MAX_SPLITS)], DEV)  # as the runner's, shared
         for m in row_counts:
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             if m == 1:
@@ -418,7 +463,8 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
                 ref = F.linear(x, deq)
                 r = res if add else None
                 paths = {
-                    "int4": lambda x=x, r=r: wna16.wna16_gemm(x, *packed, residual=r),
+                    "int4": lambda x=x, r=r: wna16.wna16_gemm(x, *packed, residual=r,
+                                                              workspace=ws),
                     "int4 deq+cublas": lambda x=x: F.linear(
                         x, wna16.dequantize_weight(*packed, DTYPE)),
                     "bf16": lambda x=x, w=weight, r=r: F.linear(x, w) if r is None
@@ -502,7 +548,7 @@ def main() -> None:
     parser.add_argument("--pool", choices=POOL_LAYOUTS, default=POOL_LAYOUTS[0],
                         help="memory order of the KV pool the attention kernels read")
     parser.add_argument("--only", nargs="+",
-                        choices=("decode", "prefill", "elementwise", "moe", "wna16"),
+                        choices=("decode", "prefill", "verify", "elementwise", "moe", "wna16"),
                         help="time only these kernels (default: all)")
     parser.add_argument("--head-dim", type=int, default=64, help="attention head size")
     parser.add_argument("--decode-shapes", nargs="+", metavar="BATCHxCTX",
@@ -523,7 +569,9 @@ def main() -> None:
     rows: list[dict] = []
     parts = {"decode": lambda: bench_decode(rows, props.multi_processor_count,
                                             decode_shapes or DECODE_SHAPES),
-             "prefill": lambda: bench_prefill(rows), "elementwise": lambda: bench_elementwise(rows),
+             "prefill": lambda: bench_prefill(rows),
+             "verify": lambda: bench_verify(rows, props.multi_processor_count),
+             "elementwise": lambda: bench_elementwise(rows),
              "moe": lambda: moe_layers.append(bench_moe(rows, fp8)),
              "wna16": lambda: bench_wna16(rows)}
     fp8, moe_layers = args.moe_dtype == "fp8", []

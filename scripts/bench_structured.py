@@ -9,9 +9,9 @@ grammar's end stops early, which tok/s alone would not show. A and B alternate -
 
     python scripts/bench_structured.py [--requests 64] [--repeats 3] [--out $OUT] [--profile]
 
---profile also splits each run's engine steps: wall time per step, the part spent waiting for the
-device (SampledTokens.result), the part waiting for bitmasks (the grammar process fills them), and
-the costliest host functions.
+--profile also splits each run's engine steps into the host time of their phases (schedule,
+launch, update: EngineCore.recording) and lists the costliest host functions (cProfile), the waits
+for the device and for the grammar process's bitmasks among them.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 from liteinfer import LLM, SamplingParams
-from liteinfer.engine.sampler import SampledTokens
 from liteinfer.sampling_params import RequestOutputKind
 from liteinfer.structured_output import StructuredOutputsParams
 
@@ -87,48 +86,25 @@ def run(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, fl
 
 
 def split_steps(llm: LLM, prompts: list[list[int]], constrain_odd: bool) -> dict[str, float]:
-    """`run` with the engine's step, the wait for sampled tokens and the bitmask fill timed."""
-    engine, core = llm.engine, llm.engine.core
-    spent = dict.fromkeys(("step", "wait", "bitmask"), 0.0)
-    steps = 0
-
-    def timed(key, fn):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[key] += time.perf_counter() - start
-        return wrapper
-
-    step, result = engine.step, SampledTokens.result
-    fill = core.structured_output.grammar_bitmask
-
-    def counted_step():
-        nonlocal steps
-        steps += 1
-        return step()
-
-    engine.step = timed("step", counted_step)
-    SampledTokens.result = timed("wait", result)
-    core.structured_output.grammar_bitmask = timed("bitmask", fill)
-    try:
+    """`run` twice with the engine's steps recorded (EngineCore.recording): each phase's host
+    time per step; the second run under cProfile too, whose cumulative list has the waits for
+    the device (SampledTokens.result) and for bitmasks (grammar_bitmask)."""
+    with llm.engine.core.recording() as steps:
         run(llm, prompts, constrain_odd)
         profiler = cProfile.Profile()
         profiler.enable()
         run(llm, prompts, constrain_odd)
         profiler.disable()
-    finally:
-        engine.step, SampledTokens.result = step, result
-        core.structured_output.grammar_bitmask = fill
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats(30)
     print(text.getvalue())
+    done = [s for s in steps if s.ready is not None]
     runs = 2
-    return {f"{k}_ms_per_step": v / steps * 1e3 for k, v in spent.items()} | {
-        "steps": steps / runs}
+    return {"steps": len(steps) / runs,
+            **{f"{phase}_ms_per_step": sum(getattr(s, f"{phase}_s") for s in done) / len(done)
+               * 1e3 for phase in ("schedule", "launch", "update")}}
 
 
 def median_run(runs: list[dict[str, float]]) -> dict[str, float]:

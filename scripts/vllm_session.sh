@@ -8,6 +8,9 @@
 #                    prompts at 1, 8 and 32 in flight
 #   vllm-spec TOKENS vLLM's side of smollm2-spec alone, on the prompts (token ids) it wrote
 #   timeline MODEL W...  liteinfer and vLLM at 128/256 at each width W, with run timelines
+#   rows MODEL PRECISION  liteinfer and vLLM at 128/256: one request at a time (20 prompts), then
+#                    32 and 128 in flight (200 prompts); PRECISION is bf16, fp8 (both engines'
+#                    `quantization=fp8`) or int4 (ours at load against vLLM's AWQ-Marlin)
 set -uo pipefail
 OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
 W=/tmp/vw; mkdir -p $W
@@ -50,6 +53,18 @@ while [ $# -gt 0 ]; do
       done
       python3 scripts/bench_vllm.py $(model_dir $m) --out $OUT/vllm-rows.jsonl --runs "${runs[@]}" \
         --timeline $OUT/tlv/ 2>&1 | grep -v -i warn | tail -6 ;;
+    rows) shift; site; m=$1 prec=$2; shift 2; ours=(); theirs=()
+      case "$prec" in fp8) ours=(--set quantization=fp8); theirs=(--quantization fp8) ;;
+        int4) ours=(--set quantization=int4); theirs=(--awq) ;; esac
+      export LITEINFER_COMMIT="${LITEINFER_COMMIT:-unknown}"
+      for run in "latency --prompts 20" "throughput --width 32 --prompts 200" \
+                 "throughput --width 128 --prompts 200"; do
+        python3 -m liteinfer.bench run $run --model $m --isl 128 --osl 256 "${ours[@]}" \
+          --out $OUT/results.jsonl 2>&1 | grep -v -i warn | tail -2
+      done
+      python3 scripts/bench_vllm.py $(model_dir $m) --out $OUT/vllm-rows.jsonl "${theirs[@]}" \
+        --latency 128:256:20 --runs 128:256:32:200 128:256:128:200 2>&1 | grep -v -i warn \
+        | tail -6 ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac
 done

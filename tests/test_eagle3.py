@@ -161,13 +161,17 @@ def test_head_reads_the_targets_captured_steps(tiny_llm, tiny_llama_dir, tmp_pat
                 replays.clear()
                 runner.drafter.decode_rows = lambda b, rows=runner.drafter.decode_rows: (
                     padded.append((b.num_decodes, rows(b))) or padded[-1][1])
+                # (shutting the engine down frees its graphs)
+                prompt_graphs = set(map(id, runner.prompt_graphs.graphs.values()))
+                proposal_graphs = {id(g) for g, _ in
+                                   runner.drafter.proposals.graphs.graphs.values()}
             assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == ref
         finally:
             release(llm)
     assert any(d < rows for d, rows in padded)  # decoding rows were padded
     replayed = {id(r) for r in replays}
-    assert replayed & {id(g) for g in runner.prompt_graphs.graphs.values()}
-    assert replayed & {id(g) for g, _ in runner.drafter.proposals.graphs.graphs.values()}
+    assert replayed & prompt_graphs
+    assert replayed & proposal_graphs
     both = proposed[False].keys() & proposed[True].keys()
     assert len(both) >= 8
     for key in both:

@@ -396,7 +396,8 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
     """Prompt and mixed steps laid out as captured steps have them (decoding rows first and
     padded to their bucket, prompt tokens padded to theirs, prefill tiles from the padded tile
     map), run eagerly with the Triton kernels on the CPU: token for token. With 16-token
-    chunks the decoding rows split across programs in the prefill launch."""
+    chunks (beside prompt tiles, and the least split alone) the decoding rows split across
+    programs in the prefill launch."""
     import liteinfer.engine.step_inputs as step_inputs
     from liteinfer.engine.prompt_buckets import PromptBuckets
     from liteinfer.engine.prompt_graph import PromptStepLayout, forward_bucket
@@ -405,16 +406,18 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
     split_counts = []
     if decode_chunk:
         monkeypatch.setattr(prefill_tiles, "DECODE_CHUNK_TOKENS", decode_chunk)
-    count = step_inputs.decode_split_counts
-    monkeypatch.setattr(step_inputs, "decode_split_counts",
-                        lambda *a: split_counts.append(count(*a)) or split_counts[-1])
+        monkeypatch.setattr(prefill_tiles, "MIN_SPLIT_TOKENS", decode_chunk)
+    count = step_inputs.split_counts
+    monkeypatch.setattr(step_inputs, "split_counts",
+                        lambda *a, **k: split_counts.append(count(*a, **k)) or split_counts[-1])
 
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                     attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
                     mixed_prompt_tokens=32)
     runner = llm.engine.core.runner
     layout = PromptStepLayout(PromptBuckets(4, 32), runner.step_model.layout,
-                              runner.query_group_size, runner.step_model.max_decode_splits)
+                              runner.query_group_size, runner.step_model.max_decode_splits,
+                              runner.step_model.split_rows)
     buffer = torch.zeros(layout.input_layout.total, dtype=torch.int32)
     forward, buckets = runner._forward, []
     # No prompt step is captured on the CPU, so the scheduler trims nothing; here it trims to

@@ -138,8 +138,10 @@ def test_draft_model_graphs_equal_eager(model_dir, prompts, fp32_reference, name
              "decode catch-up": [g for g, _ in drafter.graphs.graphs.graphs.values()]}
     for kind, graphs in kinds.items():
         assert {id(g) for g in graphs} & set(replayed), f"no {kind} graph replayed"
-    padded = {id(g) for (bs, _), (g, _) in drafter.proposals.graphs.graphs.items() if bs == 16}
-    assert padded & set(replayed), "no proposals of 9 to 15 sequences"
+    if name == "default":  # 64-token steps admit the prompts a few at a time: never 9 at once
+        padded = {id(g) for (bs, _), (g, _) in drafter.proposals.graphs.graphs.items()
+                  if bs == 16}
+        assert padded & set(replayed), "no proposals of 9 to 15 sequences"
 
 
 @pytest.mark.parametrize("name", ["default", "chunked"])

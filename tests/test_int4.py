@@ -284,6 +284,33 @@ def test_int4_kept_on_the_gpu_multiplies_its_dequantized_weights(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_int4_split_launches_sum_through_the_runners_workspace(tmp_path):
+    """A down projection long enough to be cut along K (4,096 codes a row): the runner sizes one
+    workspace from its layers' split launches before capturing its graphs, the engine generates
+    as the CPU's through it (captured steps included), each launch leaves the arrival counters
+    at zero, and shutting the engine down frees it with the graphs."""
+    from fixtures import make_tiny_llama_dir
+    from liteinfer.kernels import num_sms
+    from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS
+    from liteinfer.layers.quantization import split_k_launches
+    src = make_tiny_llama_dir(tmp_path, hidden_size=128, intermediate_size=4096)
+    gpu = build_llm(str(src), dtype="float32", device="cuda", max_model_len=128,
+                    quantization="int4")
+    runner = gpu.engine.core.runner
+    launches = split_k_launches(runner.model, num_sms(runner.device))
+    assert {n for n, _ in launches} == {128} and all(s > 1 for _, s in launches)
+    workspace = runner.scratch.split_k
+    assert workspace.partials.numel() == max(n * s for n, s in launches) * FEWROW_MAX_ROWS
+    assert runner.graphs is not None
+    assert_same_generations(gpu, _cpu_llm(src, quantization="int4"), TINY_LLAMA["vocab_size"])
+    assert not workspace.counters.any()
+    gpu.shutdown()
+    assert runner.scratch.split_k is None and runner.scratch.decode is None
+    assert runner.graphs is None and runner.step_model.decode_workspace is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_smollm2_q4_1_kept_on_the_gpu_answers_as_on_the_cpu(smollm2_llm, smollm2_path):
     """SmolLM2's Q4_1 file, its projections kept as 4-bit codes on the GPU and multiplied by the
     W4A16 kernels (bf16 activations), gives the fp32 CPU model's answers, close calls free to go

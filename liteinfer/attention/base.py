@@ -30,12 +30,13 @@ class AttentionMetadata:
     # Host copies for the eager paths; captured steps have none.
     query_lens_host: list[int] = field(default_factory=list)
     context_lens_host: list[int] = field(default_factory=list)
-    # Packed prefill (Triton): its programs' work, the decoding rows' splits and then the prompt
-    # sequences' query tiles (kernels/prefill_tiles.py).
+    # Packed prefill (Triton): its programs' work, the split rows' splits (decoding rows, and
+    # queries that fit one tile such as a verification's) and then the prompt sequences' query
+    # tiles (kernels/prefill_tiles.py).
     tile_map: torch.Tensor | None = None  # [N, 2] int32
     tile_tokens: int = 0  # query tokens a tile
     # Split-K: a decode step's fixed grid width (the kernel chooses each sequence's split count),
-    # and the partials' workspace, which a mixed step's split decoding rows use too.
+    # and the partials' workspace, which a prompt step's split rows use too.
     max_splits: int = 1
     workspace: Any = None
 

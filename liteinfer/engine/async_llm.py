@@ -289,7 +289,10 @@ class AsyncLLM:
                 if stream is not None:
                     self.output_processor.abort_requests([out.request_id])
                     stream.fail(EngineError(out.error or "the request failed in the engine"))
-        processed = self.output_processor.process_outputs(outputs)
+        # The core's stamp, as the offline driver takes it: a request's times are when the core
+        # had its tokens, whichever front end reads them (merged steps: the newest's).
+        stamp = steps[-1].timestamp if steps else 0.0
+        processed = self.output_processor.process_outputs(outputs, stamp or None)
         if processed.requests_to_abort and self._client is not None:
             self._client.abort_requests(processed.requests_to_abort)
         for out in processed.request_outputs:

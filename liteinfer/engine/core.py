@@ -4,12 +4,13 @@ engine/async_llm.py over engine/core_process.py) tokenize, detokenize and match 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -240,15 +241,28 @@ class EngineCore:
         recorder, self.recorder = self.recorder, None
         return recorder.finish()
 
+    @contextlib.contextmanager
+    def recording(self, profile_ranges: bool = False) -> Iterator[list[StepRecord]]:
+        """The instrumentation hook for profiling: records the steps run inside the block, and
+        fills the list it yields with their StepRecords (host times of each phase, how the step
+        ran, its tokens, its device time on CUDA) once the block ends. `profile_ranges` names
+        each step's phases ("liteinfer schedule N", "launch N", "update N") for the torch
+        profiler."""
+        records: list[StepRecord] = []
+        self.start_recording(profile_ranges)
+        try:
+            yield records
+        finally:
+            records.extend(self.stop_recording())
+
     def shutdown(self) -> None:
-        """Stops the other tensor-parallel ranks, or leaves torchrun's group (nothing to do on
-        one rank)."""
+        """Frees the runner's graphs and scratch buffers, then stops the other tensor-parallel
+        ranks or leaves torchrun's group."""
+        self.runner.release()
         if self.workers is not None:
-            self.runner.release_graphs()
             self.workers.shutdown()
             self.workers = None
         elif self.external_rank is not None and torch.distributed.is_initialized():
-            self.runner.release_graphs()
             torch.distributed.destroy_process_group()
         self.structured_output.shutdown()
 
@@ -397,7 +411,7 @@ class EngineCore:
         failed: list[EngineCoreOutput] = []
         recorder = self.recorder if inflight.record is not None else None
         if recorder is not None:
-            recorder.resolving()
+            recorder.resolving(inflight.record)
         try:
             if inflight.scheduled.draft_token_ids:
                 # A verifying request's grammar takes the tokens it kept, known only after

@@ -43,6 +43,7 @@ from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
+from liteinfer.layers.ops import StepScratch
 from liteinfer.loader import ModelSource, load_model_source
 from liteinfer.models.eagle3 import NUM_AUX_LAYERS, Eagle3LlamaForCausalLM, default_aux_layers
 from liteinfer.models.llama import LlamaForCausalLM
@@ -169,14 +170,17 @@ class DraftModelRunner:
         tp = config.tensor_parallel_size
         num_kv_heads = cfg.num_key_value_heads // tp
         sms = num_sms(device)
-        workspace = None
+        # The draft's own decode workspace (its heads' shape); its layers share the target's
+        # split-K workspace (LayerOps.scratch). Freed with its graphs (`release`).
+        self.scratch = StepScratch()
         if config.attention_backend == "triton":
-            workspace = DecodeWorkspace.allocate(
-                config.max_num_seqs, cfg.num_attention_heads // tp, cfg.head_dim,
+            self.scratch.decode = DecodeWorkspace.allocate(
+                config.split_workspace_rows, cfg.num_attention_heads // tp, cfg.head_dim,
                 max_splits_for(1, num_kv_heads, sms), device)
         # Pending tokens are read where the target's steps read them.
-        self.step_model = StepModel(model, pending, num_kv_heads, cfg.head_dim, sms, workspace,
-                                    device, step_input_layout(config, table_width, workspace))
+        self.step_model = StepModel(model, pending, num_kv_heads, cfg.head_dim, sms,
+                                    self.scratch, device,
+                                    step_input_layout(config, table_width, self.scratch.decode))
         self.config = config
         self.proposals = ProposalPasses(self._propose, self.step_model, config.max_num_seqs,
                                         table_width, self.block_size, device)
@@ -190,8 +194,10 @@ class DraftModelRunner:
                                                               logits=False)
         self.proposals.capture(pool)
 
-    def release_graphs(self) -> None:
+    def release(self) -> None:
+        """Frees the captured graphs and the scratch buffers; no pass runs after it."""
         self.graphs = self.prompt_graphs = self.proposals.graphs = None
+        self.scratch.free()
 
     @torch.inference_mode()
     def before_step(self, batch: StepBatch) -> DraftPlan | None:

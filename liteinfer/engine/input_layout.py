@@ -28,7 +28,7 @@ from liteinfer.config import EngineConfig
 from liteinfer.engine.pending_tokens import NOT_PENDING, PendingRequest, last_token_inputs
 from liteinfer.engine.step_inputs import StepInputs
 from liteinfer.kernels.decode_splits import DecodeWorkspace
-from liteinfer.kernels.prefill_tiles import decode_entries
+from liteinfer.kernels.prefill_tiles import split_entries
 
 
 class StepInputBuffer:
@@ -218,13 +218,13 @@ def step_input_layout(config: EngineConfig, table_width: int,
     """A layout with room for any step of a model run with `config`: an eager step's tokens (a
     prompt budget's, a verification step's of every sequence with its drafts), a captured
     prompt step's with its padding (its padded decoding rows and up to max_num_seqs prompt
-    rows), and their tile maps (a decoding row's programs, at most the split-K workspace's
-    splits, the entries a captured step reserves for them, a query tile a token at most and a
-    partial a row)."""
+    rows), and their tile maps (a split row's programs, at most the split-K workspace's splits,
+    the entries a captured step reserves for them, a query tile a token at most and a partial a
+    row)."""
     max_decode_splits = 1 if decode_workspace is None else decode_workspace.max_splits
     tokens = max(config.max_num_batched_tokens, config.max_sampled_rows,
                  config.max_num_seqs + config.mixed_prompt_tokens)
     rows = 2 * config.max_num_seqs
     seqs = config.max_num_seqs
-    tiles = seqs * max_decode_splits + decode_entries(seqs) + tokens + rows
+    tiles = rows * max_decode_splits + split_entries(seqs) + tokens + rows
     return InputLayout(table_width, config.block_size, StepShape(tokens, rows, tiles))

@@ -1,10 +1,12 @@
 """Per-step instrumentation of the engine core: what each step ran and when, for timelines and
-profiles (`EngineCore.start_recording`). Off unless started: the core then only tests for None.
+profiles (`EngineCore.recording`, the hook the profiling scripts use, and
+`EngineCore.start_recording`). Off unless started: the core then only tests for None.
 
 A step's host times are perf_counter seconds: when its scheduling began, when its launch began
-and ended, and when its outputs were ready on the host. On CUDA two events bracket the step on
-the device; they are read once the device has passed them (`query`, never a wait), so recording
-adds no synchronization to the step loop. Optional torch profiler ranges name each phase.
+and ended, when reading its tokens back began, and when its outputs were ready on the host. On
+CUDA two events bracket the step on the device; they are read once the device has passed them
+(`query`, never a wait), so recording adds no synchronization to the step loop. Optional torch
+profiler ranges name each phase.
 """
 from __future__ import annotations
 
@@ -49,10 +51,31 @@ class StepRecord:
     waiting: int  # requests queued, not in this step
     mode: str
     graph_size: tuple[int, ...]
+    update_start: float | None = None  # reading its tokens back began (the update phase)
     ready: float | None = None  # outputs on the host; None if the step failed
     output_tokens: int = 0  # tokens the step gave its requests (accepted drafts included)
     gpu_ms: float | None = None  # device span of the step (CUDA only)
     gpu_idle_ms: float | None = None  # device idle between the previous step and this one
+
+    @property
+    def schedule_s(self) -> float:
+        """Host time scheduling the step."""
+        return self.launch_start - self.schedule_start
+
+    @property
+    def launch_s(self) -> float:
+        """Host time launching it: its inputs, the model (a graph replay or eager launches;
+        on a CPU, its computation too) and the sampler."""
+        return self.launch_end - self.launch_start
+
+    @property
+    def update_s(self) -> float | None:
+        """Host time from reading its tokens back (waiting for the device included) to its
+        outputs; None if it has none. In the overlapped loop it runs after the next step's
+        launch."""
+        if self.ready is None or self.update_start is None:
+            return None
+        return self.ready - self.update_start
 
 
 def token_counts(scheduled: StepBatch) -> tuple[int, int, int]:
@@ -107,11 +130,11 @@ class StepRecorder:
     # ---- the core's hooks ---------------------------------------------------------------
     def scheduling(self) -> None:
         self._schedule_start = time.perf_counter()
-        self._enter("schedule")
+        self._enter("schedule", len(self.records))
 
     def launching(self) -> None:
         self._launch_start = time.perf_counter()
-        self._enter("launch")
+        self._enter("launch", len(self.records))
         if self._cuda:
             self._read_events()
             self._start_event = self._event()
@@ -139,8 +162,9 @@ class StepRecorder:
         if self._timing and self._timing[-1][0] is record:
             self._timing[-1][2].record()
 
-    def resolving(self) -> None:
-        self._enter("update")
+    def resolving(self, record: StepRecord) -> None:
+        record.update_start = time.perf_counter()
+        self._enter("update", record.step)
 
     def ready(self, record: StepRecord, outputs: list[EngineCoreOutput]) -> None:
         record.ready = time.perf_counter()
@@ -156,9 +180,9 @@ class StepRecorder:
         return self.records
 
     # ---- internals ----------------------------------------------------------------------
-    def _enter(self, phase: str) -> None:
+    def _enter(self, phase: str, step: int) -> None:
         if self._ranges is not None:
-            self._ranges.enter(f"liteinfer {phase} {len(self.records)}")
+            self._ranges.enter(f"liteinfer {phase} {step}")
 
     def _exit(self) -> None:
         if self._ranges is not None:

@@ -34,13 +34,15 @@ from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
+from liteinfer.kernels.gemm_splits import SplitKWorkspace
 from liteinfer.layers.batch_invariant import BatchInvariantConfig
-from liteinfer.layers.ops import LayerOps
+from liteinfer.layers.ops import LayerOps, StepScratch
 from liteinfer.layers.quantization import (
     GGUFConfig,
     QuantConfig,
     process_weights_after_loading,
     quant_config,
+    split_k_launches,
 )
 from liteinfer.layers.rotary import cos_sin_cache
 from liteinfer.loader import ModelSource
@@ -99,6 +101,9 @@ class ModelRunner:
         # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
         self.query_group_size = self.num_q_heads // self.num_kv_heads
         self.use_triton = config.attention_backend == "triton"
+        # Every step's scratch buffers, the draft model's layers' too: allocated once the
+        # models are loaded, freed with the graphs (`release`).
+        self.scratch = StepScratch()
         self.backend = (BatchInvariantBackend(self.use_triton) if config.batch_invariant
                         else get_backend(config.attention_backend))
         self.model = self._load_model(model_config, source, load_format, max_model_len)
@@ -118,15 +123,17 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(self.kv_pool.max_model_len, self.block_size)
         self.kv_cache = self._bind_kv_pool(self.model)
         sms = num_sms(self.device)
-        workspace = None
         if self.use_triton:
-            workspace = DecodeWorkspace.allocate(
-                config.max_num_seqs, self.num_q_heads, model_config.head_dim,
+            self.scratch.decode = DecodeWorkspace.allocate(
+                config.split_workspace_rows, self.num_q_heads, model_config.head_dim,
                 max_splits_for(1, self.num_kv_heads, sms), self.device)
+        self.scratch.split_k = SplitKWorkspace.allocate(
+            [launch for m in (self.model, draft) if m is not None
+             for launch in split_k_launches(m, sms)], self.device)
         self.step_model = StepModel(self.model, PendingTokens(config.max_sampled_rows, self.device),
-                                    self.num_kv_heads, model_config.head_dim, sms, workspace,
-                                    self.device,
-                                    step_input_layout(config, self.max_blocks_per_seq, workspace))
+                                    self.num_kv_heads, model_config.head_dim, sms, self.scratch,
+                                    self.device, step_input_layout(config, self.max_blocks_per_seq,
+                                                                   self.scratch.decode))
         self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)
         self.drafter: DraftModelRunner | None = None
         if isinstance(draft, Eagle3LlamaForCausalLM):
@@ -151,14 +158,16 @@ class ModelRunner:
         steps to (None: no prompt step is captured; they run eagerly at any size)."""
         return None if self.prompt_graphs is None else self.prompt_graphs.layout.prompt_buckets
 
-    def release_graphs(self) -> None:
-        """Frees the captured graphs. A tensor-parallel rank does so before leaving its group:
-        NCCL's teardown hangs while graphs that captured its collectives live
-        (pytorch/pytorch#115388)."""
+    def release(self) -> None:
+        """Frees the captured graphs and the step's scratch buffers; the runner runs no step
+        after it. A tensor-parallel rank does so before leaving its group: NCCL's teardown
+        hangs while graphs that captured its collectives live (pytorch/pytorch#115388)."""
         self.graphs = self.prompt_graphs = None
+        self.scratch.free()
         if self.drafter is not None:
-            self.drafter.release_graphs()
-        free_device_memory()
+            self.drafter.release()
+        if self.device.type == "cuda":
+            free_device_memory()
 
     def _load_eagle3_head(self, cfg: ModelConfig, source: ModelSource, max_model_len: int
                           ) -> Eagle3LlamaForCausalLM:
@@ -211,7 +220,7 @@ class ModelRunner:
         kernels are refused for now."""
         if not self.config.batch_invariant:
             return LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant,
-                            tp_rank=self.tp_rank, tp_size=self.tp_size)
+                            tp_rank=self.tp_rank, tp_size=self.tp_size, scratch=self.scratch)
         if cfg.moe is not None:
             raise ValueError("batch_invariant does not support mixture-of-experts models yet")
         linears: GGUFConfig | BatchInvariantConfig = BatchInvariantConfig()
@@ -220,7 +229,7 @@ class ModelRunner:
         elif quant is not None:
             raise ValueError("batch_invariant does not support quantized checkpoints yet")
         return LayerOps(triton=self.use_triton, quant=linears, invariant=True,
-                        tp_rank=self.tp_rank, tp_size=self.tp_size)
+                        tp_rank=self.tp_rank, tp_size=self.tp_size, scratch=self.scratch)
 
     def _kv_block_bytes(self, model: LlamaForCausalLM) -> int:
         cfg = model.config

@@ -7,8 +7,9 @@ each bringing the step's rows to a power of two (`PromptBuckets`, engine/prompt_
 which the scheduler trims mixed steps to). A step is padded to its bucket:
 decoding rows first, padded with rows of context 0, then the prompt tokens, padded with tokens
 that write no KV; no tile-map entry covers a padding row. Prefill attention reads its programs'
-work (decoding rows' splits, prompt query tiles) from a tile map, so one grid serves any mix of
-context and prompt lengths. The LM head runs after the replay on the rows that sample only.
+work (the splits of decoding rows and verifications, prompt query tiles) from a tile map, so
+one grid serves any mix of context and prompt lengths. The LM head runs after the replay on the
+rows that sample only.
 
 A bucket's inputs are its shape's views of the step model's input buffer (`PromptStepLayout`
 over engine/input_layout.py), filled from a pinned host mirror with one copy per step, as in
@@ -27,7 +28,7 @@ from liteinfer.engine.prompt_buckets import PromptBuckets
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.engine.step_model import StepModel
-from liteinfer.kernels.prefill_tiles import decode_entries, prefill_tile_tokens
+from liteinfer.kernels.prefill_tiles import prefill_tile_tokens, split_entries
 
 
 class PromptStepLayout:
@@ -36,11 +37,12 @@ class PromptStepLayout:
     layout runs as well on a CPU buffer."""
 
     def __init__(self, buckets: PromptBuckets, inputs: InputLayout, query_group_size: int,
-                 max_decode_splits: int):
+                 max_decode_splits: int, split_rows: int):
         self.prompt_buckets = buckets
         self.max_num_seqs = buckets.max_num_seqs
         self.query_group_size = query_group_size
         self.max_decode_splits = max_decode_splits
+        self.split_rows = split_rows
         self.input_layout = inputs
         self.buckets = buckets.all()
         for d, p in self.buckets:
@@ -55,9 +57,10 @@ class PromptStepLayout:
         return min(prompt_size, self.max_num_seqs)
 
     def _tiles(self, decodes: int, prompt_size: int) -> int:
-        """Tile-map entries of bucket (decodes, prompt_size): the decoding rows' and the query
-        tiles of any `prompt_size` tokens (each sequence adds at most one partial)."""
-        return (decode_entries(decodes) + prompt_size // self._tile_tokens(prompt_size)
+        """Tile-map entries of bucket (decodes, prompt_size): the split rows' beyond their own
+        tiles, and the query tiles of any `prompt_size` tokens (each sequence adds at most one
+        partial)."""
+        return (split_entries(decodes) + prompt_size // self._tile_tokens(prompt_size)
                 + self._prompt_seqs(prompt_size))
 
     def _tile_tokens(self, prompt_size: int) -> int:
@@ -101,7 +104,7 @@ class PromptStepLayout:
         """Writes the step into a host buffer in its bucket's layout; returns the used length."""
         shape = self.shape(d_size, p_size)
         tile_map = step.attention_tile_map(self._tile_tokens(p_size), d_size,
-                                           self.max_decode_splits, shape.tiles)
+                                           self.max_decode_splits, self.split_rows, shape.tiles)
         return self.input_layout.fill(host, step, shape, d_size, tile_map)
 
 
@@ -109,7 +112,7 @@ def forward_bucket(step_model: StepModel, layout: PromptStepLayout, buffer: torc
                    d: int, p: int) -> torch.Tensor:
     """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
     ids, pending, positions, meta = layout.inputs(buffer, d, p)
-    meta.workspace = step_model.decode_workspace  # for the decoding rows' splits (tile map)
+    meta.workspace = step_model.decode_workspace  # for the split rows (tile map)
     return step_model.model(step_model.pending.read(ids, pending), positions, meta)
 
 
@@ -155,7 +158,7 @@ def capture_step_graphs(step_model: StepModel, config: EngineConfig, pool, logit
     if not config.batch_invariant:
         layout = PromptStepLayout(PromptBuckets(config.max_num_seqs, config.mixed_prompt_tokens),
                                   step_model.layout, step_model.query_group_size,
-                                  step_model.max_decode_splits)
+                                  step_model.max_decode_splits, step_model.split_rows)
         prompt_graphs = PromptGraphRunner(step_model, layout,
                                           step_model.model.config.hidden_size,
                                           config.torch_dtype, step_model.device, pool)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from liteinfer.engine.step_batch import StepBatch
-from liteinfer.kernels.prefill_tiles import decode_entries, decode_split_counts, prefill_tile_map
+from liteinfer.kernels.prefill_tiles import prefill_tile_map, split_counts, split_entries
 from liteinfer.utils import ragged_index
 
 
@@ -36,17 +36,26 @@ class StepInputs:
     def has_pending(self) -> bool:
         return bool((self.pending_rows >= 0).any())
 
-    def attention_tile_map(self, tile_tokens: int, first_seq: int, max_decode_splits: int,
-                           num_tiles: int | None = None) -> np.ndarray:
-        """Prefill attention's tile map (kernels/prefill_tiles.py): the decoding rows in the
-        entries reserved for `first_seq` decoding slots (`decode_entries`; each row in at most
-        max_decode_splits programs), then the prompt sequences' query tiles, those sequences
-        numbered from `first_seq`."""
+    def attention_tile_map(self, tile_tokens: int, first_seq: int, max_splits: int,
+                           split_rows: int, num_tiles: int | None = None) -> np.ndarray:
+        """Prefill attention's tile map (kernels/prefill_tiles.py), the prompt sequences numbered
+        from `first_seq` (the decoding slots, one token each). Rows split along their keys (in
+        at most max_splits programs, within the entries `split_entries` reserves): the decoding
+        rows, and prompt sequences whose query fits one tile (a verification's 1 + k tokens)
+        where their tokens have workspace rows (the first `split_rows` of the step's)."""
         d = self.num_decodes
-        splits = decode_split_counts(self.context_lens[:d], decode_entries(first_seq),
-                                     max_decode_splits)
-        return prefill_tile_map(self.query_lens[d:], self.context_lens[d:], tile_tokens,
-                                first_seq, num_tiles, splits)
+        query_lens, context_lens = self.query_lens[d:], self.context_lens[d:]
+        may_split = ((query_lens <= tile_tokens)
+                     & (first_seq + np.cumsum(query_lens) <= split_rows))
+        # A split query's ranges are placed by its first token's context.
+        first_ctx = context_lens[may_split] - query_lens[may_split] + 1
+        counts = split_counts(np.concatenate([self.context_lens[:d], first_ctx]),
+                              split_entries(first_seq) + int(may_split.sum()), max_splits,
+                              alone=bool(may_split.all()))
+        prompt_splits = np.ones(len(query_lens), dtype=np.int64)
+        prompt_splits[may_split] = counts[d:]
+        return prefill_tile_map(query_lens, context_lens, tile_tokens, first_seq, num_tiles,
+                                counts[:d], prompt_splits)
 
 
 def build_step_inputs(batch: StepBatch, block_size: int, table_width: int) -> StepInputs:

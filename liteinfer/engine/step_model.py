@@ -14,23 +14,25 @@ from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for, rows_may_split
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
+from liteinfer.layers.ops import StepScratch
 from liteinfer.models.llama import LlamaForCausalLM
 from liteinfer.utils import to_device
 
 
 class StepModel:
     """The model, the step input buffer and its layout, the sampled tokens that feed the next
-    step (`pending`: a draft model reads the target's) and the split-K workspace (None: no
-    split-K, as on the torch backends)."""
+    step (`pending`: a draft model reads the target's) and the runner's scratch buffers, whose
+    split-K decode workspace the attention metadata carries (None: no split-K, as on the torch
+    backends)."""
 
     def __init__(self, model: LlamaForCausalLM, pending: PendingTokens, num_kv_heads: int,
-                 head_dim: int, num_sms: int, decode_workspace: DecodeWorkspace | None,
-                 device: torch.device, layout: InputLayout):
+                 head_dim: int, num_sms: int, scratch: StepScratch, device: torch.device,
+                 layout: InputLayout):
         self.model = model
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_sms = num_sms
-        self.decode_workspace = decode_workspace
+        self.scratch = scratch
         self.pending = pending
         self.layout = layout
         self.inputs = StepInputBuffer(layout.total, device)
@@ -55,7 +57,8 @@ class StepModel:
             if triton:
                 tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
                                                   self.query_group_size)
-                tile_map = step.attention_tile_map(tile_tokens, d, self.max_decode_splits)
+                tile_map = step.attention_tile_map(tile_tokens, d, self.max_decode_splits,
+                                                   self.split_rows)
             shape = StepShape(len(step.input_ids), len(step.query_lens),
                               0 if tile_map is None else len(tile_map))
             self.inputs.send(layout.fill(host, step, shape, d, tile_map))
@@ -90,10 +93,20 @@ class StepModel:
         return ids, v.positions, meta, v.sample_rows[:num_samples], prompt_rows
 
     @property
+    def decode_workspace(self) -> DecodeWorkspace | None:
+        return self.scratch.decode
+
+    @property
     def max_decode_splits(self) -> int:
         """Most programs a decoding row splits into (1 without split-K)."""
         workspace = self.decode_workspace
         return 1 if workspace is None else workspace.max_splits
+
+    @property
+    def split_rows(self) -> int:
+        """Workspace rows: a prompt step's split rows index them by token (0 without split-K)."""
+        workspace = self.decode_workspace
+        return 0 if workspace is None else workspace.partial_out.shape[0]
 
     def rows_may_split(self, context_lens) -> bool:
         """Whether a decoding row of these host-side lengths is long enough to split."""

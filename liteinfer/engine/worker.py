@@ -52,7 +52,7 @@ class Worker:
         decoder = msgspec.msgpack.Decoder(SchedulerOutput | None)
         while (step := decoder.decode(conn.recv_bytes())) is not None:
             self.execute_model(step)
-        self.runner.release_graphs()
+        self.runner.release()
         dist.destroy_process_group()
 
 
@@ -156,7 +156,7 @@ class WorkerGroup:
             proc.join()
 
     def shutdown(self) -> None:
-        """Stops the other ranks; the caller has freed its own graphs (ModelRunner.release_graphs).
+        """Stops the other ranks; the caller has freed its own graphs (ModelRunner.release).
         All ranks leave the group at once, as NCCL's teardown waits for every one."""
         try:
             self._send(None)

@@ -260,36 +260,44 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
         acc, l_i, m_i = attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
                                         qk_scale, stride_pool_block, stride_pool_row, BLOCK_N,
                                         BLOCK_SIZE, DOT_PRECISION, False)
-    finish_split(acc, l_i, m_i, out_ptr + b * stride_ob, stride_oh, heads, h_mask, d, b, kvh,
-                 split, n_splits, part_out, part_lse, counters, stride_pb, stride_ph, stride_ps,
+    finish_split(acc, l_i, m_i, out_ptr + b * stride_ob, 0, stride_oh,
+                 tl.zeros([BLOCK_H], dtype=tl.int32), heads, h_mask, d, b, 1, kvh, split,
+                 n_splits, part_out, part_lse, counters, stride_pb, stride_ph, stride_ps,
                  stride_lb, stride_lh, stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
 
 
 @triton.jit
-def finish_split(acc, l_i, m_i, out_row, stride_oh, heads, h_mask, d, b, kvh, split, n_splits,
-                 part_out, part_lse, counters, stride_pb, stride_ph, stride_ps, stride_lb,
-                 stride_lh, stride_cb, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
-    """Ends split `split` of n_splits over (row b, KV head kvh): a whole row writes its output
-    (query heads `heads` at out_row); a split writes its partial and log-sum-exp to the
-    workspace, and the last of the row's splits to arrive merges them into out_row."""
+def finish_split(acc, l_i, m_i, out_row, stride_ot, stride_oh, tokens, heads, row_mask, d, slot,
+                 n_tokens, kvh, split, n_splits, part_out, part_lse, counters, stride_pb,
+                 stride_ph, stride_ps, stride_lb, stride_lh, stride_cb, G: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                 CHUNK_S: tl.constexpr):
+    """Ends split `split` of n_splits over a row's n_tokens query tokens and KV head kvh, tile
+    row r holding query head heads[r] of token tokens[r] (output rows from out_row on): a whole
+    row writes its output; a split writes its partials and log-sum-exps to the workspace, one
+    workspace row a token from `slot` on, and the last of the row's splits to arrive (counted
+    at (slot, kvh)) merges them into the output, token by token. A decoding row has one token
+    (tokens all 0) and its sequence as its slot."""
     # Empty ranges (padding rows, surplus splits) give zeros and lse = -inf, never NaN.
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
     o = acc / l_safe[:, None]
     if n_splits == 1:  # the whole row: final output, no workspace, no counter
-        o_ptrs = out_row + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, o.to(out_row.dtype.element_ty), mask=h_mask[:, None])
+        o_ptrs = (out_row + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
+                  + d[None, :])
+        tl.store(o_ptrs, o.to(out_row.dtype.element_ty), mask=row_mask[:, None])
     else:
-        p_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-        tl.store(p_ptrs + d[None, :], o, mask=h_mask[:, None])
+        rows = slot + tokens
+        p_ptrs = (part_out + rows[:, None] * stride_pb + heads[:, None] * stride_ph
+                  + split * stride_ps)
+        tl.store(p_ptrs + d[None, :], o, mask=row_mask[:, None])
         lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+        tl.store(part_lse + rows * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
         # Publish the partials. One thread performs the scalar atomic, so first the CTA barrier
         # orders every thread's stores before it; the release half of acq_rel (cumulative,
         # gpu scope) then makes them visible to whichever program observes the new count.
         tl.debug_barrier()
-        cnt_ptr = counters + b * stride_cb + kvh
+        cnt_ptr = counters + slot * stride_cb + kvh
         arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
         # The acquire half orders the atomic before this thread's later loads; the barrier
         # extends that to all threads of the program before any of them reads the partials.
@@ -299,9 +307,10 @@ def finish_split(acc, l_i, m_i, out_row, stride_oh, heads, h_mask, d, b, kvh, sp
             # counter again in this launch, so a plain store restores the zero invariant; the
             # next launch (next layer, graph replay) is ordered after it by the stream.
             tl.store(cnt_ptr, 0)
-            _merge_splits(part_out, part_lse, out_row, b, kvh, n_splits,
-                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                          stride_oh, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
+            for t in range(n_tokens):
+                _merge_splits(part_out, part_lse, out_row + t * stride_ot, slot + t, kvh,
+                              n_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                              stride_oh, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
 
 
 @triton.jit

@@ -34,11 +34,14 @@ class DecodeWorkspace:
     """Preallocated split-K buffers, reused every step and layer (nothing is allocated per call;
     one launch at a time may use a workspace)."""
 
+    # Rows: a decode step's sequences; in a prompt step, the query tokens of its split rows
+    # (decoding rows and verifications, kernels/prefill_tiles.py) by their place in the step.
     partial_out: torch.Tensor  # fp32 [max_batch, Hq, max_splits, D]
     partial_lse: torch.Tensor  # fp32 [max_batch, Hq, max_splits]
-    # int32 [max_batch, Hq]: arrival count of (sequence, KV head) in column KV head (Hq bounds
-    # Hkv for any grouping). Zero between launches: zeroed here once, and each launch's last
-    # program of a (sequence, KV head) resets the count it raised.
+    # int32 [max_batch, Hq]: arrival count of (row, KV head) in column KV head (Hq bounds Hkv
+    # for any grouping); a split row counts at its first token's row. Zero between launches:
+    # zeroed here once, and each launch's last program of a (row, KV head) resets the count it
+    # raised.
     counters: torch.Tensor
 
     @property

@@ -29,9 +29,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from liteinfer.kernels import dot_precision, num_sms, supports_pdl
+from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace, split_buffers
 
-# Rows the kernels take: their input rows are one tile (BLOCK_M) of wgmma operands.
-FEWROW_MAX_ROWS = 128
 # From this many rows the weight is the MMA's row operand (the swapped kernel below).
 SWAPPED_MIN_ROWS = 65
 # Programs (BLOCK_N features each) a projection is cut into at least, and the count past which a
@@ -189,35 +188,16 @@ def _fewrow_gemm_swapped_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, out_pt
                      x_scale, w_scale, SCALED, ADD)
 
 
-# (device, N, splits) -> fp32 partials [splits, N, 128] and int32 arrival counters, one a
-# feature (enough for tiles of any width: kernels/wna16.py's share them), zero between launches.
-# Made by a projection's first split launch, which precedes graph capture (the runners run every
-# captured step once eagerly first); launches that share them are stream-ordered, and under PDL
-# each waits for the one before to end before it touches them.
-_SPLIT_WORKSPACES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def split_workspace(device: torch.device, n: int, splits: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device, n, splits)
-    if key not in _SPLIT_WORKSPACES:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "a split projection's first launch must come before graph capture"
-        _SPLIT_WORKSPACES[key] = (
-            torch.empty(splits, n, FEWROW_MAX_ROWS, dtype=torch.float32, device=device),
-            torch.zeros(n, dtype=torch.int32, device=device))
-    return _SPLIT_WORKSPACES[key]
-
-
 def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor | None = None,
                 weight_scale: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None,
-                tiles: FewRowTiles | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, tiles: FewRowTiles | None = None,
+                workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """x: [M, K] with M <= FEWROW_MAX_ROWS; weight: [N, K], both with contiguous rows. Either
     both in the model dtype, or both e4m3 with x_scale (fp32 [M, 1] or [M], one per row) and
     weight_scale (fp32 [N]). Returns x W^T (times the scales) in out_dtype (x's dtype unless
     e4m3: then given), or with residual ([M, N]) adds it to residual in place and returns it.
-    `tiles`: the tile, by default `fewrow_tiles`'s (which must not be None for the shape)."""
+    `tiles`: the tile, by default `fewrow_tiles`'s (which must not be None for the shape);
+    `workspace`: where a tile cut along K sums its splits (`split_buffers`)."""
     rows, k = x.shape
     n = weight.shape[0]
     assert 1 <= rows <= FEWROW_MAX_ROWS and weight.shape[1] == k and x.dtype == weight.dtype
@@ -252,7 +232,7 @@ def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor 
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [tiles.block_m, block_k])
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
                               [tiles.block_n, block_k])
-    parts, counts = (split_workspace(x.device, n, tiles.splits) if tiles.splits > 1
+    parts, counts = (split_buffers(workspace, n, tiles.splits, x.device) if tiles.splits > 1
                      else (out, out))
     _fewrow_gemm_swapped_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
         x_desc, w_desc, x_scale if scaled else x, weight_scale if scaled else x, out, parts,

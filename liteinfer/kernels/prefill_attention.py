@@ -12,7 +12,13 @@ The query tiles come from a tile map built on the host (kernels/prefill_tiles.py
 the grid shape: a captured step keeps one grid for any mix of prompt lengths. A mixed step's
 decoding rows are in the map too (one query token each, over a range of their KV, merged by
 the decode kernel's split-K epilogue), so their memory-bound programs share the SMs with the
-compute-bound prompt tiles instead of running as a launch of their own. Such a launch ends
+compute-bound prompt tiles instead of running as a launch of their own. A query that fits one
+tile over a long context (a verification's 1 + k tokens) splits along its keys the same way:
+each of its programs is the query tile over a range of whole KV tiles, placed by its first
+token's context so that every row sees a key in the range's first tile, the last range running
+on over the diagonal (the only one masked); its partials go to the workspace one row a query
+token, and its last program merges them token by token. Without that, one program a KV head
+would stream the whole context (8 programs for 8 KV heads on 132 SMs). Such a launch ends
 when the last decoding row's serial chain of KV tiles does, so there every loop looks the next
 tile's block ids up ahead and its K/V copies overlap the current tile's softmax; a launch of
 prompts alone is faster without (docs/notes/journal.md, item 52).
@@ -42,7 +48,7 @@ from liteinfer.kernels.kv_cache import (
     load_kv_tile,
     pool_strides,
 )
-from liteinfer.kernels.prefill_tiles import DECODE_SPLIT_BITS, prefill_tiles
+from liteinfer.kernels.prefill_tiles import SPLIT_BITS, prefill_tiles
 
 
 @triton.jit
@@ -63,45 +69,55 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_t
         return
     m0 = tl.load(tile_map + 2 * tl.program_id(1) + 1)
     q_start = tl.load(cu_seqlens_q + b)
+    q_len = tl.load(cu_seqlens_q + b + 1) - q_start
     ctx = tl.load(context_lens + b)
     d = tl.arange(0, HEAD_DIM)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     kv_head_off = kvh * stride_pool_head
-    if m0 < 0:
+    tok = q_start.to(tl.int64)
+    # A split entry (m0 < 0) packs the split and the row's split count; a query tile is one
+    # whole split.
+    is_split = m0 < 0
+    code = -1 - m0
+    split = tl.where(is_split, code >> SPLIT_BITS, 0)
+    n_splits = tl.where(is_split, code & ((1 << SPLIT_BITS) - 1), 1)
+    if is_split & (q_len == 1):
         # A decoding row's split: its one query token (position ctx - 1) attends to a range of
         # whole KV tiles, as in the decode kernel, its G query heads padded to DECODE_ROWS.
-        code = -1 - m0
-        split = code >> SPLIT_BITS
-        n_splits = code & ((1 << SPLIT_BITS) - 1)
         start, end = split_range(ctx, split, n_splits, DECODE_BLOCK_N)
         r = tl.arange(0, DECODE_ROWS)
         heads = kvh * G + r
         h_mask = r < G
-        tok = q_start.to(tl.int64)
         q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=h_mask[:, None], other=0.0)
         acc, l_i, m_i = attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
                                         qk_scale, stride_pool_block, stride_pool_row,
                                         DECODE_BLOCK_N, BLOCK_SIZE, DOT_PRECISION, LOOKAHEAD)
-        finish_split(acc, l_i, m_i, out_ptr + tok * stride_ot, stride_oh, heads, h_mask, d, b,
+        finish_split(acc, l_i, m_i, out_ptr + tok * stride_ot, 0, stride_oh,
+                     tl.zeros([DECODE_ROWS], dtype=tl.int32), heads, h_mask, d, q_start, 1,
                      kvh, split, n_splits, part_out, part_lse, counters, stride_pb, stride_ph,
                      stride_ps, stride_lb, stride_lh, stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S,
                      CHUNK_S)
     else:
-        _prompt_tile(q_ptr, k_cache, v_cache, cu_seqlens_q, out_ptr, b, m0, q_start, ctx, kvh,
-                     bt_row, kv_head_off, d, qk_scale, stride_qt, stride_qh, stride_ot,
-                     stride_oh, stride_pool_block, stride_pool_row, G, HEAD_DIM, TILE_TOKENS,
-                     BLOCK_M, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, LOOKAHEAD)
+        _query_tile(q_ptr, k_cache, v_cache, out_ptr, tl.maximum(m0, 0), tok, q_len, ctx, kvh,
+                    split, n_splits, bt_row, kv_head_off, d, qk_scale, part_out, part_lse,
+                    counters, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_cb,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_pool_block,
+                    stride_pool_row, G, HEAD_DIM, TILE_TOKENS, BLOCK_M, BLOCK_N, BLOCK_SIZE,
+                    BLOCK_G, BLOCK_S, CHUNK_S, DOT_PRECISION, LOOKAHEAD)
 
 
 @triton.jit
-def _prompt_tile(q_ptr, k_cache, v_cache, cu_seqlens_q, out_ptr, b, m0, q_start, ctx, kvh,
-                 bt_row, kv_head_off, d, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                 stride_pool_block, stride_pool_row, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 TILE_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 LOOKAHEAD: tl.constexpr):
-    q_len = tl.load(cu_seqlens_q + b + 1) - q_start
+def _query_tile(q_ptr, k_cache, v_cache, out_ptr, m0, tok, q_len, ctx, kvh, split, n_splits,
+                bt_row, kv_head_off, d, qk_scale, part_out, part_lse, counters, stride_pb,
+                stride_ph, stride_ps, stride_lb, stride_lh, stride_cb, stride_qt, stride_qh,
+                stride_ot, stride_oh, stride_pool_block, stride_pool_row, G: tl.constexpr,
+                HEAD_DIM: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                LOOKAHEAD: tl.constexpr):
+    """Query tokens m0 .. m0 + TILE_TOKENS - 1 of a sequence whose first query token is token
+    `tok` of the step, over split `split` of n_splits of their keys (n_splits 1: all of them)."""
     prefix = ctx - q_len
 
     # Row r: token m0 + r // G, query head kvh * G + r % G; rows past TILE_TOKENS * G pad
@@ -110,18 +126,26 @@ def _prompt_tile(q_ptr, k_cache, v_cache, cu_seqlens_q, out_ptr, b, m0, q_start,
     offs_m = m0 + rows // G
     heads = kvh * G + rows % G
     m_mask = (offs_m < q_len) & (rows < TILE_TOKENS * G)
-    tok = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=m_mask[:, None], other=0.0)
+    q = tl.load(q_ptr + (tok + offs_m)[:, None] * stride_qt + heads[:, None] * stride_qh
+                + d[None, :], mask=m_mask[:, None], other=0.0)
     q_pos = prefix + offs_m
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
-    # KV tiles every row of this query tile sees in full: no mask, no bounds checks.
-    full_end = (prefix + m0 + 1) // BLOCK_N * BLOCK_N
-    blocks = first_tile_blocks(bt_row, 0, ctx, BLOCK_N, BLOCK_SIZE, LOOKAHEAD)
-    for start_n in range(0, full_end, BLOCK_N):
+    # The keys the tile's first row sees; every row sees their whole KV tiles in full.
+    first_ctx = prefix + m0 + 1
+    full_end = first_ctx // BLOCK_N * BLOCK_N
+    causal_end = tl.minimum(ctx, prefix + m0 + TILE_TOKENS)
+    # A split's keys: whole tiles of the first row's, the last split's running on to the
+    # causal end, so every row sees a key in a split's first tile (softmax_tile's condition).
+    # Only the last split crosses the diagonal.
+    start, end = split_range(first_ctx, split, n_splits, BLOCK_N)
+    end = tl.where((start < end) & (end == first_ctx), causal_end, end)
+
+    # KV tiles every row sees in full: no mask, no bounds checks.
+    blocks = first_tile_blocks(bt_row, start, ctx, BLOCK_N, BLOCK_SIZE, LOOKAHEAD)
+    for start_n in range(start, tl.minimum(full_end, end), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         tile_blocks, blocks = kv_tile_blocks(bt_row, blocks, offs_n, ctx, BLOCK_N, BLOCK_SIZE,
                                              LOOKAHEAD)
@@ -129,19 +153,19 @@ def _prompt_tile(q_ptr, k_cache, v_cache, cu_seqlens_q, out_ptr, b, m0, q_start,
                             stride_pool_block, stride_pool_row, BLOCK_SIZE, False, ctx)
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, None, qk_scale,
                                      False, DOT_PRECISION)
-    # Tiles crossing the diagonal. Position 0 is visible to every row (padding rows too), so
-    # each row's first tile has a finite max.
-    causal_end = tl.minimum(ctx, prefix + m0 + TILE_TOKENS)
-    for start_n in range(full_end, causal_end, BLOCK_N):
+    # Tiles crossing the diagonal. The tile's first key (at most position prefix + m0) is
+    # visible to every row (padding rows too), so each row's first tile has a finite max.
+    for start_n in range(tl.maximum(full_end, start), end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(k_cache, v_cache, bt_row, offs_n, d, kv_head_off, stride_pool_block,
                             stride_pool_row, BLOCK_SIZE, True, ctx)
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < ctx)[None, :]
         acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, visible, qk_scale,
                                      True, DOT_PRECISION)
-    o = acc / l_i[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    finish_split(acc, l_i, m_i, out_ptr + tok * stride_ot, stride_ot, stride_oh, offs_m, heads,
+                 m_mask, d, tok, q_len, kvh, split, n_splits, part_out, part_lse, counters,
+                 stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_cb, G, HEAD_DIM,
+                 BLOCK_G, BLOCK_S, CHUNK_S)
 
 
 def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -154,9 +178,10 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     equal strides, D contiguous, in q's dtype or e4m3;
     cu_seqlens_q: int32 [B+1]; context_lens: int32 [B] (>= each q_len; KV of this step
     already in the pool); block_tables: int32 [B, max_blocks]; tile_map: int32 [N, 2] from
-    prefill_tile_map with `tile_tokens` query tokens a tile (prefill_tile_tokens), decoding rows
-    included. A decoding row in several splits needs `workspace` (a row for each decoding
-    sequence and as many splits; its counters zero, as every launch leaves them).
+    prefill_tile_map with `tile_tokens` query tokens a tile (prefill_tile_tokens), split rows
+    included. A row in several splits needs `workspace`, whose rows are indexed by the step's
+    token (a row for each query token of a split row, as many splits; its counters zero, as
+    every launch leaves them).
     with_decodes: the map holds decoding rows; their launch looks each KV tile's block ids up
     one tile ahead (kv_cache.kv_tile_blocks). Only the mapped rows of out are written. Returns
     out."""
@@ -173,7 +198,8 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     group = num_q_heads // num_kv_heads
     tiles = prefill_tiles(head_dim, block_size, tile_tokens, group)
     max_splits = 1 if workspace is None else workspace.max_splits
-    # Only the decoding rows (the first sequences) index the workspace, so no row count to check.
+    # The tile map's split rows index the workspace by token: prefill_tile_map's caller bounds
+    # them (StepInputs.attention_tile_map), so no row count to check here.
     split_args, merge_tiles = workspace_args(workspace, max_splits, 0, num_kv_heads, group, out,
                                              context_lens)
     _prefill_kernel[(num_kv_heads, tile_map.shape[0])](
@@ -182,7 +208,7 @@ def packed_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         block_tables.stride(0), *pool,
         G=group, HEAD_DIM=head_dim, TILE_TOKENS=tile_tokens, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, DECODE_ROWS=query_rows(group),
-        DECODE_BLOCK_N=decode_tiles(head_dim, block_size).block_n, SPLIT_BITS=DECODE_SPLIT_BITS,
+        DECODE_BLOCK_N=decode_tiles(head_dim, block_size).block_n, SPLIT_BITS=SPLIT_BITS,
         **merge_tiles, DOT_PRECISION=dot_precision(q.dtype),
         LOOKAHEAD=with_decodes,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)

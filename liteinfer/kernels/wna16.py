@@ -42,12 +42,8 @@ import triton
 import triton.language as tl
 
 from liteinfer.kernels import dot_precision, num_sms, supports_pdl
-from liteinfer.kernels.fewrow_gemm import (
-    FEWROW_MAX_ROWS,
-    scale_add_store,
-    split_workspace,
-    sum_splits,
-)
+from liteinfer.kernels.fewrow_gemm import scale_add_store, sum_splits
+from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace, split_buffers
 from liteinfer.kernels.gemv import gemv_prologue, normalize, store_outputs
 from liteinfer.kernels.prefetch import prefetch_lines
 
@@ -397,10 +393,12 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
 
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                bits: int, residual: torch.Tensor | None = None,
-               tiles: WNA16Tiles | None = None) -> torch.Tensor:
+               tiles: WNA16Tiles | None = None,
+               workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """x [M, K] (M <= FEWROW_MAX) times the packed weight [N, K], transposed: [M, N] in x's
     dtype, or residual += it in place (returning residual). `tiles`: by default
-    `wna16_tiles`'s."""
+    `wna16_tiles`'s; `workspace`: where a tile cut along K sums its splits
+    (fewrow_gemm.split_buffers)."""
     m, k = x.shape
     n = qweight.shape[0]
     assert 1 <= m <= FEWROW_MAX and x.stride(-1) == 1 and qweight.is_contiguous()
@@ -411,7 +409,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(-1) == 1
     out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    parts, counts = (split_workspace(x.device, n, tiles.splits) if tiles.splits > 1
+    parts, counts = (split_buffers(workspace, n, tiles.splits, x.device) if tiles.splits > 1
                      else (out, out))
     pdl = supports_pdl(x.device)
     _wna16_fewrow_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
@@ -437,11 +435,12 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.T
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 mins: torch.Tensor, bits: int,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T for any number of rows (or residual += x W^T in place)."""
+                 mins: torch.Tensor, bits: int, residual: torch.Tensor | None = None,
+                 workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+    """x W^T for any number of rows (or residual += x W^T in place); `workspace` as
+    `wna16_gemm` takes it."""
     if x.shape[0] <= FEWROW_MAX:
-        return wna16_gemm(x, qweight, scales, mins, bits, residual)
+        return wna16_gemm(x, qweight, scales, mins, bits, residual, workspace=workspace)
     w = dequantize_weight(qweight, scales, mins, bits, x.dtype)
     if residual is None:
         return torch.nn.functional.linear(x, w)

@@ -96,6 +96,7 @@ class _ShardedLinear(nn.Module):
         shape[dim] //= tp_size
         self.tp_rank, self.tp_size, self.dim = tp_rank, tp_size, dim
         self.use_gemv = ops.gemv
+        self.scratch = ops.scratch  # the runner's buffers, for a quantized method's kernels
         # Checkpoint shard -> (first row, rows) of this rank's output rows.
         self.offsets: dict[str | None, tuple[int, int]] = {None: (0, shape[0])}
         self.quant_method = linear_method(ops.quant, ops.triton)

@@ -93,6 +93,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, ops: LayerOps):
         super().__init__(num_embeddings, embedding_dim, ops)
         self.use_gemv = ops.gemv
+        self.scratch = ops.scratch
         quant_method = ops.quant.lm_head_method(ops.triton) if ops.quant else None
         self.quant_method = quant_method or UnquantizedLinearMethod()
 

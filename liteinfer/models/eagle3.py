@@ -94,7 +94,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         self.config = cfg
         # The head is small: whole on every rank, in the model dtype, multiplied by cuBLAS;
         # of the target's choices it takes only the Triton norms and SwiGLU.
-        ops = LayerOps(triton=ops.triton)
+        ops = LayerOps(triton=ops.triton, scratch=ops.scratch)
         self.fc = ColumnParallelLinear(NUM_AUX_LAYERS * target_hidden_size, cfg.hidden_size, ops)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ops)
         # One layer, in a list as the runner binds KV pools to `layers`.

@@ -133,6 +133,23 @@ def test_recording_is_off_by_default(tiny_llm):
         core.stop_recording()
 
 
+def test_the_recording_hook_times_each_phase_and_names_it_for_the_profiler(tiny_llm):
+    """`EngineCore.recording`, the hook the profiling scripts use: a record per step whose
+    phases follow one another, and the torch profiler's ranges named after each phase."""
+    core = tiny_llm.engine.core
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with torch.profiler.profile() as prof, core.recording(profile_ranges=True) as steps:
+        out = tiny_llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    assert core.recorder is None
+    assert sum(len(o.outputs[0].token_ids) for o in out) == sum(s.output_tokens for s in steps)
+    for s in steps:
+        assert s.schedule_start <= s.launch_start <= s.launch_end <= s.update_start <= s.ready
+        assert s.schedule_s >= 0 and s.launch_s > 0 and s.update_s >= 0
+    names = {e.name for e in prof.events()}
+    assert {f"liteinfer {phase} {i}" for phase in ("schedule", "launch", "update")
+            for i in range(len(steps))} <= names
+
+
 def test_drafts_are_counted_apart_from_decodes(tiny_llama_dir):
     """Speculative decoding: a verifying sequence's next token is a decode token and its drafts
     are draft tokens; the steps' drafts are the speculator's, their outputs every token."""

@@ -26,6 +26,16 @@ TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (4e-3, 2e-3),
 FP8_TOLERANCE = (2 ** -4, 2 ** -4)
 
 
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory():
+    """On the GPU the tests run on several pytest-xdist workers (scripts/gpu_session.sh); each
+    gives its cached blocks back after a test, so that the workers' current tests, not the sum
+    of their largest ones, must fit in memory together."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture(params=[
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
     pytest.param("cuda", marks=pytest.mark.gpu),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from liteinfer.kernels.fewrow_gemm import FEWROW_MAX_ROWS, FewRowTiles, fewrow_gemm, fewrow_tiles
+from liteinfer.kernels.gemm_splits import SplitKWorkspace
 from liteinfer.layers.quantization.fp8 import quantize_per_token, quantize_weight
 
 # (in features, out features): the 8B model's projections on the GPU (a K that is not a multiple
@@ -46,14 +47,31 @@ def _tiles(rows: int, k: int, n: int, device: str) -> list[FewRowTiles]:
 
 
 def test_e4m3(assert_close, device, full):
-    for rows, k, n in _cases(full):
+    """Every launch, split or not, through one workspace sized for the largest, as the model
+    runner shares one among its layers: each split launch leaves its arrival counters at zero
+    for the next, whatever its shape."""
+    cases = [(rows, k, n, tiles) for rows, k, n in _cases(full)
+             for tiles in _tiles(rows, k, n, device)]
+    workspace = SplitKWorkspace.allocate([(n, t.splits) for _, _, n, t in cases], device)
+    for rows, k, n, tiles in cases:
         x, weight, scale, ref = _e4m3_inputs(rows, k, n, device)
-        for tiles in _tiles(rows, k, n, device):
-            for _ in range(2):  # a split launch leaves its arrival counters at zero
-                out = fewrow_gemm(x.data, weight, x_scale=x.scale, weight_scale=scale,
-                                  out_dtype=torch.bfloat16, tiles=tiles)
-                assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-                assert_close(out, ref)
+        for _ in range(2):
+            out = fewrow_gemm(x.data, weight, x_scale=x.scale, weight_scale=scale,
+                              out_dtype=torch.bfloat16, tiles=tiles, workspace=workspace)
+            assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+            assert_close(out, ref)
+    assert not workspace.counters.any()
+
+
+def test_split_launch_needs_room_in_the_workspace(device):
+    """A workspace sized for narrower launches is refused, not overrun."""
+    tiles = FewRowTiles(block_m=128, block_n=64, block_k_bytes=128, num_stages=4, swapped=True,
+                        splits=2)
+    x, weight, scale, _ = _e4m3_inputs(70, 512, 96, device)
+    small = SplitKWorkspace.allocate([(64, 2)], device)
+    with pytest.raises(AssertionError, match="no room for 2 x 96"):
+        fewrow_gemm(x.data, weight, x_scale=x.scale, weight_scale=scale,
+                    out_dtype=torch.bfloat16, tiles=tiles, workspace=small)
 
 
 def test_e4m3_adds_to_the_residual(assert_close, device, full):

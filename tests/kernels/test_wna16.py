@@ -5,8 +5,10 @@ dequantization, and `wna16_linear`'s choice among them by rows."""
 import pytest
 import torch
 
+from liteinfer.kernels.gemm_splits import SplitKWorkspace
 from liteinfer.kernels.wna16 import (
     FEWROW_MAX,
+    MAX_SPLITS,
     WNA16Tiles,
     dequantize_weight,
     wna16_gemm,
@@ -92,12 +94,13 @@ def _tiles(rows: int, n: int, k: int, bits: int, itemsize: int,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_fewrow(assert_close, device, full, needs_dot, dtype, rounded):
-    """2 to FEWROW_MAX rows on the tensor cores, in the activation dtype; each launch twice (a
-    split one leaves its arrival counters at zero). Interpreted, fp16 and bf16 take two
-    formats."""
+    """2 to FEWROW_MAX rows on the tensor cores, in the activation dtype; each launch twice,
+    through one workspace for every shape, as the model runner shares one (a split launch
+    leaves its arrival counters at zero). Interpreted, fp16 and bf16 take two formats."""
     needs_dot(dtype)
-    for k, n, bits, group in _cases(full, FORMATS if full or dtype == torch.float32
-                                    else FORMATS[:2]):
+    cases = _cases(full, FORMATS if full or dtype == torch.float32 else FORMATS[:2])
+    workspace = SplitKWorkspace.allocate([(n, MAX_SPLITS) for _, n, _, _ in cases], device)
+    for k, n, bits, group in cases:
         packed = _packed(n, k, bits, group, device)
         w64 = _weight64(*packed, bits)
         for rows in GPU_ROWS if full else CPU_ROWS:
@@ -106,11 +109,14 @@ def test_fewrow(assert_close, device, full, needs_dot, dtype, rounded):
             ref = x.double() @ w64.to(dtype).double().T
             for tiles in _tiles(rows, n, k, bits, x.element_size(), device):
                 for _ in range(2):
-                    assert_close(wna16_gemm(x, *packed, bits, tiles=tiles), ref)
+                    assert_close(wna16_gemm(x, *packed, bits, tiles=tiles,
+                                            workspace=workspace), ref)
             residual = torch.randn(rows, n, dtype=dtype, device=device)
             before = residual.clone()
-            assert wna16_gemm(x, *packed, bits, residual=residual) is residual
+            assert wna16_gemm(x, *packed, bits, residual=residual,
+                              workspace=workspace) is residual
             assert_close(residual, before.double() + rounded(ref, dtype))
+    assert not workspace.counters.any()
 
 
 @pytest.mark.parametrize("rows", [1, 3, FEWROW_MAX, FEWROW_MAX + 5])

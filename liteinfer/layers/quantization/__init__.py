@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from liteinfer.layers.quantization.base import LinearMethod
 from liteinfer.layers.quantization.fp8 import Fp8Config
 from liteinfer.layers.quantization.gguf import GGUFConfig
 from liteinfer.layers.quantization.wna16 import WNA16Config
@@ -66,4 +67,18 @@ def process_weights_after_loading(model: nn.Module) -> None:
             method.process_weights_after_loading(module)
 
 
-__all__ = ["GGUFConfig", "QuantConfig", "process_weights_after_loading", "quant_config"]
+def split_k_launches(model: nn.Module, sms: int) -> list[tuple[int, int]]:
+    """(features, splits) of every few-row launch of the model's loaded linear layers that cuts
+    K on a GPU of `sms` SMs: what the runner's SplitKWorkspace must hold."""
+    launches = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)  # (a mixture's experts have a MoEMethod)
+        launch = (method.split_k_launch(module, sms) if isinstance(method, LinearMethod)
+                  else None)
+        if launch is not None:
+            launches.append(launch)
+    return launches
+
+
+__all__ = ["GGUFConfig", "QuantConfig", "process_weights_after_loading", "quant_config",
+           "split_k_launches"]

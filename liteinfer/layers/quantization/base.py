@@ -37,6 +37,12 @@ class LinearMethod(ABC):
         dtype."""
         return None
 
+    def split_k_launch(self, layer: nn.Module, sms: int) -> tuple[int, int] | None:
+        """(features, splits) of the layer's few-row launches cut along K on a GPU of `sms`
+        SMs, whose partials go through the runner's SplitKWorkspace (`layer.scratch.split_k`,
+        sized from every layer's); None: the layer never cuts K."""
+        return None
+
     def gemv(self, layer: nn.Module, x: torch.Tensor, *, norm: RMSNorm | None = None,
              gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
         """One row: f(x) W^T with f the norm when given, SwiGLU'd when gated, or added to

@@ -165,12 +165,22 @@ class Fp8LinearMethod(LinearMethod):
                 if tiles is not None:
                     return fewrow_gemm(x.data, layer.weight, x_scale=x.scale,
                                        weight_scale=layer.weight_scale, residual=residual,
-                                       out_dtype=self.out_dtype, tiles=tiles)
+                                       out_dtype=self.out_dtype, tiles=tiles,
+                                       workspace=layer.scratch.split_k)
             y = fp8_matmul(x, layer.weight, layer.weight_scale)
         return y if residual is None else residual.add_(y)
 
     def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:
         return layer.weight_scale  # None once dequantized
+
+    def split_k_launch(self, layer: nn.Module, sms: int) -> tuple[int, int] | None:
+        if not self.use_triton or layer.weight_scale is None:
+            return None
+        from liteinfer.kernels.fewrow_gemm import FEWROW_MAX_ROWS, fewrow_tiles
+        n, k = layer.weight.shape
+        # Only the widest steps' (swapped) tiles cut K, by the same count at any row count.
+        tiles = fewrow_tiles(FEWROW_MAX_ROWS, n, k, 1, sms)
+        return (n, tiles.splits) if tiles is not None and tiles.splits > 1 else None
 
     def gemm(self, layer: nn.Module, x: torch.Tensor | Fp8Activation,
              residual: torch.Tensor | None) -> torch.Tensor:

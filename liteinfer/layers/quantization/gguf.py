@@ -156,6 +156,9 @@ class DequantizedMethod(LinearMethod):
     def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:
         return self.inner.gemv_weight_scale(layer)
 
+    def split_k_launch(self, layer: nn.Module, sms: int) -> tuple[int, int] | None:
+        return self.inner.split_k_launch(layer, sms)
+
     def gemm(self, layer: nn.Module, x: Any, residual: torch.Tensor | None) -> torch.Tensor:
         return self.inner.gemm(layer, x, residual)
 

@@ -196,7 +196,17 @@ class WNA16LinearMethod(LinearMethod):
             return y if residual is None else residual.add_(y)
         from liteinfer.kernels.wna16 import wna16_linear
         return wna16_linear(x, layer.qweight, layer.scales, layer.mins, self.config.bits,
-                            residual)
+                            residual, workspace=layer.scratch.split_k)
+
+    def split_k_launch(self, layer: nn.Module, sms: int) -> tuple[int, int] | None:
+        if layer.weight is not None:
+            return None
+        from liteinfer.kernels.wna16 import wna16_tiles
+        n = layer.qweight.shape[0]
+        k = layer.qweight.shape[1] * (32 // self.config.bits)
+        # The split count depends on neither the rows nor their dtype.
+        splits = wna16_tiles(2, n, k, self.config.bits, self.out_dtype.itemsize, sms).splits
+        return (n, splits) if splits > 1 else None
 
     def gemv(self, layer: nn.Module, x: torch.Tensor, *, norm: RMSNorm | None = None,
              gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:

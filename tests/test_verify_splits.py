@@ -59,7 +59,8 @@ def test_split_verifications_equal_transformers(tiny_llm, tiny_llama_dir, monkey
         runner = llm.engine.core.runner
         if captured:
             runner.graphs, runner.prompt_graphs = capture_step_graphs(
-                runner.step_model, runner.config, runner.max_blocks_per_seq, None)
+                runner.step_model, runner.config, None)
+            llm.engine.core.scheduler.prompt_buckets = runner.prompt_buckets  # as on CUDA
             replays.clear()
         outputs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
         assert token_ids(outputs) == ref

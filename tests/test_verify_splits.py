@@ -61,6 +61,7 @@ def test_split_verifications_equal_transformers(tiny_llm, tiny_llama_dir, monkey
             runner.graphs, runner.prompt_graphs = capture_step_graphs(
                 runner.step_model, runner.config, None)
             llm.engine.core.scheduler.prompt_buckets = runner.prompt_buckets  # as on CUDA
+            prompt_graphs = {id(g) for g in runner.prompt_graphs.graphs.values()}
             replays.clear()
         outputs = llm.generate(prompts, greedy(logprobs=3), use_tqdm=False)
         assert token_ids(outputs) == ref
@@ -73,4 +74,4 @@ def test_split_verifications_equal_transformers(tiny_llm, tiny_llama_dir, monkey
         release(llm)
     assert 4 in split_queries and max(split_rows) > 1  # verifications of 1 + 3 split
     if captured:
-        assert {id(r) for r in replays} & {id(g) for g in runner.prompt_graphs.graphs.values()}
+        assert {id(r) for r in replays} & prompt_graphs  # read before `release` frees them

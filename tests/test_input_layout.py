@@ -48,9 +48,9 @@ def test_a_decode_step_reads_its_own_inputs_over_another_shapes(rows):
         assert np.array_equal(got[:5], want)
     assert (v.ids[5:] == 0).all() and (v.pending[5:] == NOT_PENDING).all()
     assert (v.positions[5:] == 0).all() and (v.slots[5:] == -1).all()
-    assert (v.context_lens[5:] == 0).all()
-    assert used == layout.used(StepShape(rows, rows), 5) == (
-        layout.offsets(StepShape(rows, rows))["block_tables"] + 5 * WIDTH)
+    assert (v.context_lens[5:] == 0).all() and (v.block_tables[5:] == 0).all()
+    assert used == layout.used(StepShape(rows, rows), rows) == (
+        layout.offsets(StepShape(rows, rows))["block_tables"] + rows * WIDTH)
 
 
 def test_a_mixed_step_padded_to_a_bucket_reads_its_own_inputs_over_another_shapes():

@@ -132,8 +132,8 @@ class InputLayout:
             block_tables=region("block_tables", r * self.width).reshape(r, self.width))
 
     def used(self, shape: StepShape, table_rows: int) -> int:
-        """The prefix a step of `shape` sends: up to its first `table_rows` block tables (the
-        others are padding rows', which nothing reads)."""
+        """The prefix a step of `shape` sends: up to its first `table_rows` block tables (a
+        prompt step's others are padding rows', which no prefill kernel reads)."""
         return self.offsets(shape)["block_tables"] + table_rows * self.width
 
     def reset(self, buffer: torch.Tensor, shape: StepShape) -> None:
@@ -149,8 +149,8 @@ class InputLayout:
         """Writes a decode step of `seqs` padded to `rows` (each decodes its newest token) into
         a host mirror in shape (rows, rows); returns the context lengths and the length to
         send. Sample rows are not written: every decoding row samples. `table_tails`: zero each
-        block table past its blocks, which the torch backends' gathers read; the Triton kernels
-        read a row's blocks only, and a captured step skips the memset."""
+        real row's block table past its blocks, which the torch backends' gathers read; the
+        Triton kernels read a row's blocks only, and a captured step skips that memset."""
         n = len(seqs)
         o = self._decode_offsets.get(rows)
         if o is None:
@@ -172,12 +172,15 @@ class InputLayout:
                               ("slots", -1), ("context_lens", 0)):
                 host[o[name] + n:o[name] + rows] = pad
         at = o["block_tables"]
-        tables = host[at:at + n * self.width].reshape(n, self.width)
+        tables = host[at:at + rows * self.width].reshape(rows, self.width)
         if table_tails:
-            tables[:] = 0
+            tables[:n] = 0
+        # Padding rows' tables are zeroed and sent: their region may hold another shape's
+        # arrays, and the batch-invariant kernel reads a padding row's first block id.
+        tables[n:] = 0
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
-        return lens, at + n * self.width
+        return lens, at + rows * self.width
 
     def fill(self, host: np.ndarray, step: StepInputs, shape: StepShape, d_size: int,
              tile_map: np.ndarray | None = None) -> int:

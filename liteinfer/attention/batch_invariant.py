@@ -14,6 +14,7 @@ step computes the query.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from liteinfer.attention.base import AttentionBackend, AttentionMetadata
@@ -65,9 +66,10 @@ def invariant_attention(q: torch.Tensor, positions: torch.Tensor, block_tables: 
 
 class BatchInvariantBackend(AttentionBackend):
     """With `triton`, RoPE and the K/V write through kernels/kv_cache.py and attention through
-    kernels/invariant_attention.py (one kernel for every kind of step; decode steps capture in
-    CUDA graphs); otherwise RoPE and the K/V write as the torch backend does them
-    (elementwise, so invariant), then `invariant_attention` above."""
+    kernels/invariant_attention.py (one kernel for every kind of step, all of which capture in
+    CUDA graphs: a captured prompt step's tile map is in its inputs); otherwise RoPE and the K/V
+    write as the torch backend does them (elementwise, so invariant), then `invariant_attention`
+    above."""
 
     def __init__(self, triton: bool):
         self.triton = triton
@@ -92,13 +94,17 @@ class BatchInvariantBackend(AttentionBackend):
     def _forward_triton(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         from liteinfer.kernels import invariant_attention as kernel
+        from liteinfer.kernels.invariant_tiles import query_tiles
         from liteinfer.kernels.kv_cache import rope_store_kv
 
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         tiles = None
-        if meta.is_prefill:
+        if meta.is_prefill and meta.query_lens_host:  # eager: the tiles from the host lengths
+            lens = np.asarray(meta.query_lens_host)
             group = q.shape[1] // k_cache.shape[2]
-            tiles = to_device(kernel.query_tiles(meta.query_lens_host, group), torch.int32,
+            tiles = to_device(query_tiles(lens, np.cumsum(lens) - lens, group), torch.int32,
                               q.device)
+        elif meta.is_prefill:  # captured: the map its bucket's layout filled
+            tiles = meta.tile_map
         return kernel.invariant_attention(q, k_cache, v_cache, positions, meta.block_tables,
-                                          tiles, scale, torch.empty_like(q))
+                                          tiles, meta.cu_seqlens_q, scale, torch.empty_like(q))

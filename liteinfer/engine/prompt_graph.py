@@ -28,6 +28,8 @@ from liteinfer.engine.prompt_buckets import PromptBuckets
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.engine.step_model import StepModel
+from liteinfer.kernels.invariant_tiles import query_tiles
+from liteinfer.kernels.invariant_tiles import tile_tokens as invariant_tile_tokens
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens, split_entries
 
 
@@ -37,8 +39,11 @@ class PromptStepLayout:
     layout runs as well on a CPU buffer."""
 
     def __init__(self, buckets: PromptBuckets, inputs: InputLayout, query_group_size: int,
-                 max_decode_splits: int, split_rows: int):
+                 max_decode_splits: int, split_rows: int, batch_invariant: bool = False):
         self.prompt_buckets = buckets
+        # Batch-invariant attention maps every row's query tiles (kernels/invariant_attention.py)
+        # instead of prefill attention's split rows and tiles.
+        self.batch_invariant = batch_invariant
         self.max_num_seqs = buckets.max_num_seqs
         self.query_group_size = query_group_size
         self.max_decode_splits = max_decode_splits
@@ -60,10 +65,13 @@ class PromptStepLayout:
         """Tile-map entries of bucket (decodes, prompt_size): the split rows' beyond their own
         tiles, and the query tiles of any `prompt_size` tokens (each sequence adds at most one
         partial)."""
-        return (split_entries(decodes) + prompt_size // self._tile_tokens(prompt_size)
+        row_entries = decodes if self.batch_invariant else split_entries(decodes)
+        return (row_entries + prompt_size // self._tile_tokens(prompt_size)
                 + self._prompt_seqs(prompt_size))
 
     def _tile_tokens(self, prompt_size: int) -> int:
+        if self.batch_invariant:
+            return invariant_tile_tokens(self.query_group_size)
         return prefill_tile_tokens(prompt_size, self.query_group_size)
 
     def fits(self, batch: StepBatch) -> bool:
@@ -103,9 +111,27 @@ class PromptStepLayout:
     def fill(self, host: np.ndarray, step: StepInputs, d_size: int, p_size: int) -> int:
         """Writes the step into a host buffer in its bucket's layout; returns the used length."""
         shape = self.shape(d_size, p_size)
-        tile_map = step.attention_tile_map(self._tile_tokens(p_size), d_size,
-                                           self.max_decode_splits, self.split_rows, shape.tiles)
+        if self.batch_invariant:
+            tile_map = self._invariant_tile_map(step, shape, d_size)
+        else:
+            tile_map = step.attention_tile_map(self._tile_tokens(p_size), d_size,
+                                               self.max_decode_splits, self.split_rows,
+                                               shape.tiles)
         return self.input_layout.fill(host, step, shape, d_size, tile_map)
+
+    def _invariant_tile_map(self, step: StepInputs, shape: StepShape, d_size: int
+                            ) -> np.ndarray:
+        """Batch-invariant attention's query tiles of the step in its bucket: the decoding rows
+        at rows and tokens 0..d-1 (their padding, one token each, mapped to none), the prompt
+        sequences from row and token d_size on."""
+        d = step.num_decodes
+        lens = np.zeros(shape.rows, dtype=np.int64)
+        starts = np.arange(shape.rows, dtype=np.int64)
+        lens[:d] = 1
+        prompt_lens = step.query_lens[d:]
+        lens[d_size:d_size + len(prompt_lens)] = prompt_lens
+        starts[d_size:d_size + len(prompt_lens)] = d_size + np.cumsum(prompt_lens) - prompt_lens
+        return query_tiles(lens, starts, self.query_group_size, shape.tiles)
 
 
 def forward_bucket(step_model: StepModel, layout: PromptStepLayout, buffer: torch.Tensor,
@@ -151,16 +177,12 @@ class PromptGraphRunner:
 def capture_step_graphs(step_model: StepModel, config: EngineConfig, pool, logits: bool = True
                         ) -> tuple[CUDAGraphRunner, PromptGraphRunner | None]:
     """A model's captured decode steps and prompt steps (pool: shared by every graph, as they
-    replay one at a time); `logits`: whether decode steps end with the LM head. Batch-invariant
-    attention takes a prompt step's query tiles from the host, which a captured prompt step
-    does not have: those steps run eagerly in that mode (None)."""
-    prompt_graphs = None
-    if not config.batch_invariant:
-        layout = PromptStepLayout(PromptBuckets(config.max_num_seqs, config.mixed_prompt_tokens),
-                                  step_model.layout, step_model.query_group_size,
-                                  step_model.max_decode_splits, step_model.split_rows)
-        prompt_graphs = PromptGraphRunner(step_model, layout,
-                                          step_model.model.config.hidden_size,
-                                          config.torch_dtype, step_model.device, pool)
+    replay one at a time); `logits`: whether decode steps end with the LM head."""
+    layout = PromptStepLayout(PromptBuckets(config.max_num_seqs, config.mixed_prompt_tokens),
+                              step_model.layout, step_model.query_group_size,
+                              step_model.max_decode_splits, step_model.split_rows,
+                              config.batch_invariant)
+    prompt_graphs = PromptGraphRunner(step_model, layout, step_model.model.config.hidden_size,
+                                      config.torch_dtype, step_model.device, pool)
     graphs = CUDAGraphRunner(step_model, config.max_num_seqs, pool, logits)
     return graphs, prompt_graphs

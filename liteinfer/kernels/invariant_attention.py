@@ -11,43 +11,27 @@ each an MMA of the same shape followed by the online-softmax update. An MMA comp
 from that row alone and the tiles sit at fixed key positions, so a row's arithmetic depends on
 its own position only: tiles past it are masked to weights of exactly zero and leave its
 running max, sum and accumulator unchanged. Decode steps (`decode`: token i is sequence i's)
-need no tile map and are captured in CUDA graphs; prompt and mixed steps take theirs from the
-host (`query_tiles`).
+need no tile map; prompt and mixed steps read theirs (kernels/invariant_tiles.py) from the
+host eagerly and from the step's input buffer when captured (engine/prompt_graph.py), whose
+grid holds a bucket's most tiles and whose unused entries exit at once.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from liteinfer.kernels import dot_precision
 from liteinfer.kernels.decode_attention import LOG2E
+from liteinfer.kernels.invariant_tiles import block_q
 from liteinfer.kernels.kv_cache import pool_strides
 
 KEY_BLOCK = 32  # keys an online-softmax update takes
 
 
-def block_q(group: int) -> int:
-    """Query rows a program holds: at least tl.dot's 16, and every head of a KV group."""
-    return max(16, triton.next_power_of_2(group))
-
-
-def query_tiles(query_lens: list[int], group: int) -> np.ndarray:
-    """[N, 3] int32 (sequence, first token, tokens) of a prompt or mixed step whose sequences'
-    query tokens are laid end to end: each sequence cut into tiles of block_q(group) // group
-    tokens."""
-    per_tile = block_q(group) // group
-    tiles, start = [], 0
-    for seq, n in enumerate(query_lens):
-        tiles += [(seq, start + t, min(per_tile, n - t)) for t in range(0, n, per_tile)]
-        start += n
-    return np.asarray(tiles, dtype=np.int32).reshape(-1, 3)
-
-
 @triton.jit
-def _attention_kernel(q_ptr, k_cache, v_cache, positions, block_tables, tiles, out_ptr,
-                      qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+def _attention_kernel(q_ptr, k_cache, v_cache, positions, block_tables, tiles, cu_seqlens,
+                      out_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                       max_blocks, stride_pool_block, stride_pool_row, stride_pool_head,
                       G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
                       KEY_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, DECODE: tl.constexpr,
@@ -59,9 +43,11 @@ def _attention_kernel(q_ptr, k_cache, v_cache, positions, block_tables, tiles, o
         first = tile
         num_tokens = 1
     else:
-        seq = tl.load(tiles + tile * 3)
-        first = tl.load(tiles + tile * 3 + 1)
-        num_tokens = tl.load(tiles + tile * 3 + 2)
+        seq = tl.load(tiles + tile * 2)
+        if seq < 0:  # an unused entry of a captured step's map
+            return
+        first = tl.load(tiles + tile * 2 + 1)
+        num_tokens = tl.minimum(BLOCK_Q // G, tl.load(cu_seqlens + seq + 1) - first)
     r = tl.arange(0, BLOCK_Q)
     valid = r // G < num_tokens
     token = (first + r // G).to(tl.int64)
@@ -101,11 +87,12 @@ def _attention_kernel(q_ptr, k_cache, v_cache, positions, block_tables, tiles, o
 
 def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         positions: torch.Tensor, block_tables: torch.Tensor,
-                        tiles: torch.Tensor | None, scale: float,
-                        out: torch.Tensor) -> torch.Tensor:
+                        tiles: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                        scale: float, out: torch.Tensor) -> torch.Tensor:
     """Causal attention of the rotated queries q [T, Hq, D] over the pool (their own K/V
-    written already). `tiles`: query_tiles of a prompt or mixed step; None for a decode step
-    (T sequences, one token each, in block-table order)."""
+    written already). `tiles`: query_tiles of a prompt or mixed step, whose sequences' first
+    tokens are cu_seqlens [B + 1]; None for a decode step (T sequences, one token each, in
+    block-table order)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -115,8 +102,9 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     s_block, s_row, s_head = pool_strides(k_cache, v_cache)
     _attention_kernel[(grid_tiles, num_kv_heads)](
         q, k_cache, v_cache, positions, block_tables, tiles if tiles is not None else positions,
-        out, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), block_tables.shape[1], s_block, s_row, s_head, G=group,
+        cu_seqlens if cu_seqlens is not None else positions, out, scale * LOG2E, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_tables.shape[1],
+        s_block, s_row, s_head, G=group,
         HEAD_DIM=head_dim, BLOCK_Q=block_q(group), KEY_BLOCK=KEY_BLOCK,
         BLOCK_SIZE=k_cache.shape[1], DECODE=tiles is None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4)

@@ -1,11 +1,13 @@
 """The batch-invariant GEMM and attention kernels: close to float64 references, and each row's
 bits the same at every row count, in every tile position, decoding or in a prompt chunk."""
+import numpy as np
 import pytest
 import torch
 
 from conftest import _assert_close
-from liteinfer.kernels.invariant_attention import invariant_attention, query_tiles
+from liteinfer.kernels.invariant_attention import invariant_attention
 from liteinfer.kernels.invariant_gemm import invariant_gemm, num_splits
+from liteinfer.kernels.invariant_tiles import query_tiles
 
 # (K, N): one K split and several, ragged N; the 8B's on the GPU.
 CPU_SHAPES = [(96, 70), (1100, 40)]
@@ -64,22 +66,40 @@ def test_attention_decoding_and_in_chunks_agree_bitwise(device, full, needs_dot,
     positions = torch.arange(length, device=device)
     scale = head_dim ** -0.5
 
-    def chunked(lens):
+    def run(q, positions, lens, starts, tables, spare=0):
+        """A prompt or mixed step of these sequences (query tokens from their starts on), its
+        tile map with `spare` unused entries, as a captured step's."""
+        lens, starts = np.array(lens), np.array(starts)
+        used = len(query_tiles(lens, starts, group))
+        tiles = torch.from_numpy(query_tiles(lens, starts, group, used + spare))
+        cu = torch.from_numpy(np.concatenate([starts, [q.shape[0]]])).to(torch.int32)
+        return invariant_attention(q, k_cache, v_cache, positions, tables, tiles.to(device),
+                                   cu.to(device), scale, torch.full_like(q, float("nan")))
+
+    def chunked(lens, spare=0):
         """The sequence's queries as one prompt cut into chunks of these lengths, all in one
         step (each chunk a sequence of the step with the same block table)."""
-        tiles = torch.from_numpy(query_tiles(lens, group)).to(device)
-        tables = table.expand(len(lens), -1).contiguous()
-        return invariant_attention(q, k_cache, v_cache, positions, tables, tiles, scale,
-                                   torch.empty_like(q))
+        starts = np.cumsum(lens) - np.array(lens)
+        return run(q, positions, lens, starts, table.expand(len(lens), -1).contiguous(), spare)
 
     whole = chunked([length])
     _assert_close(whole, _reference(q, k_cache, v_cache, table[0], positions, scale))
     assert torch.equal(chunked([5, 1, length - 6]), whole)
+    assert torch.equal(chunked([5, 1, length - 6], spare=3), whole)
     assert torch.equal(chunked([1] * length), whole)
     decoded = invariant_attention(q, k_cache, v_cache, positions,
-                                  table.expand(length, -1).contiguous(), None, scale,
+                                  table.expand(length, -1).contiguous(), None, None, scale,
                                   torch.empty_like(q))
     assert torch.equal(decoded, whole)
+    # A captured mixed step's layout: padding rows of one token each (position 0, a zeroed
+    # block table, no tile) between a decoding row and the prompt, unused map entries after.
+    pad = 3
+    q_pad = torch.cat([q[:1], torch.randn_like(q[:pad]), q[1:]])
+    pos_pad = torch.cat([positions[:1], positions.new_zeros(pad), positions[1:]])
+    tables = torch.cat([table, table.new_zeros(pad, table.shape[1]), table])
+    mixed = run(q_pad, pos_pad, [1] + [0] * pad + [length - 1],
+                [0, *range(1, 1 + pad), 1 + pad], tables, spare=5)
+    assert torch.equal(torch.cat([mixed[:1], mixed[1 + pad:]]), whole)
 
 
 def test_splits_follow_the_weight_and_the_gpu():
@@ -90,5 +110,8 @@ def test_splits_follow_the_weight_and_the_gpu():
 
 
 def test_query_tiles_cut_each_sequence():
-    assert query_tiles([5, 1, 3], 4).tolist() == [[0, 0, 4], [0, 4, 1], [1, 5, 1], [2, 6, 3]]
-    assert query_tiles([2], 32).tolist() == [[0, 0, 1], [0, 1, 1]]
+    assert query_tiles([5, 1, 3], [0, 5, 6], 4).tolist() == [[0, 0], [0, 4], [1, 5], [2, 6]]
+    assert query_tiles([2], [0], 32).tolist() == [[0, 0], [0, 1]]
+    # A captured step's: rows of no tile, tokens laid out with gaps, unused entries (-1, 0).
+    assert query_tiles([1, 0, 6], [0, 1, 4], 4, 5).tolist() == [[0, 0], [2, 4], [2, 8],
+                                                                   [-1, 0], [-1, 0]]

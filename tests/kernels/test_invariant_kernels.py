@@ -6,7 +6,7 @@ import torch
 
 from conftest import _assert_close
 from liteinfer.kernels.invariant_attention import invariant_attention
-from liteinfer.kernels.invariant_gemm import invariant_gemm, num_splits
+from liteinfer.kernels.invariant_gemm import invariant_gemm, num_splits, serial_splits
 from liteinfer.kernels.invariant_tiles import query_tiles
 
 # (K, N): one K split and several, ragged N; the 8B's on the GPU.
@@ -34,6 +34,12 @@ def test_gemm_matches_float64_and_rows_agree_at_every_row_count(device, full, dt
                 part = slice(start, start + rows)
                 assert torch.equal(invariant_gemm(x[part], w), whole[part]), (k, n, rows, start)
                 assert torch.equal(invariant_gemm(x[part], w, res[part].clone()), summed[part])
+            # The K splits in programs of their own, and one after another in each program.
+            part = slice(5, 5 + rows)
+            for serial in (False, True):
+                assert torch.equal(invariant_gemm(x[part], w, serial=serial), whole[part])
+                assert torch.equal(invariant_gemm(x[part], w, res[part].clone(), serial=serial),
+                                   summed[part]), (k, n, rows, serial)
 
 
 def _reference(q, k_cache, v_cache, table, positions, scale):
@@ -100,6 +106,13 @@ def test_attention_decoding_and_in_chunks_agree_bitwise(device, full, needs_dot,
     mixed = run(q_pad, pos_pad, [1] + [0] * pad + [length - 1],
                 [0, *range(1, 1 + pad), 1 + pad], tables, spare=5)
     assert torch.equal(torch.cat([mixed[:1], mixed[1 + pad:]]), whole)
+
+
+def test_splits_run_serially_once_the_row_tiles_fill_the_gpu():
+    assert not serial_splits(1, 16384, 132)    # a decode step: the splits' programs stream K
+    assert serial_splits(65, 16384, 132)       # two row tiles of 256 column tiles
+    assert not serial_splits(128, 2048, 132)   # 64 output tiles: still split
+    assert serial_splits(2048, 2048, 132)      # a prompt step
 
 
 def test_splits_follow_the_weight_and_the_gpu():

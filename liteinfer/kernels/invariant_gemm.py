@@ -9,8 +9,9 @@ cores' sum over K in BLOCK_K steps from the first column on; an MMA computes eac
 its own row and column only, so a row's result is the same among any others and in any tile
 row. A projection with few output tiles is split along K so that a decode step has enough
 programs to stream the weight: the split is fixed by the weight's shape and the GPU
-(`num_splits`), never by the number of rows, and the fp32 partials are summed in split order by
-a second kernel. Once the rows' tiles alone fill the GPU, each program instead sums the splits
+(`num_splits`), never by the number of rows; the fp32 partials go through the runner's
+SplitKWorkspace and the last program of a tile to arrive sums them in split order. Once the
+rows' tiles alone fill the GPU (or outgrow the workspace), each program instead sums the splits
 one after another in registers, each from zero and in the same order: the same bits, without
 the partials' round trip through memory.
 """
@@ -21,6 +22,8 @@ import triton
 import triton.language as tl
 
 from liteinfer.kernels import dot_precision, num_sms
+from liteinfer.kernels.fewrow_gemm import sum_splits
+from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace, split_buffers
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 MIN_K_PER_SPLIT = 512  # columns a split sums at least
@@ -45,8 +48,8 @@ def _split_dot(x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, stride_xm, stride_wn
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 stride_rm, stride_os, k_per_split, BLOCK_M: tl.constexpr,
+def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+                 stride_wn, stride_om, stride_rm, k_per_split, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
                  SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
@@ -57,16 +60,23 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stride_wn, 
     row_ok = rows < M
     col_ok = cols < N
     mask = row_ok[:, None] & col_ok[None, :]
-    if PARTIAL:  # this program's split; _sum_splits_kernel adds them
+    if PARTIAL:  # this program's split; the tile's last to arrive adds them in split order
         split = tl.program_id(2)
         acc = _split_dot(x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, stride_xm, stride_wn,
                          split * k_per_split, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K,
                          DOT_PRECISION)
-        tl.store(out_ptr + split * stride_os + rows[:, None].to(tl.int64) * stride_om
-                 + cols[None, :], acc, mask=mask)
+        parts = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        acc, last = sum_splits(acc, parts, mask, count_ptr + pid_m * tl.num_programs(1) + pid_n,
+                               split, M * N, SPLITS)
+        if last:
+            if HAS_RESIDUAL:
+                res_ptrs = res_ptr + rows[:, None].to(tl.int64) * stride_rm + cols[None, :]
+                acc += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        # Every split in turn, each from zero, added in split order as _sum_splits_kernel adds
-        # the partial programs' sums: the same bits without the partials' round trip.
+        # Every split in turn, each from zero, added in split order as the partial programs'
+        # last adds their sums: the same bits without the partials' round trip.
         acc = _split_dot(x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, stride_xm, stride_wn,
                          0, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
         for s in tl.static_range(1, SPLITS):
@@ -78,21 +88,6 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, M, N, K, stride_xm, stride_wn, 
             acc += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, res_ptr, M, N, stride_ps, stride_pm, stride_om,
-                       stride_rm, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                       HAS_RESIDUAL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    total = tl.load(part_ptr + row * stride_pm + cols, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        total += tl.load(part_ptr + s * stride_ps + row * stride_pm + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        total += tl.load(res_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def num_splits(k: int, n: int, sms: int) -> tuple[int, int]:
@@ -107,17 +102,27 @@ def num_splits(k: int, n: int, sms: int) -> tuple[int, int]:
 
 def serial_splits(m: int, n: int, sms: int) -> bool:
     """Whether an [m, n] product runs its splits one after another in each program instead of
-    in programs of their own: once its output tiles alone give the programs the splits aim for
-    (the bits are the same either way; the partials' round trip through memory is saved)."""
-    return triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N) >= sms * PROGRAMS_PER_SM
+    in programs of their own: beyond the rows a split's partials hold (FEWROW_MAX_ROWS, as the
+    few-row GEMMs'), or once its output tiles alone give the programs the splits aim for. The
+    bits are the same either way; the partials' round trip through memory is saved."""
+    return (m > FEWROW_MAX_ROWS
+            or triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N) >= sms * PROGRAMS_PER_SM)
+
+
+def split_launch(n: int, k: int, sms: int) -> tuple[int, int] | None:
+    """(features, splits) of an [n, k] weight's launches whose splits sum through a
+    SplitKWorkspace (kernels/gemm_splits.py); None if its K is not split."""
+    splits, _ = num_splits(k, n, sms)
+    return (n, splits) if splits > 1 else None
 
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
-                   residual: torch.Tensor | None = None,
-                   serial: bool | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, serial: bool | None = None,
+                   workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in x's dtype; with residual [M, N], adds the product to it in
     place (in fp32, rounded once) and returns it. `serial`: run the K splits in one program
-    each (default: `serial_splits`)."""
+    each (default: `serial_splits`); otherwise their partials and arrival counters are the
+    workspace's (`split_buffers`)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
     (m, k), n = x.shape, weight.shape[0]
@@ -129,20 +134,17 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
     splits, per_split = num_splits(k, n, sms)
     if serial is None:
         serial = serial_splits(m, n, sms)
+    assert serial or m <= FEWROW_MAX_ROWS, "a split's partials hold FEWROW_MAX_ROWS rows"
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    common = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLITS=splits,
-                  HAS_RESIDUAL=residual is not None, DOT_PRECISION=dot_precision(x.dtype),
-                  num_warps=4, num_stages=3)
-    if splits == 1 or serial:
-        _gemm_kernel[grid](x, weight, out, res, m, n, k, x.stride(0), weight.stride(0),
-                           out.stride(0), res.stride(0), 0, per_split, PARTIAL=False, **common)
-        return out
-    parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    _gemm_kernel[(*grid, splits)](x, weight, parts, res, m, n, k, x.stride(0),
-                                  weight.stride(0), parts.stride(1), res.stride(0),
-                                  parts.stride(0), per_split, PARTIAL=True, **common)
-    block = 1024
-    _sum_splits_kernel[(m, triton.cdiv(n, block))](
-        parts, out, res, m, n, parts.stride(0), parts.stride(1), out.stride(0), res.stride(0),
-        SPLITS=splits, BLOCK=block, HAS_RESIDUAL=residual is not None)
+    parts = counts = out  # unread unless split among programs
+    if splits > 1 and not serial:
+        parts, counts = split_buffers(workspace, n, splits, x.device)
+        assert grid[0] * grid[1] <= counts.numel()
+        grid = (*grid, splits)
+    _gemm_kernel[grid](x, weight, out, res, parts, counts, m, n, k, x.stride(0),
+                       weight.stride(0), out.stride(0), res.stride(0), per_split,
+                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                       PARTIAL=len(grid) == 3, SPLITS=splits,
+                       HAS_RESIDUAL=residual is not None, DOT_PRECISION=dot_precision(x.dtype),
+                       num_warps=4, num_stages=3)
     return out

@@ -26,6 +26,7 @@ from liteinfer.layers.quantization.base import LinearMethod
 from liteinfer.utils import cdiv
 
 if TYPE_CHECKING:
+    from liteinfer.kernels.gemm_splits import SplitKWorkspace
     from liteinfer.layers.norm_act import RMSNorm, SiluAndMul
 
 # Rows one CPU matmul takes: small, since a decode step of one sequence pads up to it.
@@ -33,12 +34,14 @@ ROW_BLOCK = 16
 
 
 def invariant_mm(x: torch.Tensor, weight: torch.Tensor,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None,
+                 workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T with the same reduction order for every row at every M; with
-    residual, added to it in place (and residual returned)."""
+    residual, added to it in place (and residual returned). `workspace`: where the CUDA
+    kernel's K splits sum (the runner's, LayerOps.scratch)."""
     if x.is_cuda:
         from liteinfer.kernels.invariant_gemm import invariant_gemm
-        return invariant_gemm(x, weight, residual)
+        return invariant_gemm(x, weight, residual, workspace=workspace)
     y = _blocked_mm(x, weight)
     return y if residual is None else residual.add_(y)
 
@@ -98,13 +101,20 @@ class BatchInvariantLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing to convert: the weight is used as loaded."""
 
+    def split_k_launch(self, layer: nn.Module, sms: int) -> tuple[int, int] | None:
+        if not layer.weight.is_cuda:  # the CPU form multiplies whole rows
+            return None
+        from liteinfer.kernels.invariant_gemm import split_launch
+        n, k = layer.weight.shape
+        return split_launch(n, k, sms)
+
     def gemm(self, layer: nn.Module, x: torch.Tensor,
              residual: torch.Tensor | None) -> torch.Tensor:
-        return invariant_mm(x, layer.weight, residual)
+        return invariant_mm(x, layer.weight, residual, layer.scratch.split_k)
 
     def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                     act: SiluAndMul | None) -> torch.Tensor:
-        y = invariant_mm(norm(x), layer.weight)
+        y = invariant_mm(norm(x), layer.weight, workspace=layer.scratch.split_k)
         return y if act is None else act(y)
 
 

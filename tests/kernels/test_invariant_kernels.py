@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from conftest import _assert_close
+from liteinfer.kernels import num_sms
+from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace
 from liteinfer.kernels.invariant_attention import invariant_attention
-from liteinfer.kernels.invariant_gemm import invariant_gemm, num_splits, serial_splits
+from liteinfer.kernels.invariant_gemm import invariant_gemm, num_splits, serial_splits, split_launch
 from liteinfer.kernels.invariant_tiles import query_tiles
 
 # (K, N): one K split and several, ragged N; the 8B's on the GPU.
@@ -21,6 +23,11 @@ def test_gemm_matches_float64_and_rows_agree_at_every_row_count(device, full, dt
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("bf16 tl.dot is wrong under the Triton interpreter")
     shapes, counts = (GPU_SHAPES, GPU_ROWS) if full else (CPU_SHAPES, CPU_ROWS)
+    sms = num_sms(torch.device(device))
+    # One workspace for every shape's split partials, as the runner's for a model's layers.
+    workspace = SplitKWorkspace.allocate(
+        [launch for k, n in shapes if (launch := split_launch(n, k, sms)) is not None], device)
+    assert workspace is not None
     for k, n in shapes:
         x = torch.randn(max(counts) + 5, k, device=device).to(dtype)
         w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
@@ -36,10 +43,11 @@ def test_gemm_matches_float64_and_rows_agree_at_every_row_count(device, full, dt
                 assert torch.equal(invariant_gemm(x[part], w, res[part].clone()), summed[part])
             # The K splits in programs of their own, and one after another in each program.
             part = slice(5, 5 + rows)
-            for serial in (False, True):
-                assert torch.equal(invariant_gemm(x[part], w, serial=serial), whole[part])
-                assert torch.equal(invariant_gemm(x[part], w, res[part].clone(), serial=serial),
-                                   summed[part]), (k, n, rows, serial)
+            for serial in (False, True) if rows <= FEWROW_MAX_ROWS else (True,):
+                got = invariant_gemm(x[part], w, serial=serial, workspace=workspace)
+                assert torch.equal(got, whole[part])
+                got = invariant_gemm(x[part], w, res[part].clone(), serial, workspace)
+                assert torch.equal(got, summed[part]), (k, n, rows, serial)
 
 
 def _reference(q, k_cache, v_cache, table, positions, scale):
@@ -112,6 +120,7 @@ def test_splits_run_serially_once_the_row_tiles_fill_the_gpu():
     assert not serial_splits(1, 16384, 132)    # a decode step: the splits' programs stream K
     assert serial_splits(65, 16384, 132)       # two row tiles of 256 column tiles
     assert not serial_splits(128, 2048, 132)   # 64 output tiles: still split
+    assert serial_splits(129, 2048, 132)       # more rows than a split's partials hold
     assert serial_splits(2048, 2048, 132)      # a prompt step
 
 

@@ -75,6 +75,8 @@ def test_concurrent_requests_match_alone(model, dtype, eight_b_dir):
     _close(llm)
     for name, args in RUNS.items():
         llm = build_llm(path, **{"num_kv_blocks": 8192, **common, **args})
+        # Prompt and mixed steps are captured too, unless eager.
+        assert (llm.engine.core.runner.prompt_buckets is None) == (name == "eager"), name
         done = run_arriving(llm, prompts, seed=len(name), max_tokens=MAX_NEW)
         preempted = llm.engine.core.scheduler.num_preemptions > 0
         _close(llm)

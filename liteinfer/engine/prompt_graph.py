@@ -28,6 +28,7 @@ from liteinfer.engine.prompt_buckets import PromptBuckets
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.engine.step_model import StepModel
+from liteinfer.kernels.decode_splits import DecodeSplits
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens, split_entries
 
 
@@ -37,12 +38,13 @@ class PromptStepLayout:
     layout runs as well on a CPU buffer."""
 
     def __init__(self, buckets: PromptBuckets, inputs: InputLayout, query_group_size: int,
-                 max_decode_splits: int, split_rows: int):
+                 splits: DecodeSplits | None):
         self.prompt_buckets = buckets
         self.max_num_seqs = buckets.max_num_seqs
         self.query_group_size = query_group_size
-        self.max_decode_splits = max_decode_splits
-        self.split_rows = split_rows
+        # The split rows' bounds in the tile map (no split rows without split-K).
+        self.max_decode_splits = 1 if splits is None else splits.max_splits
+        self.split_rows = 0 if splits is None else splits.rows
         self.input_layout = inputs
         self.buckets = buckets.all()
         for d, p in self.buckets:
@@ -112,7 +114,8 @@ def forward_bucket(step_model: StepModel, layout: PromptStepLayout, buffer: torc
                    d: int, p: int) -> torch.Tensor:
     """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
     ids, pending, positions, meta = layout.inputs(buffer, d, p)
-    meta.workspace = step_model.decode_workspace  # for the split rows (tile map)
+    splits = step_model.splits
+    meta.workspace = None if splits is None else splits.workspace  # the split rows' (tile map)
     return step_model.model(step_model.pending.read(ids, pending), positions, meta)
 
 
@@ -158,7 +161,7 @@ def capture_step_graphs(step_model: StepModel, config: EngineConfig, pool, logit
     if not config.batch_invariant:
         layout = PromptStepLayout(PromptBuckets(config.max_num_seqs, config.mixed_prompt_tokens),
                                   step_model.layout, step_model.query_group_size,
-                                  step_model.max_decode_splits, step_model.split_rows)
+                                  step_model.splits)
         prompt_graphs = PromptGraphRunner(step_model, layout,
                                           step_model.model.config.hidden_size,
                                           config.torch_dtype, step_model.device, pool)

@@ -15,6 +15,7 @@ from liteinfer import SamplingParams
 from liteinfer.cli import build_parser, engine_kwargs
 from liteinfer.config import EngineConfig, SpeculativeConfig
 from liteinfer.engine.async_llm import AsyncLLM
+from liteinfer.kernels.decode_splits import max_splits_for
 from reference import random_prompts
 from test_spec_decode import (
     ENGINE,
@@ -191,7 +192,8 @@ def test_captured_draft_passes_replayed_eagerly(tiny_llm, tiny_llama_dir, monkey
     """The draft model's passes as its captured graphs run them (static buffers, batches
     padded to captured sizes, its catch-up in the target's captured step layouts), replayed
     on the CPU with the Triton kernels (`replay_captures_eagerly`): the same tokens as plain
-    decoding, the drafts accepted, and its proposal and prompt-step graphs replayed."""
+    decoding, the drafts accepted, and its proposal and prompt-step graphs replayed. Shutting
+    down frees both runners' split-K workspaces and input buffers."""
     replays = replay_captures_eagerly(monkeypatch)
     prompts = random_prompts(3, 384, 5, 40, seed=5)
     lengths = [24, 17, 9]  # sequences finish at different steps: 3, 2 and 1 of 4 rows
@@ -199,8 +201,15 @@ def test_captured_draft_passes_replayed_eagerly(tiny_llm, tiny_llama_dir, monkey
     llm = build_llm(str(tiny_llama_dir), **ENGINE, attention_backend="triton", max_num_seqs=4,
                     max_num_batched_tokens=32, mixed_prompt_tokens=16,
                     speculative_config=draft_config(tiny_llama_dir, k=3))
+    runner = llm.engine.core.runner
+    drafter = runner.drafter
     try:
-        drafter = llm.engine.core.runner.drafter
+        # Each runner's workspace: a row for each decoding sequence or verified token, each as
+        # wide as one row's grid for its own KV heads.
+        for r in (runner, drafter):
+            splits = r.step_model.splits
+            assert splits.rows == llm.engine.core.config.split_workspace_rows
+            assert splits.max_splits == max_splits_for(1, splits.num_kv_heads, splits.num_sms)
         drafter.capture_graphs(None)
         replays.clear()
         outputs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
@@ -216,3 +225,5 @@ def test_captured_draft_passes_replayed_eagerly(tiny_llm, tiny_llama_dir, monkey
                            for may_split in (True, False)}
     finally:
         release(llm)
+    for r in (runner, drafter):
+        assert r.step_model.splits is None and r.step_model.inputs.dev.numel() == 0

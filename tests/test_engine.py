@@ -416,8 +416,7 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
                     mixed_prompt_tokens=32)
     runner = llm.engine.core.runner
     layout = PromptStepLayout(PromptBuckets(4, 32), runner.step_model.layout,
-                              runner.query_group_size, runner.step_model.max_decode_splits,
-                              runner.step_model.split_rows)
+                              runner.query_group_size, runner.step_model.splits)
     buffer = torch.zeros(layout.input_layout.total, dtype=torch.int32)
     forward, buckets = runner._forward, []
     # No prompt step is captured on the CPU, so the scheduler trims nothing; here it trims to

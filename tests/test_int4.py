@@ -306,7 +306,7 @@ def test_int4_split_launches_sum_through_the_runners_workspace(tmp_path):
     assert not workspace.counters.any()
     gpu.shutdown()
     assert runner.scratch.split_k is None and runner.scratch.decode is None
-    assert runner.graphs is None and runner.step_model.decode_workspace is None
+    assert runner.graphs is None and runner.step_model.splits is None
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ from liteinfer.attention import AttentionMetadata
 from liteinfer.engine.input_layout import StepShape
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
+from liteinfer.kernels.decode_splits import DecodeSplits
 
 T = TypeVar("T")
 
@@ -51,11 +52,11 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class GraphsBySize(Generic[T]):
     """A step captured once per batch size up to max_num_seqs (`capture_sizes`) and, where
-    the split-K grid width depends on it, per whether a row may split
-    (kernels/decode_splits.max_splits_for); a step of n rows replays the smallest size >= n.
-    `forward(batch_size, may_split)` reads its inputs from buffers that outlive the capture."""
+    the split-K grid width depends on it, per whether a row may split (`splits.width`; None:
+    no split-K); a step of n rows replays the smallest size >= n. `forward(batch_size,
+    may_split)` reads its inputs from buffers that outlive the capture."""
 
-    def __init__(self, forward: Callable[[int, bool], T], step_model: StepModel,
+    def __init__(self, forward: Callable[[int, bool], T], splits: DecodeSplits | None,
                  max_num_seqs: int, pool, reset: Callable[[int], None] | None = None):
         """`reset(batch_size)`: writes an empty step into the inputs before its capture."""
         self.sizes = capture_sizes(max_num_seqs)
@@ -64,7 +65,7 @@ class GraphsBySize(Generic[T]):
             if reset is not None:
                 reset(bs)
             self.graphs[bs, True] = capture_graph(lambda bs=bs: forward(bs, True), pool)
-            same_width = step_model.split_width(bs, False) == step_model.split_width(bs, True)
+            same_width = splits is None or splits.width(bs, False) == splits.width(bs, True)
             self.graphs[bs, False] = self.graphs[bs, True] if same_width else capture_graph(
                 lambda bs=bs: forward(bs, False), pool)
 
@@ -86,9 +87,10 @@ class CUDAGraphRunner:
 
     def __init__(self, step_model: StepModel, max_num_seqs: int, pool, logits: bool = True):
         self.step_model = step_model
+        self.splits = step_model.splits
         self.logits = logits
         layout, buffer = step_model.layout, step_model.inputs.dev
-        self.graphs = GraphsBySize(self._forward, step_model, max_num_seqs, pool,
+        self.graphs = GraphsBySize(self._forward, self.splits, max_num_seqs, pool,
                                    lambda bs: layout.reset(buffer, StepShape(bs, bs)))
 
     def _forward(self, bs: int, may_split: bool) -> torch.Tensor:
@@ -113,7 +115,7 @@ class CUDAGraphRunner:
         sm = self.step_model
         lens, used = sm.layout.fill_decode(sm.inputs.host(), batch.seqs, bs, table_tails=False)
         sm.inputs.send(used)
-        return StagedDecode(bs, sm.rows_may_split(lens), n)
+        return StagedDecode(bs, self.splits is not None and self.splits.may_split(lens), n)
 
     def replay(self, staged: StagedDecode) -> torch.Tensor:
         """The staged step's logits (its final hidden states without `logits`), once

@@ -42,7 +42,7 @@ from liteinfer.engine.runner_output import (
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
-from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
+from liteinfer.kernels.decode_splits import DecodeSplits
 from liteinfer.layers.ops import StepScratch
 from liteinfer.loader import ModelSource, load_model_source
 from liteinfer.models.eagle3 import NUM_AUX_LAYERS, Eagle3LlamaForCausalLM, default_aux_layers
@@ -116,7 +116,8 @@ class ProposalPasses:
         self.graphs: GraphsBySize[torch.Tensor] | None = None
 
     def capture(self, pool) -> None:
-        self.graphs = GraphsBySize(self._forward, self.step_model, self.max_num_seqs, pool)
+        self.graphs = GraphsBySize(self._forward, self.step_model.splits, self.max_num_seqs,
+                                   pool)
 
     def _forward(self, bs: int, may_split: bool) -> torch.Tensor:
         """One pass over the first `bs` rows; returns their new tokens (the ids buffer)."""
@@ -131,7 +132,7 @@ class ProposalPasses:
                                  context_lens=context_lens, block_tables=tables,
                                  cu_seqlens_q=None)
         sm = self.step_model
-        if sm.decode_workspace is not None:
+        if sm.splits is not None:
             sm.set_split_k(meta, bs, may_split)  # split counts are chosen on the device
         else:  # the torch backends read the lengths on the host (never captured)
             meta.query_lens_host = [1] * bs
@@ -169,17 +170,15 @@ class DraftModelRunner:
         cfg = model.config
         tp = config.tensor_parallel_size
         num_kv_heads = cfg.num_key_value_heads // tp
-        sms = num_sms(device)
         # The draft's own decode workspace (its heads' shape); its layers share the target's
         # split-K workspace (LayerOps.scratch). Freed with its graphs (`release`).
         self.scratch = StepScratch()
         if config.attention_backend == "triton":
-            self.scratch.decode = DecodeWorkspace.allocate(
-                config.split_workspace_rows, cfg.num_attention_heads // tp, cfg.head_dim,
-                max_splits_for(1, num_kv_heads, sms), device)
+            self.scratch.decode = DecodeSplits.allocate(
+                config.split_workspace_rows, cfg.num_attention_heads // tp, num_kv_heads,
+                cfg.head_dim, num_sms(device), device)
         # Pending tokens are read where the target's steps read them.
-        self.step_model = StepModel(model, pending, num_kv_heads, cfg.head_dim, sms,
-                                    self.scratch, device,
+        self.step_model = StepModel(model, pending, self.scratch, device,
                                     step_input_layout(config, table_width, self.scratch.decode))
         self.config = config
         self.proposals = ProposalPasses(self._propose, self.step_model, config.max_num_seqs,
@@ -195,9 +194,11 @@ class DraftModelRunner:
         self.proposals.capture(pool)
 
     def release(self) -> None:
-        """Frees the captured graphs and the scratch buffers; no pass runs after it."""
+        """Frees the captured graphs, the scratch buffers and the input buffer; no pass runs
+        after it."""
         self.graphs = self.prompt_graphs = self.proposals.graphs = None
         self.scratch.free()
+        self.step_model.release()
 
     @torch.inference_mode()
     def before_step(self, batch: StepBatch) -> DraftPlan | None:
@@ -239,12 +240,13 @@ class DraftModelRunner:
             tables.append(table)
         if not seq_indices:
             return None
+        splits = self.step_model.splits
         def as_tensor(data, dtype):
             return to_device(np.array(data, dtype=np.int64), dtype, self.device)
         return ProposalPlan(k, seq_indices, as_tensor(rows, torch.int64),
                             as_tensor(drafts, torch.int64).view(len(seq_indices), max_drafts),
                             as_tensor(base, torch.int64), as_tensor(tables, torch.int32),
-                            self.step_model.rows_may_split(ends))
+                            splits is not None and splits.may_split(ends))
 
     @staticmethod
     def _accepted(plan: ProposalPlan, sampled: torch.Tensor) -> tuple[torch.Tensor,

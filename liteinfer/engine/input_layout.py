@@ -27,7 +27,7 @@ import torch
 from liteinfer.config import EngineConfig
 from liteinfer.engine.pending_tokens import NOT_PENDING, PendingRequest, last_token_inputs
 from liteinfer.engine.step_inputs import StepInputs
-from liteinfer.kernels.decode_splits import DecodeWorkspace
+from liteinfer.kernels.decode_splits import DecodeSplits
 from liteinfer.kernels.prefill_tiles import split_entries
 
 
@@ -57,6 +57,11 @@ class StepInputBuffer:
         if self._copied[which] is not None:
             self._copied[which].record()
         self._step += 1
+
+    def free(self) -> None:
+        """Drops the device buffer and its pinned mirrors; nothing is sent after it."""
+        self.dev = self.dev.new_empty(0)
+        self._hosts, self._copied = [], []
 
 
 @dataclass(frozen=True)
@@ -217,14 +222,14 @@ class InputLayout:
 
 
 def step_input_layout(config: EngineConfig, table_width: int,
-                      decode_workspace: DecodeWorkspace | None) -> InputLayout:
+                      splits: DecodeSplits | None) -> InputLayout:
     """A layout with room for any step of a model run with `config`: an eager step's tokens (a
     prompt budget's, a verification step's of every sequence with its drafts), a captured
     prompt step's with its padding (its padded decoding rows and up to max_num_seqs prompt
     rows), and their tile maps (a split row's programs, at most the split-K workspace's splits,
     the entries a captured step reserves for them, a query tile a token at most and a partial a
     row)."""
-    max_decode_splits = 1 if decode_workspace is None else decode_workspace.max_splits
+    max_decode_splits = 1 if splits is None else splits.max_splits
     tokens = max(config.max_num_batched_tokens, config.max_sampled_rows,
                  config.max_num_seqs + config.mixed_prompt_tokens)
     rows = 2 * config.max_num_seqs

@@ -33,7 +33,7 @@ from liteinfer.engine.scheduler_output import SchedulerOutput
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
-from liteinfer.kernels.decode_splits import DecodeWorkspace, max_splits_for
+from liteinfer.kernels.decode_splits import DecodeSplits
 from liteinfer.kernels.gemm_splits import SplitKWorkspace
 from liteinfer.layers.batch_invariant import BatchInvariantConfig
 from liteinfer.layers.ops import LayerOps, StepScratch
@@ -124,16 +124,16 @@ class ModelRunner:
         self.kv_cache = self._bind_kv_pool(self.model)
         sms = num_sms(self.device)
         if self.use_triton:
-            self.scratch.decode = DecodeWorkspace.allocate(
-                config.split_workspace_rows, self.num_q_heads, model_config.head_dim,
-                max_splits_for(1, self.num_kv_heads, sms), self.device)
+            self.scratch.decode = DecodeSplits.allocate(
+                config.split_workspace_rows, self.num_q_heads, self.num_kv_heads,
+                model_config.head_dim, sms, self.device)
         self.scratch.split_k = SplitKWorkspace.allocate(
             [launch for m in (self.model, draft) if m is not None
              for launch in split_k_launches(m, sms)], self.device)
         self.step_model = StepModel(self.model, PendingTokens(config.max_sampled_rows, self.device),
-                                    self.num_kv_heads, model_config.head_dim, sms, self.scratch,
-                                    self.device, step_input_layout(config, self.max_blocks_per_seq,
-                                                                   self.scratch.decode))
+                                    self.scratch, self.device,
+                                    step_input_layout(config, self.max_blocks_per_seq,
+                                                      self.scratch.decode))
         self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)
         self.drafter: DraftModelRunner | None = None
         if isinstance(draft, Eagle3LlamaForCausalLM):
@@ -159,11 +159,13 @@ class ModelRunner:
         return None if self.prompt_graphs is None else self.prompt_graphs.layout.prompt_buckets
 
     def release(self) -> None:
-        """Frees the captured graphs and the step's scratch buffers; the runner runs no step
-        after it. A tensor-parallel rank does so before leaving its group: NCCL's teardown
-        hangs while graphs that captured its collectives live (pytorch/pytorch#115388)."""
+        """Frees the captured graphs, the step's scratch buffers and its input buffer; the runner
+        runs no step after it. A tensor-parallel rank does so before leaving its group: NCCL's
+        teardown hangs while graphs that captured its collectives live
+        (pytorch/pytorch#115388)."""
         self.graphs = self.prompt_graphs = None
         self.scratch.free()
+        self.step_model.release()
         if self.drafter is not None:
             self.drafter.release()
         if self.device.type == "cuda":

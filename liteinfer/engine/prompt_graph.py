@@ -28,6 +28,7 @@ from liteinfer.engine.prompt_buckets import PromptBuckets
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.engine.step_model import StepModel
+from liteinfer.kernels.decode_splits import DecodeSplits
 from liteinfer.kernels.invariant_tiles import query_tiles
 from liteinfer.kernels.invariant_tiles import tile_tokens as invariant_tile_tokens
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens, split_entries
@@ -39,15 +40,16 @@ class PromptStepLayout:
     layout runs as well on a CPU buffer."""
 
     def __init__(self, buckets: PromptBuckets, inputs: InputLayout, query_group_size: int,
-                 max_decode_splits: int, split_rows: int, batch_invariant: bool = False):
+                 splits: DecodeSplits | None, batch_invariant: bool = False):
         self.prompt_buckets = buckets
         # Batch-invariant attention maps every row's query tiles (kernels/invariant_attention.py)
         # instead of prefill attention's split rows and tiles.
         self.batch_invariant = batch_invariant
         self.max_num_seqs = buckets.max_num_seqs
         self.query_group_size = query_group_size
-        self.max_decode_splits = max_decode_splits
-        self.split_rows = split_rows
+        # The split rows' bounds in the tile map (no split rows without split-K).
+        self.max_decode_splits = 1 if splits is None else splits.max_splits
+        self.split_rows = 0 if splits is None else splits.rows
         self.input_layout = inputs
         self.buckets = buckets.all()
         for d, p in self.buckets:
@@ -138,7 +140,8 @@ def forward_bucket(step_model: StepModel, layout: PromptStepLayout, buffer: torc
                    d: int, p: int) -> torch.Tensor:
     """The model over bucket (d, p)'s inputs in `buffer` (what a captured step records)."""
     ids, pending, positions, meta = layout.inputs(buffer, d, p)
-    meta.workspace = step_model.decode_workspace  # for the split rows (tile map)
+    splits = step_model.splits
+    meta.workspace = None if splits is None else splits.workspace  # the split rows' (tile map)
     return step_model.model(step_model.pending.read(ids, pending), positions, meta)
 
 
@@ -180,8 +183,7 @@ def capture_step_graphs(step_model: StepModel, config: EngineConfig, pool, logit
     replay one at a time); `logits`: whether decode steps end with the LM head."""
     layout = PromptStepLayout(PromptBuckets(config.max_num_seqs, config.mixed_prompt_tokens),
                               step_model.layout, step_model.query_group_size,
-                              step_model.max_decode_splits, step_model.split_rows,
-                              config.batch_invariant)
+                              step_model.splits, config.batch_invariant)
     prompt_graphs = PromptGraphRunner(step_model, layout, step_model.model.config.hidden_size,
                                       config.torch_dtype, step_model.device, pool)
     graphs = CUDAGraphRunner(step_model, config.max_num_seqs, pool, logits)

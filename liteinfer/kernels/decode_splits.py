@@ -91,3 +91,47 @@ def rows_may_split(context_lens: Sequence[int] | np.ndarray, head_dim: int) -> b
     every captured decode step's host path, so it reduces in numpy."""
     lens = np.asarray(context_lens)
     return lens.size > 0 and bool(lens.max() >= 2 * min_split_tokens(head_dim))
+
+
+class DecodeSplits:
+    """A model's split-K decode sizing in one place: its workspace (allocated by the model
+    runner into its scratch buffers, `allocate`), and from its KV heads, head size and the SMs,
+    each decode batch's grid width and the split rows' bounds a prompt step's tile map keeps to.
+    Called on every decode step's host path, so each answer is one rule with no extra work."""
+
+    def __init__(self, workspace: DecodeWorkspace, num_kv_heads: int, head_dim: int,
+                 num_sms: int):
+        self.workspace = workspace
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_sms = num_sms
+
+    @classmethod
+    def allocate(cls, rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 num_sms: int, device: torch.device | str) -> DecodeSplits:
+        """`rows` workspace rows (EngineConfig.split_workspace_rows), each as wide as the widest
+        grid: one row's (`max_splits_for(1, ...)`)."""
+        width = max_splits_for(1, num_kv_heads, num_sms)
+        return cls(DecodeWorkspace.allocate(rows, num_q_heads, head_dim, width, device),
+                   num_kv_heads, head_dim, num_sms)
+
+    @property
+    def max_splits(self) -> int:
+        """Most programs a decoding row splits into."""
+        return self.workspace.max_splits
+
+    @property
+    def rows(self) -> int:
+        """Workspace rows: a prompt step's split rows (decoding rows, verifications) index them
+        by token."""
+        return self.workspace.partial_out.shape[0]
+
+    def may_split(self, context_lens: Sequence[int] | np.ndarray) -> bool:
+        """Whether a decoding row of these host-side lengths is long enough to split."""
+        return rows_may_split(context_lens, self.head_dim)
+
+    def width(self, num_decodes: int, may_split: bool) -> int:
+        """The grid width of `num_decodes` decoding rows (1: none split)."""
+        if num_decodes == 0:
+            return 1
+        return max_splits_for(num_decodes, self.num_kv_heads, self.num_sms, may_split)

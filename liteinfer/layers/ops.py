@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from liteinfer.kernels.decode_splits import DecodeWorkspace
+    from liteinfer.kernels.decode_splits import DecodeSplits
     from liteinfer.kernels.gemm_splits import SplitKWorkspace
     from liteinfer.layers.batch_invariant import BatchInvariantConfig
     from liteinfer.layers.quantization import QuantConfig
@@ -16,12 +16,13 @@ if TYPE_CHECKING:
 @dataclass
 class StepScratch:
     """A model runner's scratch buffers, which every step reuses: split-K decode attention's
-    partials (`decode`, which the step model puts in the attention metadata) and the few-row
-    GEMMs' K splits (`split_k`, which linear layers read from their LayerOps). The runner
-    allocates them, sized from its configuration and its loaded models, before it captures its
-    graphs, and frees them with those (`ModelRunner.release`); None: no such kernel runs."""
+    partials with their sizing (`decode`, whose workspace and widths the step model puts in the
+    attention metadata) and the few-row GEMMs' K splits (`split_k`, which linear layers read
+    from their LayerOps). The runner allocates them, sized from its configuration and its
+    loaded models, before it captures its graphs, and frees them with those
+    (`ModelRunner.release`); None: no such kernel runs."""
 
-    decode: DecodeWorkspace | None = None
+    decode: DecodeSplits | None = None
     split_k: SplitKWorkspace | None = None
 
     def free(self) -> None:

@@ -10,6 +10,7 @@ from liteinfer.kernels.decode_splits import (
     MIN_SPLIT_TOKENS,
     MIN_SPLIT_TOKENS_WIDE_HEADS,
     SPLIT_WAVES,
+    DecodeSplits,
     DecodeWorkspace,
     max_splits_for,
     min_split_tokens,
@@ -167,6 +168,22 @@ def test_split_policy():
     assert min_split_tokens(64) == MIN_SPLIT_TOKENS
     assert min_split_tokens(128) == MIN_SPLIT_TOKENS_WIDE_HEADS
     assert all(1 <= w <= 64 for w in widths)
+
+
+def test_decode_splits_size_one_model():
+    """A model's sizing: a workspace as wide as one row's grid, and each batch's width and
+    whether its rows may split from the model's KV heads, head size and SMs."""
+    splits = DecodeSplits.allocate(40, 8, 2, 128, 132, "cpu")
+    width = max_splits_for(1, 2, 132)
+    assert splits.workspace.partial_out.shape == (40, 8, width, 128)
+    assert splits.workspace.counters.shape == (40, 8) and not splits.workspace.counters.any()
+    assert splits.rows == 40 and splits.max_splits == width
+    assert splits.width(0, True) == 1  # a prompt step without decoding rows
+    for batch in (1, 40, 200):
+        for may_split in (False, True):
+            assert splits.width(batch, may_split) == max_splits_for(batch, 2, 132, may_split)
+    assert splits.width(200, False) == 1 and splits.width(200, True) == 2
+    assert splits.may_split([0, 128]) and not splits.may_split([0, 127])
 
 
 def test_kernel_split_counts(PagedKV, device):

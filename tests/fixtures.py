@@ -296,3 +296,39 @@ def greedy_completion_texts(url: str, prompt: str, max_tokens: int) -> tuple[str
     whole = client.completions.create(**args).choices[0].text
     chunks = client.completions.create(**args, stream=True)
     return whole, "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def through_prompt_layout(llm: Any, batch_invariant: bool = False
+                          ) -> list[tuple[int, int, int, int]]:
+    """Runs the engine's prompt and mixed steps of `llm` through the captured steps' layout and
+    forward (`PromptStepLayout`, `forward_bucket`) on a CPU buffer, the scheduler trimming mixed
+    steps to its buckets as beside captured prompt steps (on the CPU none are captured); returns
+    the list each step appends its (decoding rows, their bucket, prompt tokens, their bucket)
+    to. Each bucket's inputs are reset first: an earlier bucket's stale inputs must not matter."""
+    from liteinfer.engine.prompt_buckets import PromptBuckets
+    from liteinfer.engine.prompt_graph import PromptStepLayout, forward_bucket
+
+    config, runner = llm.engine.core.config, llm.engine.core.runner
+    step_model = runner.step_model
+    layout = PromptStepLayout(PromptBuckets(config.max_num_seqs, config.mixed_prompt_tokens),
+                              step_model.layout, step_model.query_group_size, step_model.splits,
+                              batch_invariant=batch_invariant)
+    buffer = torch.zeros(layout.input_layout.total, dtype=torch.int32)
+    llm.engine.core.scheduler.prompt_buckets = layout.prompt_buckets
+    forward, buckets = runner._forward, []
+
+    @torch.inference_mode()
+    def through_layout(staged):
+        batch = staged.batch
+        if not layout.fits(batch):
+            return forward(staged)
+        step, d, p = layout.build(batch)
+        layout.reset(buffer, d, p)
+        layout.fill(buffer.numpy(), step, d, p)
+        buckets.append((step.num_decodes, d, len(step.input_ids) - step.num_decodes, p))
+        hidden = forward_bucket(step_model, layout, buffer, d, p)
+        rows = layout.sample_rows(buffer, step, d, p)
+        return (runner.model.compute_logits(hidden[rows]) if rows.numel() else None), None
+
+    runner._forward = through_layout
+    return buckets

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from fixtures import build_llm, make_tiny_model_dir
+from fixtures import build_llm, make_tiny_model_dir, through_prompt_layout
 from liteinfer import SamplingParams
 from liteinfer.attention.batch_invariant import invariant_attention
 from liteinfer.config import EngineConfig
@@ -136,47 +136,12 @@ def test_triton_attention_kernel_in_the_engine_matches_alone(tiny_llama_dir, pro
     # bucket, their query tiles from the input buffer (no graph on the CPU: the same inputs
     # and model run through the bucket's views).
     llm = build(max_num_batched_tokens=16, max_num_seqs=4, mixed_prompt_tokens=16)
-    buckets = through_prompt_layout(llm)
+    buckets = through_prompt_layout(llm, batch_invariant=True)
     done = run_arriving(llm, prompts, seed=6)
     assert [done[i] for i in range(len(prompts))] == alone
     assert any(d == 0 for d, *_ in buckets) and any(d > 0 for d, *_ in buckets)
     assert any(d < d_size for d, d_size, *_ in buckets)
     assert any(p < p_size for *_, p, p_size in buckets)
-
-
-def through_prompt_layout(llm) -> list[tuple[int, int, int, int]]:
-    """Runs the engine's prompt and mixed steps of `llm` through the captured steps' layout and
-    forward (`PromptStepLayout`, `forward_bucket`) on a CPU buffer, the scheduler trimming mixed
-    steps to its buckets; returns the list each step appends its (decoding rows, their bucket,
-    prompt tokens, their bucket) to."""
-    from liteinfer.engine.prompt_buckets import PromptBuckets
-    from liteinfer.engine.prompt_graph import PromptStepLayout, forward_bucket
-
-    config, runner = llm.engine.core.config, llm.engine.core.runner
-    step_model = runner.step_model
-    layout = PromptStepLayout(PromptBuckets(config.max_num_seqs, config.mixed_prompt_tokens),
-                              step_model.layout, step_model.query_group_size,
-                              step_model.max_decode_splits, step_model.split_rows,
-                              batch_invariant=True)
-    buffer = torch.zeros(layout.input_layout.total, dtype=torch.int32)
-    llm.engine.core.scheduler.prompt_buckets = layout.prompt_buckets
-    forward, buckets = runner._forward, []
-
-    @torch.inference_mode()
-    def through_layout(staged):
-        batch = staged.batch
-        if not layout.fits(batch):
-            return forward(staged)
-        step, d, p = layout.build(batch)
-        layout.reset(buffer, d, p)
-        layout.fill(buffer.numpy(), step, d, p)
-        buckets.append((step.num_decodes, d, len(step.input_ids) - step.num_decodes, p))
-        hidden = forward_bucket(step_model, layout, buffer, d, p)
-        rows = layout.sample_rows(buffer, step, d, p)
-        return (runner.model.compute_logits(hidden[rows]) if rows.numel() else None), None
-
-    runner._forward = through_layout
-    return buckets
 
 
 def test_prompt_logprobs_match_whatever_the_chunking(tiny_llama_dir, prompts):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fixtures import build_llm
+from fixtures import build_llm, through_prompt_layout
 from liteinfer import SamplingParams
 from liteinfer.sampling_params import SEED_MAX, choice_seed
 from reference import hf_greedy, random_prompts
@@ -399,8 +399,6 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
     chunks (beside prompt tiles, and the least split alone) the decoding rows split across
     programs in the prefill launch."""
     import liteinfer.engine.step_inputs as step_inputs
-    from liteinfer.engine.prompt_buckets import PromptBuckets
-    from liteinfer.engine.prompt_graph import PromptStepLayout, forward_bucket
     from liteinfer.kernels import prefill_tiles
 
     split_counts = []
@@ -414,31 +412,10 @@ def test_prompt_steps_in_the_captured_layout_match_transformers(tiny_llama_dir, 
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                     attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
                     mixed_prompt_tokens=32)
-    runner = llm.engine.core.runner
-    layout = PromptStepLayout(PromptBuckets(4, 32), runner.step_model.layout,
-                              runner.query_group_size, runner.step_model.splits)
-    buffer = torch.zeros(layout.input_layout.total, dtype=torch.int32)
-    forward, buckets = runner._forward, []
     # No prompt step is captured on the CPU, so the scheduler trims nothing; here it trims to
     # the layout's buckets, as beside captured prompt steps.
-    scheduler = llm.engine.core.scheduler
-    assert scheduler.prompt_buckets is None
-    scheduler.prompt_buckets = layout.prompt_buckets
-
-    @torch.inference_mode()
-    def through_layout(staged):
-        batch = staged.batch
-        if not layout.fits(batch):
-            return forward(staged)
-        step, d, p = layout.build(batch)
-        layout.reset(buffer, d, p)  # stale inputs of an earlier bucket must not matter either
-        layout.fill(buffer.numpy(), step, d, p)
-        buckets.append((step.num_decodes, d, len(step.input_ids) - step.num_decodes, p))
-        hidden = forward_bucket(runner.step_model, layout, buffer, d, p)
-        rows = layout.sample_rows(buffer, step, d, p)
-        return (runner.model.compute_logits(hidden[rows]) if rows.numel() else None), None
-
-    runner._forward = through_layout
+    assert llm.engine.core.scheduler.prompt_buckets is None
+    buckets = through_prompt_layout(llm)
     lengths = [MAX_NEW - 7 * (i % 3) for i in range(len(prompts))]
     outputs = llm.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
     assert token_ids(outputs) == [ref[:n] for ref, n in zip(reference, lengths)]

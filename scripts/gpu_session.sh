@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine: GPU tests, kernel microbenchmarks, a decode profile and benchmarks, each
 # step named on the command line; logs and result rows go under $OUT.
-# Usage: scripts/gpu_session.sh [kernel-tests] [engine-tests] [gputest FILE] [profile] [kernels]
+# Usage: scripts/gpu_session.sh [gpu-tests [PYTEST ARGS... --]] [gputest FILE] [profile] [kernels]
 #        [ab BASE.tgz COMMIT] [smollm2 DIR...] [bench ARGS...]
 # `smollm2` gathers the SmolLM2 GGUF's parts (smol.part-*, carried in separate calls: a call
 # carries 64 MiB) from the folders named, and once both are there writes the file where
@@ -9,12 +9,13 @@
 # `ab` measures the offline rows 128/256 at 1, 32 and 128 in flight for a base tree (a
 # `git archive` tarball of COMMIT) and this tree, alternating between the two, twice, into
 # $OUT/ab.jsonl: a change that should not move the rows is checked on one machine in one sitting.
-# (PROFILE_ARGS passes options to scripts/profile_decode.py). `pytest -m gpu` takes ~9 minutes
-# on an H200 (the kernel tests ~5, the rest ~4.5), so its halves fit one 10-minute command each.
-# The kernel tests run on 3 pytest-xdist workers: their time is mostly Triton compiles on the
-# host, and 8 workers ran out of GPU memory (the full-size MoE test alone holds 27 GB); the engine tests run one at a time, since each engine sizes its KV pool from free memory.
-# engine-tests leaves out test_structured_server.py: it has no GPU tests and imports openai,
-# which the CUDA machine lacks.
+# (PROFILE_ARGS passes options to scripts/profile_decode.py). `gpu-tests` runs `pytest -m gpu`
+# on 6 pytest-xdist workers, each test named as it ends and stopped (with its stack) after 300 s
+# (pytest-timeout, on the CUDA machine); arguments up to `--` replace the test paths. On one
+# worker an H100 took ~8 minutes for the kernel tests, mostly Triton compiles on the host, and
+# ~20 s for each engine test; the engines of the tiny test models cap their KV pools at what
+# their sequences can use, so they fit side by side. It leaves out test_structured_server.py:
+# it has no GPU tests and imports openai.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
@@ -23,8 +24,10 @@ OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
 } | tee "$OUT/env.txt"
 while [ $# -gt 0 ]; do
   case "$1" in
-    kernel-tests) timeout 540 python3 -m pytest -m gpu -n 3 -q -rfE --durations=20 -p no:cacheprovider tests/kernels > "$OUT/pytest-gpu-kernels.txt" 2>&1; tail -30 "$OUT/pytest-gpu-kernels.txt"; shift ;;
-    engine-tests) timeout 540 python3 -m pytest -m gpu -q -rfE --durations=20 -p no:cacheprovider --ignore=tests/kernels --ignore=tests/test_structured_server.py tests > "$OUT/pytest-gpu-engine.txt" 2>&1; tail -30 "$OUT/pytest-gpu-engine.txt"; shift ;;
+    gpu-tests) shift; paths=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do paths+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      timeout 590 python3 -m pytest -m gpu -n 6 -v -rfE --timeout 300 --durations=30 -p no:cacheprovider -W ignore \
+        --ignore=tests/test_structured_server.py "${paths[@]:-tests}" > "$OUT/pytest-gpu.txt" 2>&1
+      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.txt" | tail -30 ;;
     gputest) shift; timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider "$1" > "$OUT/pytest-gpu.txt" 2>&1; tail -15 "$OUT/pytest-gpu.txt"; shift ;;
     profile) shift; timeout 200 python3 scripts/profile_decode.py $PROFILE_ARGS 2>&1 | grep -v "it/s]" | tail -80; ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt"; shift ;;

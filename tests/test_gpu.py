@@ -160,7 +160,9 @@ def test_eagle3_graphs_equal_eager(model_dir, prompts, fp32_reference, name, tmp
     log = ProposalLog(monkeypatch)
     proposed = log.by_run
     # A random head's drafts are rejected: hold the acceptance the draft length follows at 1
-    # (as `liteinfer-bench spec` does), so that every step drafts.
+    # (as `liteinfer-bench spec` does), and leave the steps untimed, so that every step drafts.
+    # Timed, the tiny model's verifying steps cost several plain ones, and the policy would
+    # rightly stop drafting (on an H100, 45 proposals followed the same tokens in both runs).
     head = write_eagle3_head(tmp_path / "head", aux_layers=(0, 1, 2), hidden_size=512,
                              max_position_embeddings=4096)
     lengths = [20 - 3 * (i % 5) for i in range(11)]
@@ -173,6 +175,7 @@ def test_eagle3_graphs_equal_eager(model_dir, prompts, fp32_reference, name, tmp
         policy = llm.engine.core.scheduler.speculator.policy
         policy.mean_accepted = policy.mean_trials = 1.0
         policy.record = lambda *_: None
+        policy.timed = False
         outputs = llm.generate(prompts[:11], [greedy(n) for n in lengths], use_tqdm=False)
         alone = llm.generate(prompts[11:12], greedy(20), use_tqdm=False)
         short = llm.generate(prompts[12:13], greedy(2), use_tqdm=False)  # a decode step

@@ -16,7 +16,7 @@ from fixtures import serve
 from liteinfer import SamplingParams
 from liteinfer.config import EngineConfig
 from liteinfer.engine.async_llm import AsyncLLM
-from liteinfer.entrypoints.openai import api_server
+from liteinfer.entrypoints.openai import api_server, serving
 from liteinfer.entrypoints.openai.cli_args import ServerArgs
 
 MODEL = "tiny"
@@ -382,14 +382,14 @@ def test_bad_requests_get_400_and_leave_others_running(client, served, tiny_llm)
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnected_client_is_aborted(served, stream, monkeypatch):
     url, engine = served
-    monkeypatch.setattr(api_server, "DISCONNECT_POLL_S", 0.02)  # well within the 240 tokens
+    monkeypatch.setattr(serving, "DISCONNECT_POLL_S", 0.02)  # well within the 240 tokens
     aborted: list[list[str]] = []
     abort = engine.abort
     monkeypatch.setattr(engine, "abort", lambda ids: aborted.append(ids) or abort(ids))
     # What /metrics keeps of a request (its last token's time) is dropped when it is aborted.
     forgotten: list[str] = []
-    forget = api_server.ServerMetrics.forget
-    monkeypatch.setattr(api_server.ServerMetrics, "forget",
+    forget = serving.ServerMetrics.forget
+    monkeypatch.setattr(serving.ServerMetrics, "forget",
                         lambda self, ids: forgotten.extend(ids) or forget(self, ids))
     body = {"prompt": PROMPTS[3], "max_tokens": 240, "ignore_eos": True, "stream": stream}
     with httpx.Client(base_url=url, timeout=60) as c:

@@ -19,15 +19,15 @@ from liteinfer.entrypoints.anthropic.protocol import (
     MessagesRequest,
     anthropic_error_body,
 )
-from liteinfer.entrypoints.openai.api_server import (
+from liteinfer.entrypoints.openai.chat_output import PartWriter
+from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest
+from liteinfer.entrypoints.openai.serving import (
     OpenAIServing,
     RequestError,
     ServerShuttingDown,
     json_response,
     parse,
 )
-from liteinfer.entrypoints.openai.chat_output import PartWriter
-from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest
 from liteinfer.outputs import RequestOutput
 
 Chunk = dict[str, Any]

@@ -23,7 +23,9 @@ from starlette.responses import Response, StreamingResponse
 
 from liteinfer.engine.async_llm import EngineError
 from liteinfer.engine.messages import MAX_STORED_RESPONSES
-from liteinfer.entrypoints.openai.api_server import (
+from liteinfer.entrypoints.openai.chat_output import PartWriter
+from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest, PositiveCount
+from liteinfer.entrypoints.openai.serving import (
     OpenAIServing,
     RequestError,
     ServerShuttingDown,
@@ -31,8 +33,6 @@ from liteinfer.entrypoints.openai.api_server import (
     json_response,
     parse,
 )
-from liteinfer.entrypoints.openai.chat_output import PartWriter
-from liteinfer.entrypoints.openai.protocol import ChatCompletionRequest, PositiveCount
 from liteinfer.outputs import RequestOutput
 
 Chunk = dict[str, Any]

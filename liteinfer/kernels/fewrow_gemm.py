@@ -91,19 +91,36 @@ def scale_add_store(acc, out_ptrs, mask, x_scale, w_scale, SCALED: tl.constexpr,
 
 
 @triton.jit
-def sum_splits(acc, parts, mask, count_ptr, split, split_stride, SPLITS: tl.constexpr):
-    """K cut among SPLITS programs of one tile: (the tile's sum, whether this program holds it).
-    Each split stores its fp32 partial at `parts` + split * split_stride; the last to arrive
-    sums the slots in split order (the same result whatever the arrival order) and writes y.
+def split_arrive(count_ptr, SPLITS: tl.constexpr):
+    """Whether this program is the last of its tile's SPLITS to arrive, once its partials are
+    stored; that one resets the counter for the next launch (which waits for this one to end).
     The CTA barrier orders every thread's stores before the counter's release."""
-    tl.store(parts + split * split_stride, acc, mask=mask)
     tl.debug_barrier()
     last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
     if last:
-        tl.store(count_ptr, 0)  # for the next launch, which waits for this one to end
-        acc = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLITS):
-            acc += tl.load(parts + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr, 0)
+    return last
+
+
+@triton.jit
+def split_total(parts, mask, split_stride, SPLITS: tl.constexpr):
+    """The sum of a tile's SPLITS fp32 partials (split s at `parts` + s * split_stride), in
+    split order: the same result whatever order they arrived in."""
+    acc = tl.load(parts, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(parts + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
+def sum_splits(acc, parts, mask, count_ptr, split, split_stride, SPLITS: tl.constexpr):
+    """K cut among SPLITS programs of one tile: (the tile's sum, whether this program holds it).
+    Each split stores its fp32 partial at `parts` + split * split_stride; the last to arrive
+    sums the slots in split order and writes y."""
+    tl.store(parts + split * split_stride, acc, mask=mask)
+    last = split_arrive(count_ptr, SPLITS)
+    if last:
+        acc = split_total(parts, mask, split_stride, SPLITS)
     return acc, last
 
 

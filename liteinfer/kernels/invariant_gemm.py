@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from liteinfer.kernels import dot_precision, num_sms
-from liteinfer.kernels.fewrow_gemm import sum_splits
+from liteinfer.kernels.fewrow_gemm import split_arrive, split_total
 from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace, split_buffers
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
@@ -31,28 +31,75 @@ PROGRAMS_PER_SM = 2  # what the splits aim for at one row tile
 
 
 @triton.jit
-def _split_dot(x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, stride_xm, stride_wn, k_start,
-               k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One split's fp32 sum over its K columns, from zero, in BLOCK_K steps."""
+def _inv_rms(x_ptr, rows, row_ok, K, stride_xm, eps, BLOCK_M: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """Each row's 1 / RMS over its K columns: the squares summed per BLOCK_K chunk by one tree
+    and the chunks added from the first on, the same order for a row in any tile position and
+    at any row count."""
+    ks = tl.arange(0, BLOCK_K)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :],
+                    mask=row_ok[:, None] & (k0 + ks < K)[None, :], other=0.0).to(tl.float32)
+        squares += tl.sum(a * a, axis=1)
+    return tl.rsqrt(squares / K + eps)
+
+
+@triton.jit
+def _split_dot(x_ptr, w_ptr, norm_ptr, inv_rms, rows, cols, row_ok, col_ok, N, K, stride_xm,
+               stride_wn, k_start, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """One split's fp32 sums over its K columns, from zero, in BLOCK_K steps: (gate, up) of the
+    weight's rows `cols` and N + `cols` when GATED, else (the sum, the sum). NORM: each loaded
+    activation tile is first RMS-normalized as kernels/norm.py rounds it (x * inv_rms in fp32,
+    rounded to x's dtype, times the norm's weight, rounded again)."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = acc
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         k_ok = k0 + ks < K
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + ks)[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            g = tl.load(norm_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            normed = (a.to(tl.float32) * inv_rms[:, None]).to(a.dtype).to(tl.float32)
+            a = (g[None, :] * normed).to(a.dtype)
+        w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + ks)[None, :]
+        b = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-    return acc
+        if GATED:
+            b = tl.load(w_ptrs + N * stride_wn, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            up = tl.dot(a, tl.trans(b), up, input_precision=DOT_PRECISION)
+    if not GATED:
+        up = acc
+    return acc, up
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
-                 stride_wn, stride_om, stride_rm, k_per_split, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
-                 SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+def _epilogue(acc, up, out_ptr, res_ptr, rows, cols, mask, stride_om, stride_rm,
+              HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr):
+    """The tile's output from its full sum over K: silu(gate) * up as kernels/activation.py
+    rounds it (gate and up rounded to the output's dtype first) when GATED, or plus the
+    residual."""
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = act * up.to(dtype).to(tl.float32)
+    if HAS_RESIDUAL:
+        res_ptrs = res_ptr + rows[:, None].to(tl.int64) * stride_rm + cols[None, :]
+        acc += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(dtype),
+             mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, norm_ptr, out_ptr, res_ptr, part_ptr, count_ptr, M, N, K,
+                 stride_xm, stride_wn, stride_om, stride_rm, k_per_split, eps,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PARTIAL: tl.constexpr, SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 NORM: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,34 +107,42 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, part_ptr, count_ptr, M, N, K, s
     row_ok = rows < M
     col_ok = cols < N
     mask = row_ok[:, None] & col_ok[None, :]
+    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:  # every split reads the whole rows: their norm is the first of the tile's sums
+        inv_rms = _inv_rms(x_ptr, rows, row_ok, K, stride_xm, eps, BLOCK_M, BLOCK_K)
     if PARTIAL:  # this program's split; the tile's last to arrive adds them in split order
         split = tl.program_id(2)
-        acc = _split_dot(x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, stride_xm, stride_wn,
-                         split * k_per_split, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K,
-                         DOT_PRECISION)
-        parts = part_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-        acc, last = sum_splits(acc, parts, mask, count_ptr + pid_m * tl.num_programs(1) + pid_n,
-                               split, M * N, SPLITS)
-        if last:
-            if HAS_RESIDUAL:
-                res_ptrs = res_ptr + rows[:, None].to(tl.int64) * stride_rm + cols[None, :]
-                acc += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc, up = _split_dot(x_ptr, w_ptr, norm_ptr, inv_rms, rows, cols, row_ok, col_ok, N, K,
+                             stride_xm, stride_wn, split * k_per_split, k_per_split, BLOCK_M,
+                             BLOCK_N, BLOCK_K, NORM, GATED, DOT_PRECISION)
+        # A GATED launch's up partials sit beside its gate partials, as the weight's rows do.
+        width = 2 * N if GATED else N
+        parts = part_ptr + rows[:, None].to(tl.int64) * width + cols[None, :]
+        tl.store(parts + split * M * width, acc, mask=mask)
+        if GATED:
+            tl.store(parts + N + split * M * width, up, mask=mask)
+        if split_arrive(count_ptr + pid_m * tl.num_programs(1) + pid_n, SPLITS):
+            acc = split_total(parts, mask, M * width, SPLITS)
+            if GATED:
+                up = split_total(parts + N, mask, M * width, SPLITS)
+            _epilogue(acc, up, out_ptr, res_ptr, rows, cols, mask, stride_om, stride_rm,
+                      HAS_RESIDUAL, GATED)
     else:
         # Every split in turn, each from zero, added in split order as the partial programs'
         # last adds their sums: the same bits without the partials' round trip.
-        acc = _split_dot(x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, stride_xm, stride_wn,
-                         0, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        acc, up = _split_dot(x_ptr, w_ptr, norm_ptr, inv_rms, rows, cols, row_ok, col_ok, N, K,
+                             stride_xm, stride_wn, 0, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K,
+                             NORM, GATED, DOT_PRECISION)
         for s in tl.static_range(1, SPLITS):
-            acc += _split_dot(x_ptr, w_ptr, rows, cols, row_ok, col_ok, K, stride_xm,
-                              stride_wn, s * k_per_split, k_per_split, BLOCK_M, BLOCK_N,
-                              BLOCK_K, DOT_PRECISION)
-        if HAS_RESIDUAL:
-            res_ptrs = res_ptr + rows[:, None].to(tl.int64) * stride_rm + cols[None, :]
-            acc += tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+            gate_s, up_s = _split_dot(x_ptr, w_ptr, norm_ptr, inv_rms, rows, cols, row_ok,
+                                      col_ok, N, K, stride_xm, stride_wn, s * k_per_split,
+                                      k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED,
+                                      DOT_PRECISION)
+            acc += gate_s
+            if GATED:
+                up += up_s
+        _epilogue(acc, up, out_ptr, res_ptr, rows, cols, mask, stride_om, stride_rm,
+                  HAS_RESIDUAL, GATED)
 
 
 def num_splits(k: int, n: int, sms: int) -> tuple[int, int]:
@@ -118,15 +173,23 @@ def split_launch(n: int, k: int, sms: int) -> tuple[int, int] | None:
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
                    residual: torch.Tensor | None = None, serial: bool | None = None,
-                   workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+                   workspace: SplitKWorkspace | None = None, *,
+                   norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                   gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in x's dtype; with residual [M, N], adds the product to it in
-    place (in fp32, rounded once) and returns it. `serial`: run the K splits in one program
-    each (default: `serial_splits`); otherwise their partials and arrival counters are the
-    workspace's (`split_buffers`)."""
+    place (in fp32, rounded once) and returns it. `norm_weight` [K]: x is RMS-normalized first
+    (with `eps`), inside the kernel; `gated`: the weight's rows are [gate | up] and the result
+    is silu(gate) * up, [M, N / 2]. `serial`: run the K splits in one program each (default:
+    `serial_splits`); otherwise their partials and arrival counters are the workspace's
+    (`split_buffers`). The splits and that choice follow the weight's whole shape, gated or
+    not."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
+    assert norm_weight is None or norm_weight.shape == (x.shape[1],)
+    assert not (gated and residual is not None) and weight.shape[0] % (1 + gated) == 0
     (m, k), n = x.shape, weight.shape[0]
-    out = residual if residual is not None else x.new_empty(m, n)
+    out_n = n // 2 if gated else n
+    out = residual if residual is not None else x.new_empty(m, out_n)
     if m == 0:
         return out
     res = residual if residual is not None else out
@@ -135,16 +198,18 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
     if serial is None:
         serial = serial_splits(m, n, sms)
     assert serial or m <= FEWROW_MAX_ROWS, "a split's partials hold FEWROW_MAX_ROWS rows"
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(out_n, BLOCK_N))
     parts = counts = out  # unread unless split among programs
     if splits > 1 and not serial:
         parts, counts = split_buffers(workspace, n, splits, x.device)
         assert grid[0] * grid[1] <= counts.numel()
         grid = (*grid, splits)
-    _gemm_kernel[grid](x, weight, out, res, parts, counts, m, n, k, x.stride(0),
-                       weight.stride(0), out.stride(0), res.stride(0), per_split,
+    _gemm_kernel[grid](x, weight, x if norm_weight is None else norm_weight, out, res, parts,
+                       counts, m, out_n, k, x.stride(0), weight.stride(0), out.stride(0),
+                       res.stride(0), per_split, eps,
                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                        PARTIAL=len(grid) == 3, SPLITS=splits,
-                       HAS_RESIDUAL=residual is not None, DOT_PRECISION=dot_precision(x.dtype),
+                       HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None,
+                       GATED=gated, DOT_PRECISION=dot_precision(x.dtype),
                        num_warps=4, num_stages=3)
     return out

@@ -114,7 +114,11 @@ class BatchInvariantLinearMethod(LinearMethod):
 
     def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                     act: SiluAndMul | None) -> torch.Tensor:
-        y = invariant_mm(norm(x), layer.weight, workspace=layer.scratch.split_k)
+        if x.is_cuda:  # the norm in the GEMM's loads and SwiGLU in its epilogue: one launch
+            from liteinfer.kernels.invariant_gemm import invariant_gemm
+            return invariant_gemm(x, layer.weight, workspace=layer.scratch.split_k,
+                                  norm_weight=norm.weight, eps=norm.eps, gated=act is not None)
+        y = _blocked_mm(norm(x), layer.weight)
         return y if act is None else act(y)
 
 

@@ -14,6 +14,15 @@ SplitKWorkspace and the last program of a tile to arrive sums them in split orde
 rows' tiles alone fill the GPU (or outgrow the workspace), each program instead sums the splits
 one after another in registers, each from zero and in the same order: the same bits, without
 the partials' round trip through memory.
+
+In front of a pre-norm projection (qkv, gate/up, the LM head) the RMSNorm is part of the same
+launch: each loaded activation tile is multiplied by the norm's weight, its squares are summed
+beside the product (per split, in the same order for every row, added in split order as the
+products are), and the tile's full sums are scaled by each row's 1 / RMS: once, on the fp32
+sum, so nothing waits for a row's RMS before its first product (the separate norm rounds each
+normalized element to the model dtype instead; the bits differ from it, not among rows). A
+gate/up projection writes silu(gate) * up: each program holds a gate tile and the matching up
+tile, and applies the activation after the last split's sum.
 """
 from __future__ import annotations
 
@@ -31,58 +40,51 @@ PROGRAMS_PER_SM = 2  # what the splits aim for at one row tile
 
 
 @triton.jit
-def _inv_rms(x_ptr, rows, row_ok, K, stride_xm, eps, BLOCK_M: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """Each row's 1 / RMS over its K columns: the squares summed per BLOCK_K chunk by one tree
-    and the chunks added from the first on, the same order for a row in any tile position and
-    at any row count."""
-    ks = tl.arange(0, BLOCK_K)
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :],
-                    mask=row_ok[:, None] & (k0 + ks < K)[None, :], other=0.0).to(tl.float32)
-        squares += tl.sum(a * a, axis=1)
-    return tl.rsqrt(squares / K + eps)
-
-
-@triton.jit
-def _split_dot(x_ptr, w_ptr, norm_ptr, inv_rms, rows, cols, row_ok, col_ok, N, K, stride_xm,
-               stride_wn, k_start, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _split_dot(x_ptr, w_ptr, norm_ptr, rows, cols, row_ok, col_ok, N, K, stride_xm, stride_wn,
+               k_start, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
-    """One split's fp32 sums over its K columns, from zero, in BLOCK_K steps: (gate, up) of the
-    weight's rows `cols` and N + `cols` when GATED, else (the sum, the sum). NORM: each loaded
-    activation tile is first RMS-normalized as kernels/norm.py rounds it (x * inv_rms in fp32,
-    rounded to x's dtype, times the norm's weight, rounded again)."""
+    """One split's fp32 sums over its K columns, from zero, in BLOCK_K steps: (x W^T over the
+    weight's rows `cols`, over its rows N + `cols` when GATED, each row's sum of squares of x
+    when NORM). NORM multiplies each loaded activation tile by the norm's weight (rounded to
+    x's dtype) and sums its squares per column lane, the lanes added by one tree at the end:
+    the same order for a row in any tile position and at any row count."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = acc
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    lanes = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         k_ok = k0 + ks < K
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
+            xf = a.to(tl.float32)
+            lanes += xf * xf
             g = tl.load(norm_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            normed = (a.to(tl.float32) * inv_rms[:, None]).to(a.dtype).to(tl.float32)
-            a = (g[None, :] * normed).to(a.dtype)
+            a = (xf * g[None, :]).to(a.dtype)
         w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + ks)[None, :]
         b = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
         if GATED:
             b = tl.load(w_ptrs + N * stride_wn, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             up = tl.dot(a, tl.trans(b), up, input_precision=DOT_PRECISION)
-    if not GATED:
-        up = acc
-    return acc, up
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM:
+        squares = tl.sum(lanes, axis=1)
+    return acc, up, squares
 
 
 @triton.jit
-def _epilogue(acc, up, out_ptr, res_ptr, rows, cols, mask, stride_om, stride_rm,
-              HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr):
-    """The tile's output from its full sum over K: silu(gate) * up as kernels/activation.py
-    rounds it (gate and up rounded to the output's dtype first) when GATED, or plus the
-    residual."""
+def _epilogue(acc, up, squares, out_ptr, res_ptr, rows, cols, mask, K, stride_om, stride_rm,
+              eps, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr):
+    """The tile's output from its full sums over K: times each row's 1 / RMS when NORM; then
+    silu(gate) * up as kernels/activation.py rounds it (gate and up rounded to the output's
+    dtype first) when GATED, or plus the residual."""
     dtype = out_ptr.dtype.element_ty
+    if NORM:
+        inv_rms = tl.rsqrt(squares / K + eps)[:, None]
+        acc = acc * inv_rms
+        up = up * inv_rms
     if GATED:
         gate = acc.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -107,42 +109,58 @@ def _gemm_kernel(x_ptr, w_ptr, norm_ptr, out_ptr, res_ptr, part_ptr, count_ptr, 
     row_ok = rows < M
     col_ok = cols < N
     mask = row_ok[:, None] & col_ok[None, :]
-    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:  # every split reads the whole rows: their norm is the first of the tile's sums
-        inv_rms = _inv_rms(x_ptr, rows, row_ok, K, stride_xm, eps, BLOCK_M, BLOCK_K)
     if PARTIAL:  # this program's split; the tile's last to arrive adds them in split order
         split = tl.program_id(2)
-        acc, up = _split_dot(x_ptr, w_ptr, norm_ptr, inv_rms, rows, cols, row_ok, col_ok, N, K,
-                             stride_xm, stride_wn, split * k_per_split, k_per_split, BLOCK_M,
-                             BLOCK_N, BLOCK_K, NORM, GATED, DOT_PRECISION)
-        # A GATED launch's up partials sit beside its gate partials, as the weight's rows do.
+        acc, up, squares = _split_dot(x_ptr, w_ptr, norm_ptr, rows, cols, row_ok, col_ok, N,
+                                      K, stride_xm, stride_wn, split * k_per_split,
+                                      k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED,
+                                      DOT_PRECISION)
+        # A GATED launch's up partials sit beside its gate partials, as the weight's rows do;
+        # after every split's tiles, each tile's splits' sums of squares (`split_features`).
         width = 2 * N if GATED else N
         parts = part_ptr + rows[:, None].to(tl.int64) * width + cols[None, :]
+        tile = pid_m * tl.num_programs(1) + pid_n
+        square_parts = (part_ptr + SPLITS * M * width + tile * SPLITS * BLOCK_M
+                        + tl.arange(0, BLOCK_M))
         tl.store(parts + split * M * width, acc, mask=mask)
         if GATED:
             tl.store(parts + N + split * M * width, up, mask=mask)
-        if split_arrive(count_ptr + pid_m * tl.num_programs(1) + pid_n, SPLITS):
+        if NORM:
+            tl.store(square_parts + split * BLOCK_M, squares)
+        if split_arrive(count_ptr + tile, SPLITS):
             acc = split_total(parts, mask, M * width, SPLITS)
             if GATED:
                 up = split_total(parts + N, mask, M * width, SPLITS)
-            _epilogue(acc, up, out_ptr, res_ptr, rows, cols, mask, stride_om, stride_rm,
-                      HAS_RESIDUAL, GATED)
+            if NORM:
+                squares = split_total(square_parts, row_ok, BLOCK_M, SPLITS)
+            _epilogue(acc, up, squares, out_ptr, res_ptr, rows, cols, mask, K, stride_om,
+                      stride_rm, eps, HAS_RESIDUAL, NORM, GATED)
     else:
         # Every split in turn, each from zero, added in split order as the partial programs'
         # last adds their sums: the same bits without the partials' round trip.
-        acc, up = _split_dot(x_ptr, w_ptr, norm_ptr, inv_rms, rows, cols, row_ok, col_ok, N, K,
-                             stride_xm, stride_wn, 0, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K,
-                             NORM, GATED, DOT_PRECISION)
+        acc, up, squares = _split_dot(x_ptr, w_ptr, norm_ptr, rows, cols, row_ok, col_ok, N,
+                                      K, stride_xm, stride_wn, 0, k_per_split, BLOCK_M,
+                                      BLOCK_N, BLOCK_K, NORM, GATED, DOT_PRECISION)
         for s in tl.static_range(1, SPLITS):
-            gate_s, up_s = _split_dot(x_ptr, w_ptr, norm_ptr, inv_rms, rows, cols, row_ok,
-                                      col_ok, N, K, stride_xm, stride_wn, s * k_per_split,
-                                      k_per_split, BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED,
-                                      DOT_PRECISION)
-            acc += gate_s
+            acc_s, up_s, squares_s = _split_dot(x_ptr, w_ptr, norm_ptr, rows, cols, row_ok,
+                                                col_ok, N, K, stride_xm, stride_wn,
+                                                s * k_per_split, k_per_split, BLOCK_M,
+                                                BLOCK_N, BLOCK_K, NORM, GATED, DOT_PRECISION)
+            acc += acc_s
             if GATED:
                 up += up_s
-        _epilogue(acc, up, out_ptr, res_ptr, rows, cols, mask, stride_om, stride_rm,
-                  HAS_RESIDUAL, GATED)
+            if NORM:
+                squares += squares_s
+        _epilogue(acc, up, squares, out_ptr, res_ptr, rows, cols, mask, K, stride_om,
+                  stride_rm, eps, HAS_RESIDUAL, NORM, GATED)
+
+
+def split_features(n: int) -> int:
+    """Features' worth of partials (FEWROW_MAX_ROWS fp32 each a split) a launch over an [n, k]
+    weight takes: its n features' (gate and up side by side when gated), then, when normed,
+    a sum of squares for each of its tiles' rows."""
+    tiles = triton.cdiv(FEWROW_MAX_ROWS, BLOCK_M) * triton.cdiv(n, BLOCK_N)
+    return n + triton.cdiv(tiles * BLOCK_M, FEWROW_MAX_ROWS)
 
 
 def num_splits(k: int, n: int, sms: int) -> tuple[int, int]:
@@ -168,7 +186,7 @@ def split_launch(n: int, k: int, sms: int) -> tuple[int, int] | None:
     """(features, splits) of an [n, k] weight's launches whose splits sum through a
     SplitKWorkspace (kernels/gemm_splits.py); None if its K is not split."""
     splits, _ = num_splits(k, n, sms)
-    return (n, splits) if splits > 1 else None
+    return (split_features(n), splits) if splits > 1 else None
 
 
 def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
@@ -201,7 +219,7 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(out_n, BLOCK_N))
     parts = counts = out  # unread unless split among programs
     if splits > 1 and not serial:
-        parts, counts = split_buffers(workspace, n, splits, x.device)
+        parts, counts = split_buffers(workspace, split_features(n), splits, x.device)
         assert grid[0] * grid[1] <= counts.numel()
         grid = (*grid, splits)
     _gemm_kernel[grid](x, weight, x if norm_weight is None else norm_weight, out, res, parts,

@@ -119,9 +119,10 @@ def test_requests_arriving_at_random_steps_match_alone(tiny_llama_dir, dtype, pr
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
-def test_triton_attention_kernel_in_the_engine_matches_alone(tiny_llama_dir, prompts):
-    """The Triton path's attention (kernels/invariant_attention.py, interpreted on CPU): one
-    kernel for decode, chunked prompts and mixed steps."""
+def test_triton_kernels_in_the_engine_match_alone(tiny_llama_dir, prompts):
+    """The Triton path (interpreted on CPU): attention (kernels/invariant_attention.py), one
+    kernel for decode, chunked prompts and mixed steps, and the GEMMs (kernels/invariant_gemm.py)
+    with the norms and SwiGLU inside them."""
     def build(**args):
         return build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
                          batch_invariant=True, attention_backend="triton", **args)

@@ -35,11 +35,12 @@ ROW_BLOCK = 16
 
 def invariant_mm(x: torch.Tensor, weight: torch.Tensor,
                  residual: torch.Tensor | None = None,
-                 workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+                 workspace: SplitKWorkspace | None = None, triton: bool = False) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T with the same reduction order for every row at every M; with
-    residual, added to it in place (and residual returned). `workspace`: where the CUDA
-    kernel's K splits sum (the runner's, LayerOps.scratch)."""
-    if x.is_cuda:
+    residual, added to it in place (and residual returned). `workspace`: where the Triton
+    kernel's K splits sum (the runner's, LayerOps.scratch); `triton`: that kernel off CUDA too
+    (its interpreter)."""
+    if x.is_cuda or triton:
         from liteinfer.kernels.invariant_gemm import invariant_gemm
         return invariant_gemm(x, weight, residual, workspace=workspace)
     y = _blocked_mm(x, weight)
@@ -92,7 +93,14 @@ def silu_and_mul_invariant(x: torch.Tensor) -> torch.Tensor:
 class BatchInvariantLinearMethod(LinearMethod):
     """The weight in the model dtype, multiplied by `invariant_mm` for every row count (the
     runner leaves LayerOps.gemv off in this mode: the one-row GEMV kernel's reduction order
-    differs from the GEMM's)."""
+    differs from the GEMM's). `use_triton`: the Triton GEMM, with the norm and SwiGLU inside
+    it, on the CPU too (interpreted; on CUDA always)."""
+
+    def __init__(self, use_triton: bool):
+        self.use_triton = use_triton
+
+    def _triton(self, t: torch.Tensor) -> bool:
+        return t.is_cuda or self.use_triton
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -102,7 +110,7 @@ class BatchInvariantLinearMethod(LinearMethod):
         """Nothing to convert: the weight is used as loaded."""
 
     def split_k_launch(self, layer: nn.Module, sms: int) -> tuple[int, int] | None:
-        if not layer.weight.is_cuda:  # the CPU form multiplies whole rows
+        if not self._triton(layer.weight):  # the torch form multiplies whole rows
             return None
         from liteinfer.kernels.invariant_gemm import split_launch
         n, k = layer.weight.shape
@@ -110,11 +118,12 @@ class BatchInvariantLinearMethod(LinearMethod):
 
     def gemm(self, layer: nn.Module, x: torch.Tensor,
              residual: torch.Tensor | None) -> torch.Tensor:
-        return invariant_mm(x, layer.weight, residual, layer.scratch.split_k)
+        return invariant_mm(x, layer.weight, residual, layer.scratch.split_k,
+                            self._triton(x))
 
     def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                     act: SiluAndMul | None) -> torch.Tensor:
-        if x.is_cuda:  # the norm in the GEMM's loads and SwiGLU in its epilogue: one launch
+        if self._triton(x):  # the norm in the GEMM's loads, SwiGLU in its epilogue: one launch
             from liteinfer.kernels.invariant_gemm import invariant_gemm
             return invariant_gemm(x, layer.weight, workspace=layer.scratch.split_k,
                                   norm_weight=norm.weight, eps=norm.eps, gated=act is not None)
@@ -127,7 +136,7 @@ class BatchInvariantConfig:
     (LayerOps.quant's place; quantized weights are refused in this mode)."""
 
     def linear_method(self, use_triton: bool) -> LinearMethod:
-        return BatchInvariantLinearMethod()
+        return BatchInvariantLinearMethod(use_triton)
 
     def lm_head_method(self, use_triton: bool) -> LinearMethod:
-        return BatchInvariantLinearMethod()
+        return BatchInvariantLinearMethod(use_triton)

@@ -37,6 +37,9 @@ from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace, spli
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 MIN_K_PER_SPLIT = 512  # columns a split sums at least
 PROGRAMS_PER_SM = 2  # what the splits aim for at one row tile
+# Warps of a normed launch, whose activation tile passes through registers on its way to the
+# MMA beside one or two accumulators and the squares: at 4 warps it spills on sm_90, at 8 not.
+NORMED_WARPS = 8
 
 
 @triton.jit
@@ -229,5 +232,5 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
                        PARTIAL=len(grid) == 3, SPLITS=splits,
                        HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None,
                        GATED=gated, DOT_PRECISION=dot_precision(x.dtype),
-                       num_warps=4, num_stages=3)
+                       num_warps=4 if norm_weight is None else NORMED_WARPS, num_stages=3)
     return out

@@ -81,7 +81,7 @@ def test_normed_gemm_matches_float64_and_rows_agree_at_every_row_count(device, f
     for k, n in shapes:
         # Rows of very different scales: the norm, not the weight, sets each row's magnitude.
         rows_total = max(counts) + 5
-        scale = torch.logspace(-2, 2, rows_total, device=device)[torch.randperm(rows_total)]
+        scale = torch.logspace(-2, 2, rows_total, device=device)[torch.randperm(rows_total, device=device)]
         x = (torch.randn(rows_total, k, device=device) * scale[:, None]).to(dtype)
         g = (1 + 0.2 * torch.randn(k, device=device)).to(dtype)
         w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)

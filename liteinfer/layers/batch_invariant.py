@@ -125,8 +125,13 @@ class BatchInvariantLinearMethod(LinearMethod):
                     act: SiluAndMul | None) -> torch.Tensor:
         if self._triton(x):  # the norm in the GEMM's loads, SwiGLU in its epilogue: one launch
             from liteinfer.kernels.invariant_gemm import invariant_gemm
-            return invariant_gemm(x, layer.weight, workspace=layer.scratch.split_k,
-                                  norm_weight=norm.weight, eps=norm.eps, gated=act is not None)
+            # fp16 cannot hold the un-normalized x times the norm's weight (a residual stream
+            # in the thousands may pass 65,504): there the norm runs first.
+            fused = x.dtype != torch.float16
+            return invariant_gemm(x if fused else norm(x), layer.weight,
+                                  workspace=layer.scratch.split_k,
+                                  norm_weight=norm.weight if fused else None, eps=norm.eps,
+                                  gated=act is not None)
         y = _blocked_mm(norm(x), layer.weight)
         return y if act is None else act(y)
 

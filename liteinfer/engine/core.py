@@ -427,6 +427,10 @@ class EngineCore:
                 failed = self._fail_constrained(e)
         except Exception as e:  # as in _launch
             return self._fail(inflight.scheduled.seqs, e)
+        try:
+            self.scheduler.update_draft_token_ids(inflight.scheduled, inflight.output)
+        except Exception as e:  # its outputs stand; its requests still running fail after them
+            failed += self._fail(inflight.scheduled.seqs, e)
         if recorder is not None:
             recorder.ready(inflight.record, outputs)
         return outputs + failed

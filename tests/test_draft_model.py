@@ -107,6 +107,43 @@ def test_seeded_sampling_is_reproducible(tiny_llama_dir):
     assert runs[0] == runs[1]
 
 
+def test_a_fault_in_the_drafters_passes_loses_no_output(tiny_llm, tiny_llama_dir,
+                                                       monkeypatch):
+    """The drafter's passes run after a step's sampling, so a fault in them (on CUDA, a kernel
+    error) shows only when the drafts are read, after the step's tokens: the request the step
+    finished keeps its output, the one still running fails, and the engine goes on. (A
+    request the step finished used to lose its last output, and `generate` stepped an empty
+    engine for it forever.)"""
+    from liteinfer.engine.runner_output import ProposedDrafts
+
+    prompts = random_prompts(3, 384, 5, 20, seed=1)
+    ref = token_ids(tiny_llm.generate(prompts, greedy(5), use_tqdm=False))
+    llm = build_llm(str(tiny_llama_dir), **ENGINE, speculative_config=draft_config(tiny_llama_dir))
+    read = ProposedDrafts.result
+    reads = []
+
+    def faulty(drafts: ProposedDrafts) -> dict[int, list[int]]:
+        reads.append(drafts)
+        if len(reads) == 1:  # the first step's, which samples both prompts' first tokens
+            raise RuntimeError("a fault in the drafter's passes")
+        return read(drafts)
+
+    monkeypatch.setattr(ProposedDrafts, "result", faulty)
+    engine = llm.engine
+    for i, n in enumerate((1, 5)):
+        engine.add_request(str(i), prompts[i], greedy(n))
+    finished = {}
+    for _ in range(20):  # bounded: the lost output left the front end waiting for ever
+        if not engine.has_unfinished_requests():
+            break
+        finished.update({o.request_id: (o.outputs[0].finish_reason, o.outputs[0].token_ids)
+                         for o in engine.step() if o.finished})
+    assert not engine.has_unfinished_requests()
+    assert finished == {"0": ("length", ref[0][:1]), "1": ("error", ref[1][:1])}
+    assert token_ids(llm.generate(prompts[2:], greedy(5), use_tqdm=False)) == ref[2:]
+    assert len(reads) > 1
+
+
 @pytest.mark.slow
 def test_sampling_keeps_the_target_distribution(peaked_llama_dir):  # noqa: F811
     """The chi-square test of test_spec_decode.py, with the drafts proposed by the target

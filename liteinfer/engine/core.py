@@ -408,6 +408,7 @@ class EngineCore:
 
     def _resolve(self, inflight: InFlight) -> list[EngineCoreOutput]:
         """The step's outputs."""
+        outputs: list[EngineCoreOutput] = []
         failed: list[EngineCoreOutput] = []
         recorder = self.recorder if inflight.record is not None else None
         if recorder is not None:
@@ -425,8 +426,11 @@ class EngineCore:
                 self._apply_grammar_statuses(outputs, advancing)
             except GrammarWorkerDied as e:  # the constrained requests fail, the others go on
                 failed = self._fail_constrained(e)
+            self.scheduler.update_draft_token_ids(inflight.scheduled, inflight.output)
         except Exception as e:  # as in _launch
-            return self._fail(inflight.scheduled.seqs, e)
+            # The update's outputs stand (those of the requests it finished among them), and
+            # the step's requests still running fail after them.
+            return outputs + failed + self._fail(inflight.scheduled.seqs, e)
         if recorder is not None:
             recorder.ready(inflight.record, outputs)
         return outputs + failed

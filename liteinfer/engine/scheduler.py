@@ -46,7 +46,8 @@ class Scheduler:
     A step's life: `schedule()` picks it; once the model runner has launched it,
     `mark_launched()` counts its tokens as computed and its sampled tokens as pending (so that
     the next step can be scheduled while this one runs); `update_from_output()` appends the
-    sampled tokens, applies every stop and length check and finishes requests.
+    sampled tokens, applies every stop and length check and finishes requests;
+    `update_draft_token_ids()` then takes the drafts a model proposed after it.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -191,15 +192,21 @@ class Scheduler:
                                       verified=any(out.draft_token_ids),
                                       decode_only=len(out.sampling_seqs) == num_tokens)
         if out.draft_token_ids:
-            outputs = self._update_verified(out, sampled)
-        else:
-            outputs = self._update_sampled(out, sampled)
-        if runner_output.drafts is not None:
-            for i, drafts in runner_output.drafts.result().items():
-                seq = out.seqs[i]
-                if seq.status is not SequenceStatus.FINISHED:
-                    self.speculator.add_drafts(seq.request_id, len(seq.token_ids), drafts)
-        return outputs
+            return self._update_verified(out, sampled)
+        return self._update_sampled(out, sampled)
+
+    def update_draft_token_ids(self, out: ScheduledStep, runner_output: ModelRunnerOutput
+                               ) -> None:
+        """Takes the drafts a model proposed after the step (`update_from_output` first),
+        waiting for them to reach the host: each to follow its sequence's tokens. Apart from
+        the update, so that a failure to read them (a fault in the drafter's passes, which run
+        after the step's sampling) cannot lose the outputs of the requests the step finished."""
+        if runner_output.drafts is None:
+            return
+        for i, drafts in runner_output.drafts.result().items():
+            seq = out.seqs[i]
+            if seq.status is not SequenceStatus.FINISHED:
+                self.speculator.add_drafts(seq.request_id, len(seq.token_ids), drafts)
 
     def _update_sampled(self, out: ScheduledStep, sampled: SamplerOutput
                         ) -> list[EngineCoreOutput]:

@@ -86,7 +86,8 @@ def test_no_module_imports_upward():
                 wrong.append(f"{name} imports {target} (upward)")
             elif layer(here) >= 4 and layer(there) == 3 and there not in STARTS_THE_CORE:
                 wrong.append(f"{name} imports {target} (the front end reaches into the core)")
-            elif here == "spec_decode" and there.startswith("engine.") and there != "engine.messages":
+            elif here == "spec_decode" and there.startswith("engine.") \
+                    and there != "engine.messages":
                 wrong.append(f"{name} imports {target} (speculation reads token ids only)")
     assert not wrong, "\n".join(wrong)
 

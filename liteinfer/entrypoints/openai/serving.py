@@ -5,7 +5,6 @@ Messages API (entrypoints/anthropic/) build on `OpenAIServing`; api_server.py ro
 from __future__ import annotations
 
 import asyncio
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,7 +34,6 @@ from liteinfer.outputs import Logprob, RequestOutput
 
 Chunk = dict[str, Any]
 Body = TypeVar("Body", bound=BaseModel)
-logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowed", 413: "RequestTooLarge", 499: "ClientClosedRequest",

@@ -20,14 +20,17 @@ time a layer under torch.profiler; with `--sweep`, the expert GEMV and grouped G
 128) at 1, 8, 32 and 128 rows as the engine runs them (kernels/wna16.py: the fused GEMV at one
 row, the few-row kernel above; also the dequantize-then-cuBLAS path), against the bf16 weight
 the engine multiplies (the fused GEMV at one row, cuBLAS above); `vs_bf16` is bf16's time over
-the row's. Weight bytes (codes, scales and mins) give the rate.
+the row's. Weight bytes (codes, scales and mins) give the rate. `--only invariant` times the
+batch-invariant GEMM at the 1B's and 8B's projections and the 1B's LM head, at 1, 32 and 128
+rows, with its norm / SwiGLU inside and with them apart, against the default's path.
 Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>-<kv dtype>-d<D>.json.
 `--sweep` additionally times alternative tile configurations, prefill also at the sizes of mixed
 steps' prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
 decode sweep then times the engine's path alone (split policy, this step's K/V fused in).
 
     python scripts/bench_kernels.py [--sweep] [--pool token-major] [--head-dim 128]
-                                    [--only decode prefill verify elementwise moe wna16]
+                                    [--only decode prefill verify elementwise moe wna16
+                                            invariant]
                                     [--moe-dtype fp8]
                                     [--decode-shapes 1x256 128x256 ...] [--kv-dtype fp8]
 """
@@ -53,6 +56,7 @@ from liteinfer.kernels import FP8_DTYPE, wna16
 from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import decode_splits as splits
 from liteinfer.kernels import fused_moe as moe
+from liteinfer.kernels import invariant_gemm as inv
 from liteinfer.kernels import prefill_attention as pre
 from liteinfer.kernels.activation import silu_and_mul
 from liteinfer.kernels.argmax import argmax_rows
@@ -131,6 +135,12 @@ ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
 WNA16_SHAPES = (("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "residual"),
                 ("gate_up", 28672, 4096, "gated"), ("down", 4096, 14336, "residual"))
 WNA16_ROWS = (1, 8, 32, 128)
+# (model, projection, N, K, fusion) of the 1B's and 8B's linears, for the invariant GEMM.
+INVARIANT_SHAPES = tuple((model, name, n, k, fusion) for model, h, i, q in (
+    ("1b", 2048, 8192, 3072), ("8b", 4096, 14336, 6144)) for name, n, k, fusion in (
+    ("qkv", q, h, "norm"), ("o", h, h, "residual"), ("gate_up", 2 * i, h, "gated"),
+    ("down", h, i, "residual"))) + (("1b", "lm_head", VOCAB, 2048, "norm"),)
+INVARIANT_ROWS = (1, 32, 128)
 
 
 def decode_lens(batch: int, ctx: int | str) -> list[int]:
@@ -479,6 +489,50 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
         del weight, deq
 
 
+def bench_invariant(rows: list[dict], num_sms: int, label: str = "") -> None:
+    """The batch-invariant GEMM (kernels/invariant_gemm.py) at each INVARIANT_SHAPES projection
+    and INVARIANT_ROWS rows: with its norm / SwiGLU / residual inside (`fused`, as the mode
+    runs), and as the norm kernel, the plain GEMM and the SwiGLU kernel apart (`apart`);
+    against the default's path (the fused GEMV at one row, cuBLAS with the same kernels apart
+    above). `vs_default` is the default's time over the row's; weight bytes give the rate."""
+    for model, name, n, k, fusion in INVARIANT_SHAPES:
+        weight = torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
+        norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
+        launch = inv.split_launch(n, k, num_sms)
+        ws = SplitKWorkspace.allocate([launch] if launch else [], DEV)
+        normed, gated = fusion in ("norm", "gated"), fusion == "gated"
+        out_n = n // 2 if gated else n
+        for m in INVARIANT_ROWS:
+            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
+            res = torch.zeros(m, out_n, dtype=DTYPE, device=DEV)
+            r = res if fusion == "residual" else None
+            fused_kw = dict(norm_weight=norm_w if normed else None, eps=1e-5, gated=gated)
+
+            def apart(x=x, r=r) -> torch.Tensor:
+                h = rms_norm(x, norm_w, 1e-5) if normed else x
+                y = inv.invariant_gemm(h, weight, r, workspace=ws)
+                return silu_and_mul(y) if gated else y
+
+            def default(x=x, r=r, m=m) -> torch.Tensor:
+                if m == 1:
+                    return gemv(x, weight, **({"residual": r} if r is not None else fused_kw))
+                h = rms_norm(x, norm_w, 1e-5) if normed else x
+                y = F.linear(h, weight) if r is None else r.addmm_(h, weight.t())
+                return silu_and_mul(y) if gated else y
+
+            paths = {"fused": lambda x=x, r=r, kw=fused_kw: inv.invariant_gemm(
+                         x, weight, r, workspace=ws, **({} if r is not None else kw)),
+                     "apart": apart, "default": default}
+            errs = {path: check(fn(), paths["default"](), 2e-2) for path, fn in paths.items()
+                    if r is None}  # a residual grows with each call: checked on fresh ones
+            times = {path: timed(fn) for path, fn in paths.items()}
+            for path, ms in times.items():
+                rows.append(dict(kernel=f"invariant {path} {model} {name}{label}", batch=m,
+                                 us=ms * 1e3, gbps=weight.nbytes / 1e9 / (ms / 1e3),
+                                 vs_default=times["default"] / ms,
+                                 **({"err": errs[path]} if path in errs else {})))
+
+
 def _bandwidth(fn: Callable[[], object], nbytes: int) -> dict:
     ms = timed(fn)
     return dict(us=ms * 1e3, gbps=nbytes / 1e9 / (ms / 1e3))
@@ -488,8 +542,15 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
     """Alternative tile configurations (the kernels read their config functions at call time)."""
     decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
     gemv_tile = wna16.GEMV_TILE
+    invariant_tile = (inv.NORMED_WARPS, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT)
     fewrow_tile = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES)
     try:
+        if "invariant" in parts:
+            # (normed launches' warps, programs an SM the splits aim for, fewest K a split)
+            for tile in ((4, 2, 512), (8, 4, 512), (8, 2, 256), (8, 4, 256), (8, 8, 256)):
+                inv.NORMED_WARPS, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = tile
+                bench_invariant(rows, num_sms, f" w{tile[0]} p{tile[1]} k{tile[2]}")
+            inv.NORMED_WARPS, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = invariant_tile
         if "wna16" in parts:
             # (rows, codes a step, warps, stages)
             for tile in ((8, 8192, 4, 4), (16, 16384, 4, 4), (32, 16384, 4, 4), (16, 8192, 8, 4)):
@@ -527,11 +588,12 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
         wna16.GEMV_TILE = gemv_tile
         wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES = fewrow_tile
+        inv.NORMED_WARPS, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = invariant_tile
 
 
 def print_table(rows: list[dict]) -> None:
     cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "floor_us", "gbps",
-            "pct_peak", "vs_bf16",
+            "pct_peak", "vs_bf16", "vs_default",
             "tflops", "graph_tflops", "sdpa_tflops", "flash_varlen_tflops", "err"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = {float: "{:.3g}", int: "{}", str: "{}"}
@@ -548,7 +610,8 @@ def main() -> None:
     parser.add_argument("--pool", choices=POOL_LAYOUTS, default=POOL_LAYOUTS[0],
                         help="memory order of the KV pool the attention kernels read")
     parser.add_argument("--only", nargs="+",
-                        choices=("decode", "prefill", "verify", "elementwise", "moe", "wna16"),
+                        choices=("decode", "prefill", "verify", "elementwise", "moe", "wna16",
+                                 "invariant"),
                         help="time only these kernels (default: all)")
     parser.add_argument("--head-dim", type=int, default=64, help="attention head size")
     parser.add_argument("--decode-shapes", nargs="+", metavar="BATCHxCTX",
@@ -573,7 +636,8 @@ def main() -> None:
              "verify": lambda: bench_verify(rows, props.multi_processor_count),
              "elementwise": lambda: bench_elementwise(rows),
              "moe": lambda: moe_layers.append(bench_moe(rows, fp8)),
-             "wna16": lambda: bench_wna16(rows)}
+             "wna16": lambda: bench_wna16(rows),
+             "invariant": lambda: bench_invariant(rows, props.multi_processor_count)}
     fp8, moe_layers = args.moe_dtype == "fp8", []
     for name in args.only or parts:
         parts[name]()

@@ -11,7 +11,8 @@
 # $OUT/ab.jsonl: a change that should not move the rows is checked on one machine in one sitting.
 # (PROFILE_ARGS passes options to scripts/profile_decode.py). `gpu-tests` runs `pytest -m gpu`
 # on 6 pytest-xdist workers, each test named as it ends and stopped (with its stack) after 300 s
-# (pytest-timeout, on the CUDA machine); arguments up to `--` replace the test paths. On one
+# (pytest-timeout, on the CUDA machine), and the whole run interrupted (SIGINT: pytest still
+# prints its failures) before the call's 600 s; arguments up to `--` replace the test paths. On one
 # worker an H100 took ~8 minutes for the kernel tests, mostly Triton compiles on the host, and
 # ~20 s for each engine test; the engines of the tiny test models cap their KV pools at what
 # their sequences can use, so they fit side by side. It leaves out test_structured_server.py:
@@ -25,7 +26,7 @@ OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
 while [ $# -gt 0 ]; do
   case "$1" in
     gpu-tests) shift; paths=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do paths+=("$1"); shift; done; [ $# -gt 0 ] && shift
-      timeout 590 python3 -m pytest -m gpu -n 6 -v -rfE --timeout 300 --durations=30 -p no:cacheprovider -W ignore \
+      timeout -s INT -k 15 575 python3 -m pytest -m gpu -n 6 -v -rfE --timeout 300 --durations=30 -p no:cacheprovider -W ignore \
         --ignore=tests/test_structured_server.py "${paths[@]:-tests}" > "$OUT/pytest-gpu.txt" 2>&1
       echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.txt" | tail -30 ;;
     gputest) shift; timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider "$1" > "$OUT/pytest-gpu.txt" 2>&1; tail -15 "$OUT/pytest-gpu.txt"; shift ;;

@@ -27,6 +27,12 @@ from fixtures import (
     smollm2_gguf_path,
 )
 
+# pytest-xdist's workers share the host's cores, and a torch thread per core in every worker
+# oversubscribes them: six workers on 16 cores took test_int4's CPU reference past 300 s.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 
 @pytest.fixture(autouse=True)
 def all_blocks_returned():

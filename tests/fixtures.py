@@ -267,13 +267,20 @@ def build_llm(model: str, **kwargs: Any) -> Any:
 def serve(engine: Any, model_name: str, args: Any = None) -> Iterator[str]:
     """Serves an AsyncLLM over HTTP (uvicorn on a free local port, its own thread and event
     loop) for the block; yields the base URL."""
-    from liteinfer.entrypoints.openai.api_server import Server, build_app, uvicorn_config
-    from liteinfer.utils import free_port
+    from liteinfer.entrypoints.openai.api_server import (
+        Server,
+        build_app,
+        listening_sockets,
+        uvicorn_config,
+    )
 
-    port = free_port()
+    # Bound here on a port the kernel chooses: a free port picked first and bound later could
+    # be taken meanwhile by any other test's connection.
+    (sock,) = listening_sockets("127.0.0.1", 0, 1, reuse_port=False)
+    port = sock.getsockname()[1]
     app = build_app(engine, model_name, args)
     server = Server(app, uvicorn_config(app, "127.0.0.1", port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, args=([sock],), daemon=True)
     thread.start()
     while not server.uvicorn.started:
         assert thread.is_alive(), "the server failed to start"
@@ -283,6 +290,7 @@ def serve(engine: Any, model_name: str, args: Any = None) -> Iterator[str]:
     finally:
         server.uvicorn.should_exit = True
         thread.join()
+        sock.close()
 
 
 def greedy_completion_texts(url: str, prompt: str, max_tokens: int) -> tuple[str, str]:

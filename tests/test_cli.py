@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,6 @@ from liteinfer.entrypoints.openai.cli_args import (
     default_api_server_count,
     server_args,
 )
-from liteinfer.utils import free_port
 
 # A template unlike the tiny tokenizer's ChatML one.
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -181,18 +181,20 @@ def test_generation_config_sets_the_offline_defaults(tiny_llama_dir, tiny_llm, c
 def test_serve_over_http_uses_the_chat_template(tiny_llama_dir, tiny_llm, tmp_path):
     """A real `liteinfer serve MODEL` process: the chat template given replaces the model's in
     /tokenize and chat completions, and serving never imports the benchmark harness."""
-    port = free_port()
     code = ("import atexit, sys\n"
             "atexit.register(lambda: print('bench modules:', sorted(m for m in sys.modules "
             "if m.startswith('liteinfer.bench')), flush=True))\n"
             "from liteinfer.cli import main\nmain(sys.argv[1:])\n")
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, "serve", str(tiny_llama_dir), "--port", str(port),
+        [sys.executable, "-c", code, "serve", str(tiny_llama_dir), "--port", "0",
          "--device", "cpu", "--max-model-len", "256", "--chat-template", PLAIN_TEMPLATE],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONPATH": str(Path.cwd())})
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = None
+        while url is None and (line := proc.stdout.readline()):
+            url = (found := re.search(r"listening on (http://\S+)", line)) and found[1]
+        assert url, "the server exited before listening"
         deadline = time.monotonic() + 120
         while True:
             try:

@@ -8,9 +8,11 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +26,6 @@ from fixtures import serve
 from liteinfer import SamplingParams
 from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.entrypoints.openai.cli_args import ServerArgs
-from liteinfer.utils import free_port
 
 MODEL = "tiny"
 ENGINE_ARGS = dict(dtype="float32", device="cpu", max_model_len=256)
@@ -317,28 +318,35 @@ def test_64_streams_a_quarter_leaving(url, tiny_llm):
 # ---- the `liteinfer serve` process ----------------------------------------------------------
 def start_server(model_dir: Path, *flags: str, log: Path | None = None,
                  statuses: list[httpx.Response] | None = None) -> tuple[subprocess.Popen, str]:
-    """`liteinfer serve` of the model, once /health answers 200; its output goes to `log`
-    (else a pipe), and /health's answers before the 200 to `statuses`."""
-    port = free_port()
+    """`liteinfer serve` of the model on a port the kernel chooses, once /health answers 200;
+    its output goes to `log` (else a temporary file), and /health's answers before the 200 to
+    `statuses`. (A port picked here and bound by the server later could be taken meanwhile by
+    any other test's connection.)"""
+    if log is None:
+        log = Path(tempfile.mkdtemp(prefix="liteinfer-serve-")) / "server.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
-    out = subprocess.PIPE if log is None else log.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "liteinfer.cli", "serve", "--model",
-                             str(model_dir), "--device", "cpu", "--dtype", "float32",
-                             "--max-model-len", "256", "--port", str(port), *flags],
-                            env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "liteinfer.cli", "serve", "--model",
+                                 str(model_dir), "--device", "cpu", "--dtype", "float32",
+                                 "--max-model-len", "256", "--port", "0", *flags],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = None
     # Three processes importing torch on a loaded two-core machine can take minutes to serve.
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
-            raise AssertionError((proc.stdout.read() if log is None else log.read_bytes())
-                                 .decode())
+            raise AssertionError(log.read_text())
         if time.monotonic() > deadline:
             proc.terminate()  # it stops the processes it started, which a kill would orphan
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
             proc.kill()
             raise AssertionError("the server did not start")
+        if base is None:
+            found = re.search(r"listening on (http://\S+)", log.read_text())
+            base = found and found[1]
+            time.sleep(0.2)
+            continue
         try:
             r = httpx.get(base + "/health")
         except httpx.TransportError:

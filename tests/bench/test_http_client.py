@@ -17,7 +17,7 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from liteinfer.bench.http_client import StreamingClient
-from liteinfer.utils import free_port
+from liteinfer.entrypoints.openai.api_server import listening_sockets
 
 GAP_S = 0.05  # between the streamed lines
 
@@ -44,15 +44,18 @@ async def refuse(request: Request) -> PlainTextResponse:
 def base_url() -> Iterator[str]:
     app = Starlette(routes=[Route("/v1/stream", stream, methods=["POST"]),
                             Route("/v1/refuse", refuse, methods=["POST"])])
-    port = free_port()
+    # Bound now, as `liteinfer serve` binds: a free port picked first could be taken meanwhile.
+    (sock,) = listening_sockets("127.0.0.1", 0, 1, reuse_port=False)
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, args=([sock],), daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
     yield f"http://127.0.0.1:{port}/v1"
     server.should_exit = True
     thread.join(10)
+    sock.close()
 
 
 def test_lines_stream_as_sent_over_one_kept_alive_connection(base_url):

@@ -317,6 +317,7 @@ def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
         return
     # Before loading: a port in use fails at once.
     socks = listening_sockets(host, port, 1, reuse_port=False)
+    log_address(socks[0])
     try:
         with StartingResponder(socks):
             engine = AsyncLLM.from_args(model, load_format, args.max_waiting_requests,
@@ -325,6 +326,13 @@ def run_server(model: str, host: str = "127.0.0.1", port: int = 8000,
     finally:
         for sock in socks:
             sock.close()
+
+
+def log_address(sock: socket.socket) -> None:
+    """The address the server listens on, logged as it is bound: with `--port 0` this line is
+    where a caller learns the port the kernel chose."""
+    host, port = sock.getsockname()[:2]
+    logger.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
 
 
 def serve_engine(engine: AsyncLLM, name: str, args: ServerArgs, overrides: ModelOverrides,
@@ -354,7 +362,10 @@ def listening_sockets(host: str, port: int, n: int, reuse_port: bool = True
     socks: list[socket.socket] = []
     try:
         for _ in range(n):
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off only on sockets
+            # whose protocol says TCP, and with it on a streamed token waits for the client's
+            # delayed ACK (~40 ms on a kept-alive connection).
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, reuse_port)
@@ -459,6 +470,7 @@ def run_api_servers(model: str, host: str, port: int, name: str, load_format: st
     config = EngineConfig(**engine_args)
     socks = listening_sockets(host, port, n)  # before loading: a port in use fails at once
     port = socks[0].getsockname()[1]
+    log_address(socks[0])
     metrics_dir = tempfile.mkdtemp(prefix="liteinfer-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the children's imports
     ctx = multiprocessing.get_context("spawn")

@@ -94,6 +94,26 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_llama_dir
     assert tokens(llm.generate(prompts, greedy(), use_tqdm=False)) == alone
 
 
+def test_a_request_the_core_lost_fails_instead_of_hanging(tiny_llm, prompts, alone):
+    """A request the front end awaits but the core no longer holds (here aborted in the core
+    alone) ends with finish reason "error" at the next step, and generate() returns, with the
+    other requests' outputs whole."""
+    engine = tiny_llm.engine
+    engine.add_request("lost", prompts[0], greedy())
+    engine.core.abort_requests(["lost"])
+    outs = tiny_llm.generate(prompts[1:3], greedy(), use_tqdm=False)
+    assert tokens(outs) == alone[1:3]
+    assert not engine.has_unfinished_requests()
+    (buffered,) = tiny_llm._buffered.pop("lost")  # kept for a stream() that never came
+    assert buffered.outputs[0].finish_reason == "error"
+    engine.add_request("lost", prompts[0], greedy())
+    engine.core.abort_requests(["lost"])
+    (out,) = engine.step()
+    assert out.request_id == "lost" and out.outputs[0].finish_reason == "error"
+    assert "lost" in out.error
+    assert not engine.has_unfinished_requests()
+
+
 def test_an_interrupted_generate_leaves_nothing_behind(tiny_llm, prompts, alone, monkeypatch):
     engine = tiny_llm.engine
     step = engine.step

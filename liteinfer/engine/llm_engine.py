@@ -2,6 +2,7 @@
 output processing around it and no IPC between them."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from liteinfer.config import EngineConfig
@@ -11,6 +12,8 @@ from liteinfer.engine.processor import InputProcessor
 from liteinfer.loader import load_model_source
 from liteinfer.outputs import RequestOutput
 from liteinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -64,6 +67,12 @@ class LLMEngine:
                                                           core_outputs.timestamp)
         if processed.requests_to_abort:
             self.core.abort_requests(processed.requests_to_abort)
+        if (self.output_processor.has_unfinished_requests()
+                and not self.core.has_unfinished_requests()):
+            # Requests the core no longer holds would be waited for for ever: they fail now.
+            lost = self.output_processor.fail_all("the engine core lost this request")
+            logger.error("the engine core lost requests %s", [o.request_id for o in lost])
+            processed.request_outputs.extend(lost)
         return processed.request_outputs
 
     def reset_prefix_cache(self) -> None:

@@ -542,15 +542,23 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
     """Alternative tile configurations (the kernels read their config functions at call time)."""
     decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
     gemv_tile = wna16.GEMV_TILE
-    invariant_tile = (inv.NORMED_WARPS, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT)
+    invariant_tile = (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
+                      inv.MIN_K_PER_SPLIT)
     fewrow_tile = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES)
     try:
         if "invariant" in parts:
-            # (normed launches' warps, programs an SM the splits aim for, fewest K a split)
-            for tile in ((4, 2, 512), (8, 4, 512), (8, 2, 256), (8, 4, 256), (8, 8, 256)):
-                inv.NORMED_WARPS, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = tile
-                bench_invariant(rows, num_sms, f" w{tile[0]} p{tile[1]} k{tile[2]}")
-            inv.NORMED_WARPS, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = invariant_tile
+            # (K a step, stages, normed launches' warps, programs an SM the splits aim for,
+            # fewest K a split): each one setting for every row count, so rows still agree
+            for tile in ((128, 3, 8, 2, 512), (128, 4, 8, 2, 1024), (64, 5, 8, 2, 512),
+                         (64, 4, 8, 4, 256), (128, 4, 8, 4, 512), (64, 3, 4, 2, 512)):
+                (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
+                 inv.MIN_K_PER_SPLIT) = tile
+                try:
+                    bench_invariant(rows, num_sms, " k{} s{} w{} p{} min{}".format(*tile))
+                except OutOfResources:  # deep pipelines of wide tiles: more shared memory
+                    rows.append(dict(kernel=f"invariant {tile}: out of resources"))
+            (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
+             inv.MIN_K_PER_SPLIT) = invariant_tile
         if "wna16" in parts:
             # (rows, codes a step, warps, stages)
             for tile in ((8, 8192, 4, 4), (16, 16384, 4, 4), (32, 16384, 4, 4), (16, 8192, 8, 4)):
@@ -588,7 +596,8 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
         wna16.GEMV_TILE = gemv_tile
         wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES = fewrow_tile
-        inv.NORMED_WARPS, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = invariant_tile
+        (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
+         inv.MIN_K_PER_SPLIT) = invariant_tile
 
 
 def print_table(rows: list[dict]) -> None:

@@ -23,6 +23,11 @@ sum, so nothing waits for a row's RMS before its first product (the separate nor
 normalized element to the model dtype instead; the bits differ from it, not among rows). A
 gate/up projection writes silu(gate) * up: each program holds a gate tile and the matching up
 tile, and applies the activation after the last split's sum.
+
+On Hopper and later the launches are programmatic dependent launches, as the default's GEMV and
+few-row GEMM are: a launch starts while the previous kernel drains and waits in-kernel for its
+results, and the last-arriving program's counter reset is complete before the next launch reads
+it.
 """
 from __future__ import annotations
 
@@ -30,11 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from liteinfer.kernels import dot_precision, num_sms
+from liteinfer.kernels import dot_precision, num_sms, supports_pdl
 from liteinfer.kernels.fewrow_gemm import split_arrive, split_total
 from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace, split_buffers
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+NUM_STAGES = 3
 MIN_K_PER_SPLIT = 512  # columns a split sums at least
 PROGRAMS_PER_SM = 2  # what the splits aim for at one row tile
 # Warps of a normed launch, whose activation tile passes through registers on its way to the
@@ -104,7 +110,11 @@ def _gemm_kernel(x_ptr, w_ptr, norm_ptr, out_ptr, res_ptr, part_ptr, count_ptr, 
                  stride_xm, stride_wn, stride_om, stride_rm, k_per_split, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PARTIAL: tl.constexpr, SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 NORM: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 NORM: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    if USE_PDL:  # every operand may be the previous kernel's output or still read by it
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -220,6 +230,7 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
         serial = serial_splits(m, n, sms)
     assert serial or m <= FEWROW_MAX_ROWS, "a split's partials hold FEWROW_MAX_ROWS rows"
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(out_n, BLOCK_N))
+    pdl = supports_pdl(x.device)
     parts = counts = out  # unread unless split among programs
     if splits > 1 and not serial:
         parts, counts = split_buffers(workspace, split_features(n), splits, x.device)
@@ -231,6 +242,7 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                        PARTIAL=len(grid) == 3, SPLITS=splits,
                        HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None,
-                       GATED=gated, DOT_PRECISION=dot_precision(x.dtype),
-                       num_warps=4 if norm_weight is None else NORMED_WARPS, num_stages=3)
+                       GATED=gated, DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
+                       num_warps=4 if norm_weight is None else NORMED_WARPS,
+                       num_stages=NUM_STAGES, launch_pdl=pdl)
     return out

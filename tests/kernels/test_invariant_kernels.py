@@ -109,18 +109,19 @@ def test_normed_gemm_matches_float64_and_rows_agree_at_every_row_count(device, f
 
 def _reference(q, k_cache, v_cache, table, positions, scale):
     """float64 causal attention of each query over its sequence's keys up to its position."""
-    block = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
+    block, kv_heads = k_cache.shape[1:3]
+    # The sequence's keys and values once, [L, kv_heads, D]; each query head reads its group's.
+    slots = torch.arange(int(positions.max()) + 1)
+    blocks = table[slots // block].long().cpu()
+    keys = k_cache.cpu()[blocks, slots % block].double()
+    values = v_cache.cpu()[blocks, slots % block].double()
+    queries = q.cpu().double().unflatten(1, (kv_heads, -1))  # [T, kv_heads, group, D]
+    out = torch.empty(queries.shape, dtype=torch.float64)
     for t in range(q.shape[0]):
         n = int(positions[t]) + 1
-        slots = torch.arange(n)
-        blocks = table[slots // block].long().cpu()
-        keys = k_cache.cpu()[blocks, slots % block].double().repeat_interleave(group, 1)
-        values = v_cache.cpu()[blocks, slots % block].double().repeat_interleave(group, 1)
-        scores = torch.einsum("hd,lhd->hl", q[t].cpu().double(), keys) * scale
-        out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
-    return out
+        scores = torch.einsum("kgd,lkd->kgl", queries[t], keys[:n]) * scale
+        out[t] = torch.einsum("kgl,lkd->kgd", scores.softmax(-1), values[:n])
+    return out.flatten(1, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

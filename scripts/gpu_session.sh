@@ -10,13 +10,13 @@
 # `git archive` tarball of COMMIT) and this tree, alternating between the two, twice, into
 # $OUT/ab.jsonl: a change that should not move the rows is checked on one machine in one sitting.
 # (PROFILE_ARGS passes options to scripts/profile_decode.py). `gpu-tests` runs `pytest -m gpu`
-# on 6 pytest-xdist workers, each test named as it ends and stopped (with its stack) after 300 s
-# (pytest-timeout, on the CUDA machine), and the whole run interrupted (SIGINT: pytest still
-# prints its failures) before the call's 600 s; arguments up to `--` replace the test paths. On one
-# worker an H100 took ~8 minutes for the kernel tests, mostly Triton compiles on the host, and
-# ~20 s for each engine test; the engines of the tiny test models cap their KV pools at what
-# their sequences can use, so they fit side by side. It leaves out test_structured_server.py:
-# it has no GPU tests and imports openai.
+# on 6 pytest-xdist workers (the tests of one xdist_group on one worker, one at a time), each
+# test named as it ends and stopped (with its stack) after 300 s (pytest-timeout, on the CUDA
+# machine), the whole run interrupted with SIGINT, so that pytest still prints its failures,
+# before the call's 600 s; arguments up to `--` replace the test paths. The whole suite took
+# ~11 minutes on 6 workers (journal item 126); the engines of the tiny test models cap their KV
+# pools at what their sequences can use, so they fit side by side. It leaves out
+# test_structured_server.py: it has no GPU tests and imports openai.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
@@ -26,7 +26,7 @@ OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
 while [ $# -gt 0 ]; do
   case "$1" in
     gpu-tests) shift; paths=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do paths+=("$1"); shift; done; [ $# -gt 0 ] && shift
-      timeout -s INT -k 15 575 python3 -m pytest -m gpu -n 6 -v -rfE --timeout 300 --durations=30 -p no:cacheprovider -W ignore \
+      timeout -s INT -k 15 575 python3 -m pytest -m gpu -n 6 --dist loadgroup -v -rfE --timeout 300 --durations=30 -p no:cacheprovider -W ignore \
         --ignore=tests/test_structured_server.py "${paths[@]:-tests}" > "$OUT/pytest-gpu.txt" 2>&1
       echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.txt" | tail -30 ;;
     gputest) shift; timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider "$1" > "$OUT/pytest-gpu.txt" 2>&1; tail -15 "$OUT/pytest-gpu.txt"; shift ;;

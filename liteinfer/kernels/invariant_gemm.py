@@ -150,11 +150,13 @@ def _gemm_kernel(x_ptr, w_ptr, norm_ptr, out_ptr, res_ptr, part_ptr, count_ptr, 
                       stride_rm, eps, HAS_RESIDUAL, NORM, GATED)
     else:
         # Every split in turn, each from zero, added in split order as the partial programs'
-        # last adds their sums: the same bits without the partials' round trip.
-        acc, up, squares = _split_dot(x_ptr, w_ptr, norm_ptr, rows, cols, row_ok, col_ok, N,
-                                      K, stride_xm, stride_wn, 0, k_per_split, BLOCK_M,
-                                      BLOCK_N, BLOCK_K, NORM, GATED, DOT_PRECISION)
-        for s in tl.static_range(1, SPLITS):
+        # last adds their sums: the same bits without the partials' round trip. The sums start
+        # at -0.0, which the first split's sum adds to exactly, its sign included; one loop, not
+        # one copy of the K loop a split, so the registers of one split's sums are reused.
+        acc = tl.full((BLOCK_M, BLOCK_N), -0.0, tl.float32)
+        up = tl.full((BLOCK_M, BLOCK_N), -0.0, tl.float32)
+        squares = tl.full((BLOCK_M,), -0.0, tl.float32)
+        for s in range(SPLITS):
             acc_s, up_s, squares_s = _split_dot(x_ptr, w_ptr, norm_ptr, rows, cols, row_ok,
                                                 col_ok, N, K, stride_xm, stride_wn,
                                                 s * k_per_split, k_per_split, BLOCK_M,

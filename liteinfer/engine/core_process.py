@@ -248,6 +248,13 @@ class EngineCoreProc:
                 [EngineCoreOutput(rid, [], finish_reason="error", error=f"engine step failed: {e}")
                  for rid in ids], timestamp=time.perf_counter())
         self._publish(outputs)
+        if self.owner and not self.core.has_unfinished_requests():
+            # Requests the core no longer holds would keep their streams waiting: they fail.
+            logger.error("the engine core lost requests %s", list(self.owner))
+            self._publish(EngineCoreOutputs(
+                [EngineCoreOutput(rid, [], finish_reason="error",
+                                  error="the engine core lost this request")
+                 for rid in self.owner], timestamp=time.perf_counter()))
 
     def _publish(self, outputs: EngineCoreOutputs, broadcast: bool = False) -> None:
         """One message per front end that has outputs in this step (every one if broadcast)."""

@@ -1,6 +1,6 @@
 """Batch-invariant GEMM (`EngineConfig.batch_invariant` on CUDA): y = x W^T (+ residual) with one
-tile configuration and one order over K for every row count, so a row's bits never depend on
-how many rows the step has or where the row sits.
+order over K for every row count, so a row's bits never depend on how many rows the step has or
+where the row sits.
 
 The default linears change kernels with the batch (the fused GEMV for one row, the few-row GEMM
 up to 128, cuBLAS above, whose split-K and tiles follow the shape), and each adds in its own

@@ -58,7 +58,8 @@ class ServerArgs:
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000,
-                   help="0: a free port, given in the log line `listening on URL`")
+                   help="0: a free port, which the log line `listening on URL` names (at "
+                        "--log-level info, the default)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the "
                                                "model's name or its directory's)")
     add_dataclass_args(p.add_argument_group("server arguments (ServerArgs)"), ServerArgs)

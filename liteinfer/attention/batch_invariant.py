@@ -14,14 +14,12 @@ step computes the query.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from liteinfer.attention.base import AttentionBackend, AttentionMetadata
 from liteinfer.attention.torch_backend import write_kv
 from liteinfer.layers.batch_invariant import fold_sum
 from liteinfer.layers.rotary import apply_rotary_torch
-from liteinfer.utils import to_device
 
 KEY_BLOCK = 16  # keys one online-softmax update takes
 
@@ -67,7 +65,7 @@ def invariant_attention(q: torch.Tensor, positions: torch.Tensor, block_tables: 
 class BatchInvariantBackend(AttentionBackend):
     """With `triton`, RoPE and the K/V write through kernels/kv_cache.py and attention through
     kernels/invariant_attention.py (one kernel for every kind of step, all of which capture in
-    CUDA graphs: a captured prompt step's tile map is in its inputs); otherwise RoPE and the K/V
+    CUDA graphs: a prompt step's tile map is in its inputs, eager or captured); otherwise RoPE and the K/V
     write as the torch backend does them (elementwise, so invariant), then `invariant_attention`
     above."""
 
@@ -94,17 +92,11 @@ class BatchInvariantBackend(AttentionBackend):
     def _forward_triton(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
         from liteinfer.kernels import invariant_attention as kernel
-        from liteinfer.kernels.invariant_tiles import query_tiles
         from liteinfer.kernels.kv_cache import rope_store_kv
 
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-        tiles = None
-        if meta.is_prefill and meta.query_lens_host:  # eager: the tiles from the host lengths
-            lens = np.asarray(meta.query_lens_host)
-            group = q.shape[1] // k_cache.shape[2]
-            tiles = to_device(query_tiles(lens, np.cumsum(lens) - lens, group), torch.int32,
-                              q.device)
-        elif meta.is_prefill:  # captured: the map its bucket's layout filled
-            tiles = meta.tile_map
+        # A prompt or mixed step's query tiles, in its inputs (eager or captured, the step
+        # model filled them); a decode step needs none.
+        tiles = meta.tile_map if meta.is_prefill else None
         return kernel.invariant_attention(q, k_cache, v_cache, positions, meta.block_tables,
                                           tiles, meta.cu_seqlens_q, scale, torch.empty_like(q))

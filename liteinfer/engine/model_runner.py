@@ -133,7 +133,8 @@ class ModelRunner:
         self.step_model = StepModel(self.model, PendingTokens(config.max_sampled_rows, self.device),
                                     self.scratch, self.device,
                                     step_input_layout(config, self.max_blocks_per_seq,
-                                                      self.scratch.decode))
+                                                      self.scratch.decode),
+                                    config.batch_invariant)
         self.sampler = Sampler(eos_token_ids, use_triton=self.use_triton)
         self.drafter: DraftModelRunner | None = None
         if isinstance(draft, Eagle3LlamaForCausalLM):

@@ -13,6 +13,7 @@ from liteinfer.engine.pending_tokens import PendingTokens
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels.decode_splits import DecodeSplits
+from liteinfer.kernels.invariant_tiles import query_tiles
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.ops import StepScratch
 from liteinfer.models.llama import LlamaForCausalLM
@@ -26,8 +27,9 @@ class StepModel:
     on the torch backends) gives the attention metadata its grid width and workspace."""
 
     def __init__(self, model: LlamaForCausalLM, pending: PendingTokens, scratch: StepScratch,
-                 device: torch.device, layout: InputLayout):
+                 device: torch.device, layout: InputLayout, batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant  # prompt steps' tile maps are the invariant kernel's
         self.scratch = scratch
         self.pending = pending
         self.layout = layout
@@ -49,7 +51,10 @@ class StepModel:
             step = build_step_inputs(batch, layout.block_size, layout.width)
             d = step.num_decodes
             tile_map, tile_tokens = None, 0
-            if splits is not None:
+            if splits is not None and self.batch_invariant:
+                lens = step.query_lens
+                tile_map = query_tiles(lens, np.cumsum(lens) - lens, self.query_group_size)
+            elif splits is not None:
                 tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
                                                   self.query_group_size)
                 tile_map = step.attention_tile_map(tile_tokens, d, splits.max_splits,

@@ -65,9 +65,9 @@ def invariant_attention(q: torch.Tensor, positions: torch.Tensor, block_tables: 
 class BatchInvariantBackend(AttentionBackend):
     """With `triton`, RoPE and the K/V write through kernels/kv_cache.py and attention through
     kernels/invariant_attention.py (one kernel for every kind of step, all of which capture in
-    CUDA graphs: a prompt step's tile map is in its inputs, eager or captured); otherwise RoPE and the K/V
-    write as the torch backend does them (elementwise, so invariant), then `invariant_attention`
-    above."""
+    CUDA graphs: a prompt step's tile map is in its inputs, eager or captured); otherwise RoPE
+    and the K/V write as the torch backend does them (elementwise, so invariant), then
+    `invariant_attention` above."""
 
     def __init__(self, triton: bool):
         self.triton = triton

@@ -141,6 +141,7 @@ INVARIANT_SHAPES = tuple((model, name, n, k, fusion) for model, h, i, q in (
     ("qkv", q, h, "norm"), ("o", h, h, "residual"), ("gate_up", 2 * i, h, "gated"),
     ("down", h, i, "residual"))) + (("1b", "lm_head", VOCAB, 2048, "norm"),)
 INVARIANT_ROWS = (1, 32, 128, 2048)  # decode steps, and a prompt step
+INVARIANT_STREAM_BYTES = 256 * 2**20  # weight bytes a timed graph streams: several L2s' worth
 
 
 def decode_lens(batch: int, ctx: int | str) -> list[int]:
@@ -494,9 +495,15 @@ def bench_invariant(rows: list[dict], num_sms: int, label: str = "") -> None:
     and INVARIANT_ROWS rows: with its norm / SwiGLU / residual inside (`fused`, as the mode
     runs), and as the norm kernel, the plain GEMM and the SwiGLU kernel apart (`apart`);
     against the default's path (the fused GEMV at one row, cuBLAS with the same kernels apart
-    above). `vs_default` is the default's time over the row's; weight bytes give the rate."""
+    above). Each is timed as a CUDA graph that runs it over distinct copies of the weight,
+    INVARIANT_STREAM_BYTES in all, as a decode step streams its layers: a one-row launch is
+    shorter than its host launch, and one weight read again would come from L2. `graph_us` is a
+    launch's share; `vs_default` is the default's time over the row's; weight bytes give the
+    rate."""
     for model, name, n, k, fusion in INVARIANT_SHAPES:
-        weight = torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
+        copies = max(1, min(16, INVARIANT_STREAM_BYTES // (n * k * DTYPE.itemsize)))
+        weights = [torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
+                   for _ in range(copies)]
         norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
         launch = inv.split_launch(n, k, num_sms)
         ws = SplitKWorkspace.allocate([launch] if launch else [], DEV)
@@ -508,27 +515,32 @@ def bench_invariant(rows: list[dict], num_sms: int, label: str = "") -> None:
             r = res if fusion == "residual" else None
             fused_kw = dict(norm_weight=norm_w if normed else None, eps=1e-5, gated=gated)
 
-            def apart(x=x, r=r) -> torch.Tensor:
+            def fused(w, x=x, r=r, kw=fused_kw) -> torch.Tensor:
+                return inv.invariant_gemm(x, w, r, workspace=ws, **({} if r is not None else kw))
+
+            def apart(w, x=x, r=r) -> torch.Tensor:
                 h = rms_norm(x, norm_w, 1e-5) if normed else x
-                y = inv.invariant_gemm(h, weight, r, workspace=ws)
+                y = inv.invariant_gemm(h, w, r, workspace=ws)
                 return silu_and_mul(y) if gated else y
 
-            def default(x=x, r=r, m=m) -> torch.Tensor:
+            def default(w, x=x, r=r, m=m) -> torch.Tensor:
                 if m == 1:
-                    return gemv(x, weight, **({"residual": r} if r is not None else fused_kw))
+                    return gemv(x, w, **({"residual": r} if r is not None else fused_kw))
                 h = rms_norm(x, norm_w, 1e-5) if normed else x
-                y = F.linear(h, weight) if r is None else r.addmm_(h, weight.t())
+                y = F.linear(h, w) if r is None else r.addmm_(h, w.t())
                 return silu_and_mul(y) if gated else y
 
-            paths = {"fused": lambda x=x, r=r, kw=fused_kw: inv.invariant_gemm(
-                         x, weight, r, workspace=ws, **({} if r is not None else kw)),
-                     "apart": apart, "default": default}
-            errs = {path: check(fn(), paths["default"](), 2e-2) for path, fn in paths.items()
+            paths = {"fused": fused, "apart": apart, "default": default}
+            errs = {path: check(fn(weights[0]), default(weights[0]), 2e-2)
+                    for path, fn in paths.items()
                     if r is None}  # a residual grows with each call: checked on fresh ones
-            times = {path: timed(fn) for path, fn in paths.items()}
+            times = {path: do_bench_cudagraph(lambda fn=fn: [fn(w) for w in weights],
+                                              return_mode="median") / copies
+                     for path, fn in paths.items()}
             for path, ms in times.items():
                 rows.append(dict(kernel=f"invariant {path} {model} {name}{label}", batch=m,
-                                 us=ms * 1e3, gbps=weight.nbytes / 1e9 / (ms / 1e3),
+                                 graph_us=ms * 1e3,
+                                 gbps=weights[0].nbytes / 1e9 / (ms / 1e3),
                                  vs_default=times["default"] / ms,
                                  **({"err": errs[path]} if path in errs else {})))
 

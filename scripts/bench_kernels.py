@@ -490,7 +490,8 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
         del weight, deq
 
 
-def bench_invariant(rows: list[dict], num_sms: int, label: str = "") -> None:
+def bench_invariant(rows: list[dict], num_sms: int, label: str = "",
+                    row_counts=INVARIANT_ROWS) -> None:
     """The batch-invariant GEMM (kernels/invariant_gemm.py) at each INVARIANT_SHAPES projection
     and INVARIANT_ROWS rows: with its norm / SwiGLU / residual inside (`fused`, as the mode
     runs), and as the norm kernel, the plain GEMM and the SwiGLU kernel apart (`apart`);
@@ -509,7 +510,7 @@ def bench_invariant(rows: list[dict], num_sms: int, label: str = "") -> None:
         ws = SplitKWorkspace.allocate([launch] if launch else [], DEV)
         normed, gated = fusion in ("norm", "gated"), fusion == "gated"
         out_n = n // 2 if gated else n
-        for m in INVARIANT_ROWS:
+        for m in row_counts:
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             res = torch.zeros(m, out_n, dtype=DTYPE, device=DEV)
             r = res if fusion == "residual" else None
@@ -567,13 +568,14 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
                 (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
                  inv.MIN_K_PER_SPLIT) = tile
                 try:
-                    bench_invariant(rows, num_sms, " k{} s{} w{} p{} min{}".format(*tile))
+                    bench_invariant(rows, num_sms, " k{} s{} w{} p{} min{}".format(*tile),
+                                    row_counts=(1, 128))
                 except OutOfResources:  # deep pipelines of wide tiles: more shared memory
                     rows.append(dict(kernel=f"invariant {tile}: out of resources"))
             (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
              inv.MIN_K_PER_SPLIT) = invariant_tile
             inv.WIDE_BLOCK_M = inv.BLOCK_M  # serial launches in 64-row tiles, as before item 134
-            bench_invariant(rows, num_sms, " narrow serial")
+            bench_invariant(rows, num_sms, " narrow serial", row_counts=(128, 2048))
             inv.WIDE_BLOCK_M = wide_block_m
         if "wna16" in parts:
             # (rows, codes a step, warps, stages)

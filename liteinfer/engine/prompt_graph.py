@@ -29,7 +29,6 @@ from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import StepInputs, build_step_inputs
 from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels.decode_splits import DecodeSplits
-from liteinfer.kernels.invariant_tiles import query_tiles
 from liteinfer.kernels.invariant_tiles import tile_tokens as invariant_tile_tokens
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens, split_entries
 
@@ -114,26 +113,13 @@ class PromptStepLayout:
         """Writes the step into a host buffer in its bucket's layout; returns the used length."""
         shape = self.shape(d_size, p_size)
         if self.batch_invariant:
-            tile_map = self._invariant_tile_map(step, shape, d_size)
+            tile_map = step.invariant_tile_map(self.query_group_size, d_size, shape.rows,
+                                               shape.tiles)
         else:
             tile_map = step.attention_tile_map(self._tile_tokens(p_size), d_size,
                                                self.max_decode_splits, self.split_rows,
                                                shape.tiles)
         return self.input_layout.fill(host, step, shape, d_size, tile_map)
-
-    def _invariant_tile_map(self, step: StepInputs, shape: StepShape, d_size: int
-                            ) -> np.ndarray:
-        """Batch-invariant attention's query tiles of the step in its bucket: the decoding rows
-        at rows and tokens 0..d-1 (their padding, one token each, mapped to none), the prompt
-        sequences from row and token d_size on."""
-        d = step.num_decodes
-        lens = np.zeros(shape.rows, dtype=np.int64)
-        starts = np.arange(shape.rows, dtype=np.int64)
-        lens[:d] = 1
-        prompt_lens = step.query_lens[d:]
-        lens[d_size:d_size + len(prompt_lens)] = prompt_lens
-        starts[d_size:d_size + len(prompt_lens)] = d_size + np.cumsum(prompt_lens) - prompt_lens
-        return query_tiles(lens, starts, self.query_group_size, shape.tiles)
 
 
 def forward_bucket(step_model: StepModel, layout: PromptStepLayout, buffer: torch.Tensor,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from liteinfer.engine.step_batch import StepBatch
+from liteinfer.kernels.invariant_tiles import query_tiles
 from liteinfer.kernels.prefill_tiles import prefill_tile_map, split_counts, split_entries
 from liteinfer.utils import ragged_index
 
@@ -56,6 +57,22 @@ class StepInputs:
         prompt_splits[may_split] = counts[d:]
         return prefill_tile_map(query_lens, context_lens, tile_tokens, first_seq, num_tiles,
                                 counts[:d], prompt_splits)
+
+    def invariant_tile_map(self, group: int, first_seq: int, rows: int,
+                           num_tiles: int | None = None) -> np.ndarray:
+        """Batch-invariant attention's query tiles (kernels/invariant_tiles.py) of `rows`
+        rows: the decoding rows at rows and tokens 0..d-1, then rows of no tokens up to
+        `first_seq` (a captured step's padded decoding slots, mapped to none), the prompt
+        sequences from row and token `first_seq` on."""
+        d = self.num_decodes
+        prompt_lens = self.query_lens[d:]
+        prompts = slice(first_seq, first_seq + len(prompt_lens))
+        lens = np.zeros(rows, dtype=np.int64)
+        starts = np.arange(rows, dtype=np.int64)
+        lens[:d] = 1
+        lens[prompts] = prompt_lens
+        starts[prompts] = first_seq + np.cumsum(prompt_lens) - prompt_lens
+        return query_tiles(lens, starts, group, num_tiles)
 
 
 def build_step_inputs(batch: StepBatch, block_size: int, table_width: int) -> StepInputs:

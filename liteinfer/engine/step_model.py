@@ -13,7 +13,6 @@ from liteinfer.engine.pending_tokens import PendingTokens
 from liteinfer.engine.step_batch import StepBatch
 from liteinfer.engine.step_inputs import build_step_inputs
 from liteinfer.kernels.decode_splits import DecodeSplits
-from liteinfer.kernels.invariant_tiles import query_tiles
 from liteinfer.kernels.prefill_tiles import prefill_tile_tokens
 from liteinfer.layers.ops import StepScratch
 from liteinfer.models.llama import LlamaForCausalLM
@@ -52,8 +51,8 @@ class StepModel:
             d = step.num_decodes
             tile_map, tile_tokens = None, 0
             if splits is not None and self.batch_invariant:
-                lens = step.query_lens
-                tile_map = query_tiles(lens, np.cumsum(lens) - lens, self.query_group_size)
+                tile_map = step.invariant_tile_map(self.query_group_size, d,
+                                                   len(step.query_lens))
             elif splits is not None:
                 tile_tokens = prefill_tile_tokens(int(step.query_lens[d:].max()),
                                                   self.query_group_size)

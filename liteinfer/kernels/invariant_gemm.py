@@ -49,7 +49,9 @@ WIDE_BLOCK_M, WIDE_WARPS = 128, 8
 MIN_K_PER_SPLIT = 512  # columns a split sums at least
 PROGRAMS_PER_SM = 2  # what the splits aim for at one row tile
 # Warps of a normed launch, whose activation tile passes through registers on its way to the
-# MMA beside one or two accumulators and the squares: at 4 warps it spills on sm_90, at 8 not.
+# MMA beside one or two accumulators and the squares. At 4 warps its serial forms spilled on
+# sm_90 while each split had a K loop of its own (journal items 123, 133); the one-loop forms
+# fit at 4 too, which is not yet measured against 8 (`bench_kernels.py --only invariant --sweep`).
 NORMED_WARPS = 8
 
 

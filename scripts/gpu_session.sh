@@ -23,6 +23,10 @@
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"
+# The offline 128/256 rows at 1, 32 and 128 in flight, which `ab` and `invariant` measure.
+ROWS_128_256=("latency --prompts 20 --isl 128 --osl 256"
+              "throughput --width 32 --prompts 200 --isl 128 --osl 256"
+              "throughput --width 128 --prompts 200 --isl 128 --osl 256")
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } | tee "$OUT/env.txt"
@@ -40,10 +44,9 @@ while [ $# -gt 0 ]; do
       for round in 1 2; do
         for tree in /tmp/ab-base "$PWD"; do
           c=$([ "$tree" = "$PWD" ] && echo "$head" || echo "$commit")
-          for run in "latency --prompts 20" "throughput --width 32 --prompts 200" \
-                     "throughput --width 128 --prompts 200"; do
+          for run in "${ROWS_128_256[@]}"; do
             (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH#*:}" LITEINFER_COMMIT=$c timeout 200 \
-              python3 -m liteinfer.bench run $run --isl 128 --osl 256 --out "$OUT/ab.jsonl" 2>&1 \
+              python3 -m liteinfer.bench run $run --out "$OUT/ab.jsonl" 2>&1 \
               | grep -v "it/s]" | tail -2)
           done
         done
@@ -56,10 +59,7 @@ while [ $# -gt 0 ]; do
       fi ;;
     invariant) shift; export LITEINFER_COMMIT="${LITEINFER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
       while [ $# -gt 0 ] && [[ "$1" == llama* ]]; do
-        for run in "latency --prompts 20 --isl 128 --osl 256" \
-                   "throughput --width 32 --prompts 200 --isl 128 --osl 256" \
-                   "throughput --width 128 --prompts 200 --isl 128 --osl 256" \
-                   "throughput --width 32 --prompts 64 --isl 2048 --osl 128"; do
+        for run in "${ROWS_128_256[@]}" "throughput --width 32 --prompts 64 --isl 2048 --osl 128"; do
           for mode in "" "--set batch_invariant=true"; do
             timeout 150 python3 -m liteinfer.bench run $run --model "$1" $mode \
               --out "$OUT/invariant.jsonl" 2>&1 | grep -v "it/s]" | tail -1

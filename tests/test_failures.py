@@ -148,11 +148,12 @@ def test_the_core_process_fails_a_request_its_core_lost(tiny_llama_dir, prompts,
 
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256)
     ctx = zmq.Context()
-    proc = EngineCoreProc(llm.engine.core, ctx, CoreAddresses.in_new_dir(1))
+    addresses = CoreAddresses.in_new_dir(1)
+    proc = EngineCoreProc(llm.engine.core, ctx, addresses)
     front = ctx.socket(zmq.PUSH)
-    front.connect(proc.input.getsockopt_string(zmq.LAST_ENDPOINT))
+    front.connect(addresses.input)
     back = ctx.socket(zmq.PULL)
-    back.connect(proc.outputs[0].getsockopt_string(zmq.LAST_ENDPOINT))
+    back.connect(addresses.outputs[0])
     try:
         requests = [EngineCoreRequest(rid, prompts[i], greedy(), time.time())
                     for i, rid in enumerate(("kept", "lost"))]

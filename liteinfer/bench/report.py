@@ -74,7 +74,8 @@ def _serving(t: ServingTable) -> list[str]:
 SPEC_INTRO = ("`liteinfer-bench spec`: tok/s with speculation, over the same run's tok/s "
               "without it (x off) and over vLLM's speculating the same way on the same machine "
               "and prompts (x vLLM). Forced rows: the benchmark-only reference proposer at a set "
-              "mean accepted length (dummy weights); measured: real drafts on real weights. "
+              "mean accepted length (dummy weights); always drafting: a draft model's cost, its "
+              "drafts never accepted (dummy weights); measured: real drafts on real weights. "
               "Mean length: tokens kept per verification, the drafts accepted and one more.")
 
 

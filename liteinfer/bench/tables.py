@@ -237,8 +237,12 @@ class SpecTable:
 
 
 def _spec_setting(row: Row) -> str:
+    """Forced acceptance at a set level, drafting forced on whatever is accepted (a draft
+    model's cost on dummy weights), or the drafts' own measured acceptance."""
     level = row.get("spec_target_acceptance_length")
-    return f"forced {level:g}" if level is not None else "measured"
+    if level is not None:
+        return f"forced {level:g}"
+    return "always drafting" if row.get("spec_draft_forced") else "measured"
 
 
 def _spec_off_row(row: Row, offs: list[Row]) -> Row | None:

@@ -394,3 +394,5 @@ def test_speculation_rows_sit_beside_their_runs_off_row_and_vllms_of_one_machine
     assert at32.vs_off is None and at32.vs_vllm is None
     forced = _spec_row("spec-reference", 1, 10.0, 6, spec_target_acceptance_length=2.5)
     assert [t.lines[0].setting for t in spec_tables([forced])] == ["forced 2.5"]
+    drafting = _spec_row("spec-draft_model", 1, 10.0, 7, spec_draft_forced=True)
+    assert [t.lines[0].setting for t in spec_tables([drafting])] == ["always drafting"]

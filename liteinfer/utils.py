@@ -5,7 +5,6 @@ import atexit
 import gc
 import os
 import select
-import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,13 +53,6 @@ def to_device(data: Sequence | np.ndarray, dtype: torch.dtype,
     if device.type == "cpu":
         return torch.tensor(data, dtype=dtype)
     return torch.as_tensor(data, dtype=dtype).pin_memory().to(device, non_blocking=True)
-
-
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cdiv(a: int, b: int) -> int:

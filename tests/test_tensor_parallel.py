@@ -410,17 +410,19 @@ def test_two_torchrun_nodes_match_one_process(tiny_llama_dir, tiny_llm, tmp_path
     machines, each running the same program: both give one process's tokens for greedy
     requests, and the same sampled tokens as each other for unseeded ones."""
     import json
+    import socket
     import subprocess
     import sys
     from pathlib import Path
-
-    from liteinfer.utils import free_port
 
     script = tmp_path / "tp_script.py"
     script.write_text(TORCHRUN_SCRIPT)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
     torchrun = Path(sys.executable).with_name("torchrun")
-    port = free_port()
+    # Torchrun takes the rendezvous's port as a number, not a bound socket: one free now.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     nodes = [subprocess.Popen(
         [str(torchrun), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",

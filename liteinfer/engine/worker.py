@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import tempfile
 import threading
 from multiprocessing.connection import Connection, wait
 
@@ -26,7 +27,7 @@ from liteinfer.engine.scheduler_output import SchedulerOutput
 from liteinfer.engine.tensor_parallel import RankDiedError, init_distributed
 from liteinfer.loader import load_model_source
 from liteinfer.logger import configure_logging
-from liteinfer.utils import free_port, freeze_heap
+from liteinfer.utils import freeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,10 @@ class WorkerGroup:
         if dist.is_initialized():
             raise ValueError("a tensor-parallel engine is already running in this process; "
                              "shut it down first")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # The ranks meet through a file, not a port: a port chosen free now could be taken by
+        # another process before rank 0 binds it, while the workers start.
+        self.rendezvous = tempfile.TemporaryDirectory(prefix="liteinfer-tp-")
+        init_method = f"file://{self.rendezvous.name}/store"
         ctx = mp.get_context("spawn")  # a fresh interpreter: CUDA cannot be forked
         self.conns: list[Connection] = []
         self.procs = []
@@ -162,7 +166,8 @@ class WorkerGroup:
             self._send(None)
         except RankDiedError:
             dist.destroy_process_group()
-            return
-        dist.destroy_process_group()
-        for proc in self.procs:
-            proc.join()
+        else:
+            dist.destroy_process_group()
+            for proc in self.procs:
+                proc.join()
+        self.rendezvous.cleanup()

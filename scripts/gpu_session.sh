@@ -17,8 +17,8 @@
 # test named as it ends and stopped (with its stack) after 300 s (pytest-timeout, on the CUDA
 # machine), the whole run interrupted with SIGINT, so that pytest still prints its failures,
 # before the call's 600 s; arguments up to `--` replace the test paths. The whole suite takes
-# ~10 minutes on 6 workers, about one call, the tests given longer timeouts first (journal item
-# 135); the engines of the tiny test models cap their KV pools at what their sequences can
+# ~10 minutes on 6 workers, the tests given longer timeouts first; the last one or two may need
+# a second call (journal item 135); the engines of the tiny test models cap their KV pools at what their sequences can
 # use, so they fit side by side. It leaves out the files that have no GPU tests and import a
 # client the CUDA machine lacks (NO_GPU_TESTS).
 set -uo pipefail

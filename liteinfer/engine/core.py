@@ -127,7 +127,7 @@ class EngineCore:
         source = source or load_model_source(model, load_format)
         self.model_config = ModelConfig.from_hf(source.hf_config)
         resolved = resolve_config(config, self.model_config)
-        # Only the EOS ids: the tokenizer itself stays with the front end.
+        # The EOS ids here; the grammar process gets the tokenizer for its vocabulary.
         self.eos_token_ids = eos_token_ids(self.model_config, source.tokenizer)
         # The other tensor-parallel ranks are workers that run the steps this core schedules
         # (engine/worker.py), unless torchrun started every rank with a core of its own.

@@ -30,7 +30,7 @@ class ServerArgs:
     """The server's limits and switches: each field is a `liteinfer serve` flag, its comment
     the flag's help (entrypoints/arg_utils.py)."""
 
-    # require `Authorization: Bearer KEY` on every route but /health
+    # require `Authorization: Bearer KEY` on every route but /health and /livez
     api_key: str | None = field(default=None, metadata={
         SHOWN_DEFAULT: "$LITEINFER_API_KEY, if set"})
     # with --api-key, /metrics needs the key too

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,13 +19,16 @@ import torch
 # command when it is missing.
 from liteinfer.loader import smollm2_gguf_path
 
-__all__ = ["API_KEY", "QWEN3_ANSWER", "QWEN3_PLAIN", "QWEN3_REASONING", "QWEN3_TOKENIZER",
-           "TINY_LLAMA",
+__all__ = ["API_KEY", "LISTENING_URL", "QWEN3_ANSWER", "QWEN3_PLAIN", "QWEN3_REASONING",
+           "QWEN3_TOKENIZER", "TINY_LLAMA",
            "llama_cpp_permute", "llama_cpp_rope_freqs", "make_scripted_qwen3_dir",
            "make_tiny_gguf", "make_tiny_llama_dir", "make_tiny_model_dir", "smollm2_gguf_path",
            "write_tokenizer"]
 
 API_KEY = "test-key"  # the key of the servers conftest.py starts
+# The line `liteinfer serve` logs once its socket is bound (api_server.log_address): where a
+# server started with `--port 0` says its URL.
+LISTENING_URL = re.compile(r"listening on (http://\S+)")
 
 # The real Qwen3 tokenizer and chat template (no weights), beside the repository.
 QWEN3_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared/models/qwen3-30b-a3b"

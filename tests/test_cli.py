@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from fixtures import LISTENING_URL
 from liteinfer import SamplingParams
 from liteinfer.cli import build_parser, engine_kwargs, main
 from liteinfer.config import EngineConfig
@@ -193,7 +193,7 @@ def test_serve_over_http_uses_the_chat_template(tiny_llama_dir, tiny_llm, tmp_pa
     try:
         url = None
         while url is None and (line := proc.stdout.readline()):
-            url = (found := re.search(r"listening on (http://\S+)", line)) and found[1]
+            url = (found := LISTENING_URL.search(line)) and found[1]
         assert url, "the server exited before listening"
         deadline = time.monotonic() + 120
         while True:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fixtures import serve
+from fixtures import LISTENING_URL, serve
 from liteinfer import SamplingParams
 from liteinfer.engine.async_llm import AsyncLLM
 from liteinfer.entrypoints.openai.cli_args import ServerArgs
@@ -343,7 +342,7 @@ def start_server(model_dir: Path, *flags: str, log: Path | None = None,
             proc.kill()
             raise AssertionError("the server did not start")
         if base is None:
-            found = re.search(r"listening on (http://\S+)", log.read_text())
+            found = LISTENING_URL.search(log.read_text())
             base = found and found[1]
             time.sleep(0.2)
             continue

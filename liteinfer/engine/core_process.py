@@ -244,17 +244,19 @@ class EngineCoreProc:
             ids = list(self.owner)
             with contextlib.suppress(Exception):
                 self.core.abort_requests(ids)
-            outputs = EngineCoreOutputs(
-                [EngineCoreOutput(rid, [], finish_reason="error", error=f"engine step failed: {e}")
-                 for rid in ids], timestamp=time.perf_counter())
+            self._fail(ids, f"engine step failed: {e}")
+            return
         self._publish(outputs)
         if self.owner and not self.core.has_unfinished_requests():
             # Requests the core no longer holds would keep their streams waiting: they fail.
             logger.error("the engine core lost requests %s", list(self.owner))
-            self._publish(EngineCoreOutputs(
-                [EngineCoreOutput(rid, [], finish_reason="error",
-                                  error="the engine core lost this request")
-                 for rid in self.owner], timestamp=time.perf_counter()))
+            self._fail(list(self.owner), "the engine core lost this request")
+
+    def _fail(self, request_ids: list[str], error: str) -> None:
+        """Ends each request, which the core no longer runs, with `error` to its front end."""
+        self._publish(EngineCoreOutputs(
+            [EngineCoreOutput(rid, [], finish_reason="error", error=error) for rid in request_ids],
+            timestamp=time.perf_counter()))
 
     def _publish(self, outputs: EngineCoreOutputs, broadcast: bool = False) -> None:
         """One message per front end that has outputs in this step (every one if broadcast)."""

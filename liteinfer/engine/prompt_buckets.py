@@ -2,8 +2,8 @@
 model runner's, which the scheduler asks so that a step decoding beside prompt chunks replays
 a graph with little padding. Where no prompt step is captured (on the CPU, with the `torch`
 or `sdpa` attention backend, with `enforce_eager`) the runner has no buckets and the scheduler
-trims nothing. Every rank's runner is built from the same configuration, so the core's scheduler and
-every tensor-parallel rank's runner agree on the buckets."""
+trims nothing. Every rank's runner is built from the same configuration, so the core's
+scheduler and every tensor-parallel rank's runner agree on the buckets."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -315,14 +314,12 @@ def test_64_streams_a_quarter_leaving(url, tiny_llm):
 
 
 # ---- the `liteinfer serve` process ----------------------------------------------------------
-def start_server(model_dir: Path, *flags: str, log: Path | None = None,
+def start_server(model_dir: Path, *flags: str, log: Path,
                  statuses: list[httpx.Response] | None = None) -> tuple[subprocess.Popen, str]:
     """`liteinfer serve` of the model on a port the kernel chooses, once /health answers 200;
-    its output goes to `log` (else a temporary file), and /health's answers before the 200 to
-    `statuses`. (A port picked here and bound by the server later could be taken meanwhile by
-    any other test's connection.)"""
-    if log is None:
-        log = Path(tempfile.mkdtemp(prefix="liteinfer-serve-")) / "server.log"
+    its output goes to `log`, and /health's answers before the 200 to `statuses`. (A port
+    picked here and bound by the server later could be taken meanwhile by any other test's
+    connection.)"""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "liteinfer.cli", "serve", "--model",
@@ -436,8 +433,8 @@ def whole_or_error(chunks: list, max_tokens: int) -> str:
     return "whole"
 
 
-def test_core_death_fails_streams_and_the_server_exits(tiny_llama_dir):
-    proc, base = start_server(tiny_llama_dir)
+def test_core_death_fails_streams_and_the_server_exits(tiny_llama_dir, tmp_path):
+    proc, base = start_server(tiny_llama_dir, log=tmp_path / "serve.log")
     try:
         async def run() -> list[list]:
             started = asyncio.Event()
@@ -454,10 +451,11 @@ def test_core_death_fails_streams_and_the_server_exits(tiny_llama_dir):
         proc.wait()
 
 
-def test_sigterm_drains_then_exits(tiny_llama_dir):
+def test_sigterm_drains_then_exits(tiny_llama_dir, tmp_path):
     """Short streams finish within the grace period; long ones finish or get an error event."""
     grace = 2.0
-    proc, base = start_server(tiny_llama_dir, "--shutdown-grace", str(grace))
+    proc, base = start_server(tiny_llama_dir, "--shutdown-grace", str(grace),
+                              log=tmp_path / "serve.log")
     try:
         async def run() -> tuple[list[list], int, float]:
             started = asyncio.Event()

@@ -32,11 +32,12 @@ GRACE_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
+def server(tiny_llama_dir, tmp_path_factory):
     """(process, base URL) of `liteinfer serve --api-server-count 2`; it must exit on SIGTERM
     within the grace period."""
     proc, base = start_server(tiny_llama_dir, "--api-server-count", "2",
-                              "--shutdown-grace", str(GRACE_S))
+                              "--shutdown-grace", str(GRACE_S),
+                              log=tmp_path_factory.mktemp("serve") / "serve.log")
     try:
         yield proc, base
         proc.send_signal(signal.SIGTERM)
@@ -150,8 +151,9 @@ def test_two_front_ends_serve_offline_outputs_and_count_in_metrics(server, tiny_
             "liteinfer:request_success_total"] == len(expected)
 
 
-def test_core_death_ends_every_api_server(tiny_llama_dir):
-    proc, base = start_server(tiny_llama_dir, "--api-server-count", "2")
+def test_core_death_ends_every_api_server(tiny_llama_dir, tmp_path):
+    proc, base = start_server(tiny_llama_dir, "--api-server-count", "2",
+                              log=tmp_path / "serve.log")
     try:
         # /health answered 200, so both front ends serve: each holds its listening socket.
         front_ends, core = front_ends_and_core(proc.pid, int(base.rsplit(":", 1)[1]))

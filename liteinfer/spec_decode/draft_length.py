@@ -47,6 +47,7 @@ class DraftLengthPolicy:
         self.timed = timed
         self.knee_tokens = knee_tokens
         self.sync_cost = sync_cost
+        self.retry_interval = RETRY_INTERVAL  # scripts/profile_spec_steps.py varies it
         # The geometric estimate accepted / (accepted + rejections), as a ratio of two moving
         # averages (an average of per-step ratios would be biased low).
         self.mean_accepted = PRIOR_ACCEPTANCE
@@ -117,7 +118,7 @@ class DraftLengthPolicy:
             return
         self.steps_without_drafts += 1
         if asked:
-            self.retry_in = RETRY_INTERVAL - 1
+            self.retry_in = self.retry_interval - 1
         elif self.retry_in:
             self.retry_in -= 1
 

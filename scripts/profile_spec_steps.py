@@ -1,0 +1,101 @@
+"""Where a speculating engine's steps go at one request: the grounded prompts of
+benchmarks/workloads/ (SmolLM2's token ids) run one at a time without speculation and with
+prompt lookup, each run's decode steps counted by kind (plain or verifying, eager or which
+graph) with the median host time of each phase, device time and interval between steps
+(EngineCore.recording), the draft-length policy's state and the counters after the run (its
+warm-up request included), and whether greedy output equals the output without speculation.
+The counts of steps do not depend on the device, so the CPU gives them too; the times are the
+device's own only on CUDA.
+
+    python scripts/profile_spec_steps.py SmolLM2-135M-Instruct.Q4_1.gguf [--prompts 8]
+        [--max-tokens 256] [--retry-intervals 8 1]
+
+--retry-intervals: one speculating run per value of the policy's `retry_interval` (steps
+after one in which the proposers found nothing before they are asked again).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from liteinfer import LLM, SamplingParams
+from liteinfer.engine.instrumentation import StepRecord
+
+PROMPTS = (Path(__file__).resolve().parent.parent / "benchmarks" / "workloads"
+           / "grounded-tokens-smollm2.json")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 5}
+
+
+def summarize(steps: list[StepRecord]) -> None:
+    """Decode steps by (mode, verifying): count, median ms of each phase, tokens per step."""
+    groups: dict[tuple[str, bool], dict[str, list[float]]] = {}
+    previous = None
+    for r in steps:
+        interval = None if previous is None or r.ready is None else (r.ready - previous) * 1e3
+        previous = r.ready
+        if r.prompt_tokens:
+            continue
+        g = groups.setdefault((r.mode, r.draft_tokens > 0), {
+            "schedule": [], "launch": [], "update": [], "gpu": [], "gpu_idle": [],
+            "interval": [], "tokens": []})
+        g["schedule"].append(r.schedule_s * 1e3)
+        g["launch"].append(r.launch_s * 1e3)
+        for key, value in (("update", None if r.update_s is None else r.update_s * 1e3),
+                           ("gpu", r.gpu_ms), ("gpu_idle", r.gpu_idle_ms),
+                           ("interval", interval)):
+            if value is not None:
+                g[key].append(value)
+        g["tokens"].append(r.output_tokens)
+    for (mode, verifying), g in sorted(groups.items()):
+        medians = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in g.items()
+                            if v and k != "tokens")
+        print(f"  {mode:12s} {'verifying' if verifying else 'plain':9s} "
+              f"{len(g['tokens']):5d} steps, {statistics.mean(g['tokens']):.2f} tokens each; "
+              f"median ms: {medians}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--retry-intervals", type=int, nargs="+", default=[8])
+    args = ap.parse_args()
+    prompts = json.loads(PROMPTS.read_text())["1"][:args.prompts]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    runs = [("off", None, None)] + [(f"ngram, retry every {n}", NGRAM, n)
+                                    for n in args.retry_intervals]
+    outputs: dict[str, list[list[int]]] = {}
+    for name, spec, retry in runs:
+        llm = LLM(args.model, max_model_len=4096, max_num_seqs=32, speculative_config=spec)
+        core = llm.engine.core
+        speculator = core.scheduler.speculator
+        if speculator is not None:
+            speculator.policy.retry_interval = retry
+        llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        with core.recording() as steps:
+            outputs[name] = [list(llm.generate([{"prompt_token_ids": p}], params,
+                                               use_tqdm=False)[0].outputs[0].token_ids)
+                             for p in prompts]
+        wall = time.perf_counter() - start
+        tokens = sum(map(len, outputs[name]))
+        print(f"{name}: {tokens} tokens in {wall:.3f} s ({tokens / wall:.1f} tok/s), "
+              f"{len(steps)} steps")
+        summarize(steps)
+        if speculator is not None:
+            policy = speculator.policy
+            print(f"  policy: acceptance {policy.acceptance:.3f}, verifying step "
+                  f"{policy.verify_overhead:.2f} plain steps; {speculator.stats}")
+            same = sum(a == b for a, b in zip(outputs["off"], outputs[name]))
+            print(f"  greedy output equals the output without speculation: {same} of "
+                  f"{len(prompts)} prompts")
+        del llm
+
+
+if __name__ == "__main__":
+    main()

@@ -47,7 +47,7 @@ class DraftLengthPolicy:
         self.timed = timed
         self.knee_tokens = knee_tokens
         self.sync_cost = sync_cost
-        self.retry_interval = RETRY_INTERVAL  # scripts/profile_spec_steps.py varies it
+        self.retry_interval = RETRY_INTERVAL  # per policy, so that a profile can vary it
         # The geometric estimate accepted / (accepted + rejections), as a ratio of two moving
         # averages (an average of per-step ratios would be biased low).
         self.mean_accepted = PRIOR_ACCEPTANCE

@@ -18,9 +18,9 @@
 # machine), the whole run interrupted with SIGINT, so that pytest still prints its failures,
 # before the call's 600 s; arguments up to `--` replace the test paths. The whole suite takes
 # ~10 minutes on 6 workers, the tests given longer timeouts first; the last one or two may need
-# a second call (journal item 135); the engines of the tiny test models cap their KV pools at what their sequences can
-# use, so they fit side by side. It leaves out the files that have no GPU tests and import a
-# client the CUDA machine lacks (NO_GPU_TESTS).
+# a second call (journal item 135). The engines of the tiny test models cap their KV pools at
+# what their sequences can use, so they fit side by side. It leaves out the files that have no
+# GPU tests and import a client the CUDA machine lacks (NO_GPU_TESTS).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/liteinfer-out}"; mkdir -p "$OUT"

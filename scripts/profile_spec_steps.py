@@ -8,10 +8,13 @@ The counts of steps do not depend on the device, so the CPU gives them too; the 
 device's own only on CUDA.
 
     python scripts/profile_spec_steps.py SmolLM2-135M-Instruct.Q4_1.gguf [--prompts 8]
-        [--max-tokens 256] [--retry-intervals 8 1]
+        [--max-tokens 256] [--retry-intervals 8 1] [--kernels] [--gemv-rows N]
 
 --retry-intervals: one speculating run per value of the policy's `retry_interval` (steps
-after one in which the proposers found nothing before they are asked again).
+after one in which the proposers found nothing before they are asked again). --kernels: each
+run's first prompt again under torch's profiler, its device kernels by total time (CUDA only).
+--gemv-rows: the most rows a projection sends through the GEMV kernel, instead of the engine's
+rule (kernels/gemv.py `few_rows`).
 """
 from __future__ import annotations
 
@@ -58,13 +61,27 @@ def summarize(steps: list[StepRecord]) -> None:
               f"median ms: {medians}")
 
 
+def print_kernels(llm: LLM, prompt: list[int], params: SamplingParams) -> None:
+    """One prompt's device kernels under torch's profiler, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
+                                    max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--retry-intervals", type=int, nargs="+", default=[8])
+    ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--gemv-rows", type=int)
     args = ap.parse_args()
+    if args.gemv_rows is not None:
+        import liteinfer.engine.model_runner as model_runner
+        model_runner.few_rows = lambda hidden_size: args.gemv_rows
     prompts = json.loads(PROMPTS.read_text())["1"][:args.prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     runs = [("off", None, None)] + [(f"ngram, retry every {n}", NGRAM, n)
@@ -87,6 +104,8 @@ def main() -> None:
         print(f"{name}: {tokens} tokens in {wall:.3f} s ({tokens / wall:.1f} tok/s), "
               f"{len(steps)} steps")
         summarize(steps)
+        if args.kernels:
+            print_kernels(llm, prompts[0], params)
         if speculator is not None:
             policy = speculator.policy
             print(f"  policy: acceptance {policy.acceptance:.3f}, verifying step "

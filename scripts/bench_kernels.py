@@ -151,7 +151,7 @@ FEWROW_SHAPES = tuple((model, name, n, k, fusion) for model, h, i, q, vocab in (
     ("8b", 4096, 14336, 6144, VOCAB)) for name, n, k, fusion in (
     ("qkv", q, h, "norm"), ("o", h, h, "residual"), ("gate_up", 2 * i, h, "gated"),
     ("down", h, i, "residual"), ("lm_head", vocab, h, "norm")) if k <= 8192)
-FEWROW_ROWS = (1, 2, 4, 5, 8, 16)
+FEWROW_ROWS = (1, 2, 4, 8, 16)
 
 
 def decode_lens(batch: int, ctx: int | str) -> list[int]:

@@ -23,8 +23,6 @@ the engine multiplies (the fused GEMV at one row, cuBLAS above); `vs_bf16` is bf
 the row's. Weight bytes (codes, scales and mins) give the rate. `--only invariant` times the
 batch-invariant GEMM at the 1B's and 8B's projections and the 1B's LM head, at 1, 32, 128 and
 2,048 rows, with its norm / SwiGLU inside and with them apart, against the default's path.
-`--only fewrow` times the fused GEMV at 1 to 16 rows against cuBLAS with the norm and SwiGLU
-apart, at SmolLM2-135M's, the 1B's and the 8B's projections.
 Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>-<kv dtype>-d<D>.json.
 `--sweep` additionally times alternative tile configurations, prefill also at the sizes of mixed
 steps' prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
@@ -32,7 +30,7 @@ decode sweep then times the engine's path alone (split policy, this step's K/V f
 
     python scripts/bench_kernels.py [--sweep] [--pool token-major] [--head-dim 128]
                                     [--only decode prefill verify elementwise moe wna16
-                                            invariant fewrow]
+                                            invariant]
                                     [--moe-dtype fp8]
                                     [--decode-shapes 1x256 128x256 ...] [--kv-dtype fp8]
 """
@@ -144,14 +142,6 @@ INVARIANT_SHAPES = tuple((model, name, n, k, fusion) for model, h, i, q in (
     ("down", h, i, "residual"))) + (("1b", "lm_head", VOCAB, 2048, "norm"),)
 INVARIANT_ROWS = (1, 32, 128, 2048)  # decode steps, and a prompt step
 INVARIANT_STREAM_BYTES = 256 * 2**20  # weight bytes a timed graph streams: several L2s' worth
-# (model, projection, N, K, fusion) of SmolLM2-135M's, the 1B's and the 8B's linears whose rows
-# the GEMV kernel takes at several rows (K up to gemv.CHUNKED_MIN_K), for `--only fewrow`.
-FEWROW_SHAPES = tuple((model, name, n, k, fusion) for model, h, i, q, vocab in (
-    ("smollm2", 576, 1536, 960, 49152), ("1b", 2048, 8192, 3072, VOCAB),
-    ("8b", 4096, 14336, 6144, VOCAB)) for name, n, k, fusion in (
-    ("qkv", q, h, "norm"), ("o", h, h, "residual"), ("gate_up", 2 * i, h, "gated"),
-    ("down", h, i, "residual"), ("lm_head", vocab, h, "norm")) if k <= 8192)
-FEWROW_ROWS = (1, 2, 4, 8, 16)
 
 
 def decode_lens(batch: int, ctx: int | str) -> list[int]:
@@ -556,45 +546,6 @@ def bench_invariant(rows: list[dict], num_sms: int, label: str = "",
                                  **({"err": errs[path]} if path in errs else {})))
 
 
-def bench_fewrow(rows: list[dict], row_counts=FEWROW_ROWS) -> None:
-    """The fused GEMV kernel at several rows (kernels/gemv.py) against cuBLAS with the norm and
-    SwiGLU kernels apart (the path above one row without it), at each FEWROW_SHAPES projection:
-    each timed as a CUDA graph over distinct copies of the weight, INVARIANT_STREAM_BYTES in
-    all, as a decode step streams its layers. `vs_default` is cuBLAS's time over the row's."""
-    for model, name, n, k, fusion in FEWROW_SHAPES:
-        copies = max(1, min(512, INVARIANT_STREAM_BYTES // (n * k * DTYPE.itemsize)))
-        weights = [torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
-                   for _ in range(copies)]
-        norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
-        normed, gated = fusion in ("norm", "gated"), fusion == "gated"
-        out_n = n // 2 if gated else n
-        for m in row_counts:
-            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
-            res = torch.zeros(m, out_n, dtype=DTYPE, device=DEV)
-            r = res if fusion == "residual" else None
-            kw = dict(norm_weight=norm_w if normed else None, eps=1e-5, gated=gated)
-
-            def fused(w, x=x, r=r, kw=kw) -> torch.Tensor:
-                return gemv(x, w, **({"residual": r} if r is not None else kw))
-
-            def cublas(w, x=x, r=r) -> torch.Tensor:
-                h = rms_norm(x, norm_w, 1e-5) if normed else x
-                y = F.linear(h, w) if r is None else r.addmm_(h, w.t())
-                return silu_and_mul(y) if gated else y
-
-            paths = {"gemv": fused, "cublas": cublas}
-            err = check(fused(weights[0]), cublas(weights[0]), 2e-2) if r is None else None
-            times = {path: do_bench_cudagraph(lambda fn=fn: [fn(w) for w in weights],
-                                              return_mode="median") / copies
-                     for path, fn in paths.items()}
-            for path, ms in times.items():
-                rows.append(dict(kernel=f"fewrow {path} {model} {name}", batch=m,
-                                 graph_us=ms * 1e3,
-                                 gbps=weights[0].nbytes / 1e9 / (ms / 1e3),
-                                 vs_default=times["cublas"] / ms,
-                                 **({"err": err} if path == "gemv" and err is not None else {})))
-
-
 def _bandwidth(fn: Callable[[], object], nbytes: int) -> dict:
     ms = timed(fn)
     return dict(us=ms * 1e3, gbps=nbytes / 1e9 / (ms / 1e3))
@@ -688,7 +639,7 @@ def main() -> None:
                         help="memory order of the KV pool the attention kernels read")
     parser.add_argument("--only", nargs="+",
                         choices=("decode", "prefill", "verify", "elementwise", "moe", "wna16",
-                                 "invariant", "fewrow"),
+                                 "invariant"),
                         help="time only these kernels (default: all)")
     parser.add_argument("--head-dim", type=int, default=64, help="attention head size")
     parser.add_argument("--decode-shapes", nargs="+", metavar="BATCHxCTX",
@@ -714,8 +665,7 @@ def main() -> None:
              "elementwise": lambda: bench_elementwise(rows),
              "moe": lambda: moe_layers.append(bench_moe(rows, fp8)),
              "wna16": lambda: bench_wna16(rows),
-             "invariant": lambda: bench_invariant(rows, props.multi_processor_count),
-             "fewrow": lambda: bench_fewrow(rows)}
+             "invariant": lambda: bench_invariant(rows, props.multi_processor_count)}
     fp8, moe_layers = args.moe_dtype == "fp8", []
     for name in args.only or parts:
         parts[name]()

@@ -8,13 +8,11 @@ The counts of steps do not depend on the device, so the CPU gives them too; the 
 device's own only on CUDA.
 
     python scripts/profile_spec_steps.py SmolLM2-135M-Instruct.Q4_1.gguf [--prompts 8]
-        [--max-tokens 256] [--retry-intervals 8 1] [--kernels] [--gemv-rows N]
+        [--max-tokens 256] [--retry-intervals 8 1] [--kernels]
 
 --retry-intervals: one speculating run per value of the policy's `retry_interval` (steps
 after one in which the proposers found nothing before they are asked again). --kernels: each
 run's first prompt again under torch's profiler, its device kernels by total time (CUDA only).
---gemv-rows: the most rows a projection sends through the GEMV kernel, instead of the engine's
-rule (kernels/gemv.py `few_rows`).
 """
 from __future__ import annotations
 
@@ -77,11 +75,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--retry-intervals", type=int, nargs="+", default=[8])
     ap.add_argument("--kernels", action="store_true")
-    ap.add_argument("--gemv-rows", type=int)
     args = ap.parse_args()
-    if args.gemv_rows is not None:
-        import liteinfer.engine.model_runner as model_runner
-        model_runner.few_rows = lambda hidden_size: args.gemv_rows
     prompts = json.loads(PROMPTS.read_text())["1"][:args.prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     runs = [("off", None, None)] + [(f"ngram, retry every {n}", NGRAM, n)

@@ -351,24 +351,18 @@ def test_lone_prompts_prefilled_through_sdpa_match_transformers(tiny_llama_dir, 
     assert len(calls) == len(prompts) * llm.engine.model_config.num_hidden_layers
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 3])
-def test_few_row_steps_through_fused_gemv_match_transformers(tiny_llama_dir, prompts, reference,
-                                                             monkeypatch, max_num_seqs):
-    """Decode steps of one sequence, and (three at a time) of a few, and short prompt steps,
-    through the GEMV kernel (kernels/gemv.py `few_rows`: a tiny model's every step of up to
-    MAX_ROWS tokens)."""
+def test_one_sequence_steps_through_fused_gemv_match_transformers(tiny_llama_dir, prompts,
+                                                                   reference, monkeypatch):
     import liteinfer.kernels.gemv as gemv_kernels
-    rows = []
+    calls = []
     gemv = gemv_kernels.gemv
-    monkeypatch.setattr(gemv_kernels, "gemv",
-                        lambda x, *a, **kw: rows.append(x.shape[0]) or gemv(x, *a, **kw))
+    monkeypatch.setattr(gemv_kernels, "gemv", lambda *a, **kw: calls.append(1) or gemv(*a, **kw))
     llm = build_llm(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256,
-                    attention_backend="triton", max_num_seqs=max_num_seqs)
+                    attention_backend="triton", max_num_seqs=1)
     assert token_ids(llm.generate(prompts, greedy(), use_tqdm=False)) == reference
     # Every decode step: qkv, o, gate/up and down of each layer, then the LM head.
     per_step = 4 * llm.engine.model_config.num_hidden_layers + 1
-    assert len(rows) >= len(prompts) * (MAX_NEW - 1) * per_step // max_num_seqs
-    assert max_num_seqs in rows
+    assert len(calls) >= len(prompts) * (MAX_NEW - 1) * per_step
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

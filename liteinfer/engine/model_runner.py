@@ -35,7 +35,6 @@ from liteinfer.engine.step_model import StepModel
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.decode_splits import DecodeSplits
 from liteinfer.kernels.gemm_splits import SplitKWorkspace
-from liteinfer.kernels.gemv import few_rows
 from liteinfer.layers.batch_invariant import BatchInvariantConfig
 from liteinfer.layers.ops import LayerOps, StepScratch
 from liteinfer.layers.quantization import (
@@ -223,8 +222,7 @@ class ModelRunner:
         file's blocks are dequantized at load; other quantized checkpoints and the experts'
         kernels are refused for now."""
         if not self.config.batch_invariant:
-            return LayerOps(triton=self.use_triton, gemv=self.use_triton,
-                            gemv_rows=few_rows(cfg.hidden_size), quant=quant,
+            return LayerOps(triton=self.use_triton, gemv=self.use_triton, quant=quant,
                             tp_rank=self.tp_rank, tp_size=self.tp_size, scratch=self.scratch)
         if cfg.moe is not None:
             raise ValueError("batch_invariant does not support mixture-of-experts models yet")

@@ -56,9 +56,6 @@ BYTES_PER_THREAD = 128
 # warps, pipeline stages); shorter rows lose to the plain kernel when chunked (items 90, 91).
 CHUNKED_MIN_K = 8192
 CHUNKED_TILE = (8, 1024, 4, 3)
-# Most input rows the whole-row kernel takes: each program keeps its weight tile in registers
-# and reduces every row against it, so a few rows cost about one row's weight bytes.
-MAX_ROWS = 16
 
 
 @triton.jit
@@ -144,9 +141,9 @@ def store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED: tl.
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
-                 stride_xm, stride_om, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-                 GATED: tl.constexpr, W_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                 ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     offs, n_mask, k, w_rows = _program_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
     k_mask = k < K
     w_mask = n_mask[:, None] & k_mask[None, :]
@@ -158,22 +155,18 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    # Every input row is reduced against the weight tile loaded once (unrolled, so that the
-    # rows' loads need not wait for each other's reductions).
-    for m in tl.static_range(ROWS):
-        xf = tl.load(x_ptr + m * stride_xm + k, mask=k_mask, other=0.0).to(tl.float32)
-        res = scale
-        if ADD:  # out is the residual stream; loaded with x, so its latency is not paid last
-            res = tl.load(out_ptr + m * stride_om + offs, mask=n_mask).to(tl.float32)
-        if NORM:
-            inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
-            xf = normalize(xf, norm_ptr, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
-        y = tl.sum(w.to(tl.float32) * xf[None, :], 1)
-        up = y
-        if GATED:
-            up = tl.sum(w_up.to(tl.float32) * xf[None, :], 1)
-        store_outputs(y, up, scale, scale_up, res, out_ptr + m * stride_om, offs, n_mask,
-                      GATED, ADD, W_SCALE)
+    xf = tl.load(x_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+    res = scale
+    if ADD:  # out is the residual stream; loaded with x, so its latency is not paid at the end
+        res = tl.load(out_ptr + offs, mask=n_mask).to(tl.float32)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+        xf = normalize(xf, norm_ptr, k, k_mask, inv_rms, out_ptr.dtype.element_ty)
+    y = tl.sum(w.to(tl.float32) * xf[None, :], 1)
+    up = y
+    if GATED:
+        up = tl.sum(w_up.to(tl.float32) * xf[None, :], 1)
+    store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED, ADD, W_SCALE)
 
 
 @triton.jit
@@ -206,30 +199,17 @@ def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K
                    n_mask, GATED, ADD, W_SCALE)
 
 
-def few_rows(hidden_size: int) -> int:
-    """Most rows a model of `hidden_size` sends through the GEMV kernel: up to where it beats
-    cuBLAS with the norm and SwiGLU apart at the model's projections (scripts/bench_kernels.py
-    --only fewrow)."""
-    return MAX_ROWS if hidden_size <= 1024 else 1
-
-
-def takes_rows(rows: int, in_features: int) -> bool:
-    """Whether `gemv` takes an input of `rows` rows of `in_features`: one row of any length, or
-    up to MAX_ROWS rows short enough for the whole-row kernel."""
-    return rows == 1 or (rows <= MAX_ROWS and in_features <= CHUNKED_MIN_K)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
          eps: float = 0.0, gated: bool = False, residual: torch.Tensor | None = None,
          out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None
          ) -> torch.Tensor:
-    """x: [M, K] (`takes_rows`); weight: [N, K], or [2N, K] = [gate; up] when gated (rows
-    contiguous), in x's dtype, or e4m3 with weight_scale (fp32, one per weight row).
-    Returns out [M, N] = f(x) W^T, where f RMS-normalizes each row with norm_weight and eps when
-    given. With residual ([M, N]), adds f(x) W^T to it in place instead and returns it."""
-    assert x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
-    rows, in_features = x.shape
-    assert weight.shape[1] == in_features and takes_rows(rows, in_features)
+    """x: [1, K]; weight: [N, K], or [2N, K] = [gate; up] when gated (rows contiguous), in x's
+    dtype, or e4m3 with weight_scale (fp32, one per weight row).
+    Returns out [1, N] = f(x) W^T, where f RMS-normalizes with norm_weight and eps when given.
+    With residual ([1, N]), adds f(x) W^T to it in place instead and returns it."""
+    assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    in_features = x.shape[1]
+    assert weight.shape[1] == in_features
     if weight_scale is not None:
         assert weight_scale.shape == weight.shape[:1] and weight_scale.dtype == torch.float32
     else:
@@ -238,11 +218,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     if residual is not None:
         assert out is None and residual.dtype == x.dtype
         out = residual
-    out = x.new_empty(rows, n) if out is None else out
-    assert out.shape == (rows, n) and out.stride(-1) == 1
+    out = x.new_empty(1, n) if out is None else out
+    assert out.shape == (1, n) and out.stride(-1) == 1
     pdl = supports_pdl(x.device)
     args = (x, weight, weight_scale if weight_scale is not None else x, out,
-            norm_weight if norm_weight is not None else weight, eps)
+            norm_weight if norm_weight is not None else weight, eps, n, in_features,
+            weight.stride(0))
     flags = dict(NORM=norm_weight is not None, ADD=residual is not None, GATED=gated,
                  W_SCALE=weight_scale is not None, USE_PDL=pdl)
     itemsize = weight.element_size()
@@ -250,14 +231,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
         block_n, block_k, num_warps, num_stages = CHUNKED_TILE
         lines = prefetch_lines(weight.shape[0], in_features * itemsize, x.device) if pdl else 0
         _gemv_chunked_kernel[(triton.cdiv(n, block_n),)](
-            *args, n, in_features, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, **flags,
-            PREFETCH_LINES=lines, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+            *args, BLOCK_N=block_n, BLOCK_K=block_k, **flags, PREFETCH_LINES=lines,
+            num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
         return out
     block_k = triton.next_power_of_2(in_features)
     block_n = max(1, TILE_BYTES // (itemsize * (1 + gated) * block_k))
     tile_bytes = itemsize * (1 + gated) * block_n * block_k
     num_warps = min(16, max(4, tile_bytes // (32 * BYTES_PER_THREAD)))
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        *args, n, in_features, weight.stride(0), x.stride(0), out.stride(0), ROWS=rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, **flags, num_warps=num_warps, launch_pdl=pdl)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](*args, BLOCK_N=block_n, BLOCK_K=block_k, **flags,
+                                             num_warps=num_warps, launch_pdl=pdl)
     return out

@@ -10,9 +10,8 @@ Llama's residual stream flows through them: a pre-norm projection (`forward_norm
 norm(stream), and an output projection (`forward_add`) adds its result to the stream in place,
 inside the GEMM (cuBLAS with beta = 1), so no separate kernel adds the two.
 
-With LayerOps.gemv, an input of one token (a decode step of one sequence) or of a few (up to
-LayerOps.gemv_rows: a verification's 1 + k) goes through the fused GEMV kernel
-(kernels/gemv.py), which also absorbs the RMSNorm in front of a projection, the
+With LayerOps.gemv, a one-token input (a decode step of one sequence) goes through the fused
+GEMV kernel (kernels/gemv.py), which also absorbs the RMSNorm in front of a projection, the
 SwiGLU behind gate/up and the residual add behind an output projection. LayerOps.triton is the
 switch the model's RMSNorm and SiluAndMul take; a quantized method runs its own activation
 passes (FP8: the fused norm, SwiGLU and quantization) by it.
@@ -61,19 +60,16 @@ def linear_method(quant_config: QuantConfig | None, use_triton: bool) -> LinearM
     return quant_config.linear_method(use_triton)
 
 
-def _through_gemv(layer: nn.Module, x: Any) -> bool:
-    """x goes through the GEMV kernel: a layer that takes it (LayerOps.gemv), at most
-    LayerOps.gemv_rows rows, as many as its method's GEMV takes; an Fp8Activation (a multi-row
-    gate/up's output) never does."""
-    return (layer.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] <= layer.gemv_rows
-            and layer.quant_method.gemv_takes(layer, x.shape[0]))
+def _gemv_row(layer: nn.Module, x: Any) -> bool:
+    """x is one row for the GEMV kernel in a layer that takes it (LayerOps.gemv); an
+    Fp8Activation (a multi-row gate/up's output) never is."""
+    return layer.use_gemv and isinstance(x, torch.Tensor) and x.shape[0] == 1
 
 
 def matmul(layer: nn.Module, x: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T of a linear layer or the LM head by its `quant_method`: the GEMV kernel for a few
-    rows (`_through_gemv`), the GEMM otherwise; with residual, added to it in place and
-    returned."""
-    if _through_gemv(layer, x):
+    """x W^T of a linear layer or the LM head by its `quant_method`: the GEMV kernel for one
+    row, the GEMM otherwise; with residual, added to it in place and returned."""
+    if _gemv_row(layer, x):
         return layer.quant_method.gemv(layer, x, residual=residual)
     return layer.quant_method.gemm(layer, x, residual)
 
@@ -81,7 +77,7 @@ def matmul(layer: nn.Module, x: Any, residual: torch.Tensor | None = None) -> to
 def matmul_normed(layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                   act: SiluAndMul | None = None) -> Any:
     """act(norm(x) W^T) as `matmul` computes it, the norm and SwiGLU fused into the GEMV."""
-    if _through_gemv(layer, x):
+    if _gemv_row(layer, x):
         return layer.quant_method.gemv(layer, x, norm=norm, gated=act is not None)
     return layer.quant_method.gemm_normed(layer, x, norm, act)
 
@@ -99,7 +95,7 @@ class _ShardedLinear(nn.Module):
                              f"over {tp_size} ranks")
         shape[dim] //= tp_size
         self.tp_rank, self.tp_size, self.dim = tp_rank, tp_size, dim
-        self.use_gemv, self.gemv_rows = ops.gemv, ops.gemv_rows
+        self.use_gemv = ops.gemv
         self.scratch = ops.scratch  # the runner's buffers, for a quantized method's kernels
         # Checkpoint shard -> (first row, rows) of this rank's output rows.
         self.offsets: dict[str | None, tuple[int, int]] = {None: (0, shape[0])}

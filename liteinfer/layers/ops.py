@@ -33,16 +33,15 @@ class StepScratch:
 class LayerOps:
     """`triton`: Triton kernels for RMSNorm, SiLU-and-mul, the router and the experts, and for
     a quantized linear's norm, SwiGLU and quantization passes (else plain torch); `gemv`:
-    projections of up to `gemv_rows` input rows through the fused GEMV kernel
-    (kernels/gemv.py), norms and SwiGLU included; `quant`: the decoder layers' linears,
-    experts and LM head (as `QuantConfig.lm_head_method` says; a BatchInvariantConfig in
-    batch-invariant mode); `invariant`: the batch-invariant torch norms and SwiGLU
-    (layers/batch_invariant.py); `tp_rank` of `tp_size`: the slice of each split layer this
-    rank holds; `scratch`: the runner's buffers, filled in once the model is loaded."""
+    one-token projections through the fused GEMV kernel (kernels/gemv.py), norms and SwiGLU
+    included; `quant`: the decoder layers' linears, experts and LM head (as
+    `QuantConfig.lm_head_method` says; a BatchInvariantConfig in batch-invariant mode);
+    `invariant`: the batch-invariant torch norms and SwiGLU (layers/batch_invariant.py);
+    `tp_rank` of `tp_size`: the slice of each split layer this rank holds; `scratch`: the
+    runner's buffers, filled in once the model is loaded."""
 
     triton: bool = False
     gemv: bool = False
-    gemv_rows: int = 1
     quant: QuantConfig | BatchInvariantConfig | None = None
     invariant: bool = False
     tp_rank: int = 0

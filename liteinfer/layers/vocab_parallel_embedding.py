@@ -87,12 +87,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     with tied embeddings, the embedding's own weight: `tie_weights`). W is loaded in the model
     dtype and multiplied by the method LayerOps.quant gives an LM head (the model dtype's
     unless it gives one; one that quantizes converts its own copy after loading, so a tied
-    embedding keeps its rows as they are); an input of a few rows goes through the GEMV kernel
-    with the norm fused in under LayerOps.gemv (layers/linear.py)."""
+    embedding keeps its rows as they are); a one-row input goes through the GEMV kernel with
+    the norm fused in under LayerOps.gemv."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, ops: LayerOps):
         super().__init__(num_embeddings, embedding_dim, ops)
-        self.use_gemv, self.gemv_rows = ops.gemv, ops.gemv_rows
+        self.use_gemv = ops.gemv
         self.scratch = ops.scratch
         quant_method = ops.quant.lm_head_method(ops.triton) if ops.quant else None
         self.quant_method = quant_method or UnquantizedLinearMethod()

@@ -1,6 +1,5 @@
-"""The fused GEMV kernel vs float64 references, at one row and at several (each row reduced
-against the weight tile loaded once): plain, with the residual add epilogue, RMSNorm prologue
-and the SwiGLU-gated [gate; up] projection."""
+"""The fused one-token linear kernel vs float64 references: plain, with the residual add
+epilogue, RMSNorm prologue and the SwiGLU-gated [gate; up] projection."""
 import pytest
 import torch
 
@@ -14,14 +13,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 GPU_SHAPES = [(2048, 3072), (2048, 2048), (8192, 2048), (3072, 1000), (2048, 128256),
               (14336, 4096)]
 CPU_SHAPES = [(64, 40), (96, 37)]
-# Input rows: one (a decode step of one sequence), a verification's five, the most it takes.
-ROWS = [1, 5, gemv_kernels.MAX_ROWS]
 
 
-def _inputs(k: int, n: int, dtype: torch.dtype, device: str, gated: bool = False, m: int = 1):
-    x = torch.randn(m, k, dtype=dtype, device=device)
+def _inputs(k: int, n: int, dtype: torch.dtype, device: str, gated: bool = False):
+    x = torch.randn(1, k, dtype=dtype, device=device)
     weight = torch.randn(2 * n if gated else n, k, dtype=dtype, device=device) * k ** -0.5
-    poisoned = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    poisoned = torch.full((1, n), float("nan"), dtype=dtype, device=device)
     return x, weight, poisoned
 
 
@@ -29,29 +26,21 @@ def _shapes(full: bool) -> list[tuple[int, int]]:
     return GPU_SHAPES if full else CPU_SHAPES
 
 
-def _rows_for(k: int, m: int) -> int:
-    """m, or one row where K takes the chunked kernel (one row only)."""
-    return m if gemv_kernels.takes_rows(m, k) else 1
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", ROWS)
-def test_gemv_plain(assert_close, device, full, dtype, m):
+def test_gemv_plain(assert_close, device, full, dtype):
     for k, n in _shapes(full):
-        x, weight, out = _inputs(k, n, dtype, device, m=_rows_for(k, m))
+        x, weight, out = _inputs(k, n, dtype, device)
         assert gemv(x, weight, out=out) is out
         assert_close(out, x.double() @ weight.double().T)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", ROWS)
-def test_gemv_adds_to_the_residual(assert_close, device, full, dtype, rounded, m):
+def test_gemv_adds_to_the_residual(assert_close, device, full, dtype, rounded):
     """An output projection: residual + x W^T in place, the product rounded to the model dtype
     first as Hugging Face's separate add sees it."""
     for k, n in _shapes(full):
-        m = _rows_for(k, m)
-        x, weight, _ = _inputs(k, n, dtype, device, m=m)
-        residual = torch.randn(m, n, dtype=dtype, device=device)
+        x, weight, _ = _inputs(k, n, dtype, device)
+        residual = torch.randn(1, n, dtype=dtype, device=device)
         before = residual.clone()
         assert gemv(x, weight, residual=residual) is residual
         assert_close(residual, before.double() + rounded(x.double() @ weight.double().T, dtype))
@@ -59,10 +48,9 @@ def test_gemv_adds_to_the_residual(assert_close, device, full, dtype, rounded, m
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("m", ROWS)
-def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_ref, m):
+def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_ref):
     for k, n in _shapes(full):
-        x, weight, out = _inputs(k, n, dtype, device, gated, m=_rows_for(k, m))
+        x, weight, out = _inputs(k, n, dtype, device, gated)
         norm_weight = torch.rand(k, dtype=dtype, device=device) + 0.5
         x_before = x.clone()
         got = gemv(x, weight, norm_weight=norm_weight, eps=1e-5, gated=gated, out=out)
@@ -85,9 +73,8 @@ def _fp8_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-rows", "chunked"])
-@pytest.mark.parametrize("m", [1, 5])
 def test_gemv_fp8_weight(assert_close, device, full, dtype, gated, chunked, monkeypatch,
-                         rounded, normed_ref, m):
+                         rounded, normed_ref):
     """e4m3 weights with a scale per row, the input in the model dtype: plain, with the
     residual add, and normed (SwiGLU-gated or not), against float64 over the e4m3 values.
     `chunked`: every shape through the chunked kernel (on the CPU in chunks of 32, so that each
@@ -97,8 +84,7 @@ def test_gemv_fp8_weight(assert_close, device, full, dtype, gated, chunked, monk
         if not full:
             monkeypatch.setattr(gemv_kernels, "CHUNKED_TILE", (8, 32, 4, 3))
     for k, n in _shapes(full):
-        m = _rows_for(k, m)
-        x = torch.randn(m, k, dtype=dtype, device=device)
+        x = torch.randn(1, k, dtype=dtype, device=device)
         weight, scale = _fp8_weight(2 * n if gated else n, k, device)
         w64 = weight.double() * scale.double()[:, None]
         norm_weight = torch.rand(k, dtype=dtype, device=device) + 0.5
@@ -111,7 +97,7 @@ def test_gemv_fp8_weight(assert_close, device, full, dtype, gated, chunked, monk
         assert_close(out, y)
         if gated:
             continue
-        residual = torch.randn(m, n, dtype=dtype, device=device)
+        residual = torch.randn(1, n, dtype=dtype, device=device)
         before = residual.clone()
         gemv(x, weight, residual=residual, weight_scale=scale)
         assert_close(residual, before.double() + rounded(x.double() @ w64.T, dtype))

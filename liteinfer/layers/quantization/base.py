@@ -19,10 +19,10 @@ class LinearMethod(ABC):
     layer's input may be what the method's `gemm_normed` returned for the layer before (an FP8
     method hands an already-quantized activation from gate/up to down).
 
-    The layer chooses the path (layers/linear.py's `matmul`): `gemv` for a few rows when its
-    LayerOps say so and `gemv_takes` them, with the norm, SwiGLU or residual add fused in
-    (kernels/gemv.py's kernel, unless the method keeps a weight that kernel does not read);
-    `gemm` / `gemm_normed` for every other input."""
+    The layer chooses the path (layers/linear.py's `matmul`): `gemv` for one row when its
+    LayerOps say so, with the norm, SwiGLU or residual add fused in (kernels/gemv.py's kernel,
+    unless the method keeps a weight that kernel does not read); `gemm` / `gemm_normed` for
+    every other input."""
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
@@ -43,14 +43,9 @@ class LinearMethod(ABC):
         sized from every layer's); None: the layer never cuts K."""
         return None
 
-    def gemv_takes(self, layer: nn.Module, rows: int) -> bool:
-        """Whether `gemv` takes an input of `rows` rows."""
-        from liteinfer.kernels.gemv import takes_rows
-        return takes_rows(rows, layer.weight.shape[1])
-
     def gemv(self, layer: nn.Module, x: torch.Tensor, *, norm: RMSNorm | None = None,
              gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """A few rows: f(x) W^T with f the norm when given, SwiGLU'd when gated, or added to
+        """One row: f(x) W^T with f the norm when given, SwiGLU'd when gated, or added to
         residual in place; kernels/gemv.py's kernel over `weight`."""
         from liteinfer.kernels.gemv import gemv
         return gemv(x, layer.weight, norm_weight=None if norm is None else norm.weight,

@@ -156,11 +156,9 @@ class DequantizedMethod(LinearMethod):
     def gemv_weight_scale(self, layer: nn.Module) -> torch.Tensor | None:
         return self.inner.gemv_weight_scale(layer)
 
-    def gemv_takes(self, layer: nn.Module, rows: int) -> bool:
-        return self.inner.gemv_takes(layer, rows)
-
     def gemv(self, layer: nn.Module, x: torch.Tensor, *, norm: RMSNorm | None = None,
              gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # The inner method's: an int4 one keeps no `weight` on the GPU, only its codes.
         return self.inner.gemv(layer, x, norm=norm, gated=gated, residual=residual)
 
     def split_k_launch(self, layer: nn.Module, sms: int) -> tuple[int, int] | None:

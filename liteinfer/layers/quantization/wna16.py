@@ -208,10 +208,6 @@ class WNA16LinearMethod(LinearMethod):
         splits = wna16_tiles(2, n, k, self.config.bits, self.out_dtype.itemsize, sms).splits
         return (n, splits) if splits > 1 else None
 
-    def gemv_takes(self, layer: nn.Module, rows: int) -> bool:
-        # The packed weight's GEMV (kernels/wna16.py) takes one row.
-        return super().gemv_takes(layer, rows) if layer.weight is not None else rows == 1
-
     def gemv(self, layer: nn.Module, x: torch.Tensor, *, norm: RMSNorm | None = None,
              gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
         if layer.weight is not None:

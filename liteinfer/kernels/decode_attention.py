@@ -104,23 +104,25 @@ def split_range(ctx, split, n_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d, qk_scale,
                     stride_block, stride_row, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, LOOKAHEAD: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, LOOKAHEAD: tl.constexpr, row_ends,
+                    ROW_ENDS: tl.constexpr):
     """Online softmax of query rows q over one sequence's KV positions [start, end), read from
     the pool in BLOCK_N-key tiles through its block table row: (acc, l, m), fp32. LOOKAHEAD:
-    see kv_cache.kv_tile_blocks."""
+    see kv_cache.kv_tile_blocks. With ROW_ENDS, row r sees only the positions before
+    row_ends[r] (a query token of a verification; at most `end`)."""
     acc = tl.zeros(q.shape, dtype=tl.float32)
     l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
     m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
     return attend_kv_tiles(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off, start, end,
                            d, qk_scale, stride_block, stride_row, BLOCK_N, BLOCK_SIZE,
-                           DOT_PRECISION, LOOKAHEAD)
+                           DOT_PRECISION, LOOKAHEAD, row_ends, ROW_ENDS)
 
 
 @triton.jit
 def attend_kv_tiles(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
                     qk_scale, stride_block, stride_row, BLOCK_N: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    LOOKAHEAD: tl.constexpr):
+                    LOOKAHEAD: tl.constexpr, row_ends, ROW_ENDS: tl.constexpr):
     """attend_kv_range continuing the online-softmax state (acc, l, m) of earlier tiles."""
     blocks = first_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, LOOKAHEAD)
     for start_n in range(start, end, BLOCK_N):
@@ -129,8 +131,9 @@ def attend_kv_tiles(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off, sta
                                              LOOKAHEAD)
         k, v = load_kv_rows(k_cache, v_cache, tile_blocks, offs_n, d, kv_head_off, stride_block,
                             stride_row, BLOCK_SIZE, True, end)
-        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, (offs_n < end)[None, :], qk_scale,
-                                     True, DOT_PRECISION)
+        visible = offs_n[None, :] < row_ends[:, None] if ROW_ENDS else (offs_n < end)[None, :]
+        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, k, v, visible, qk_scale, True,
+                                     DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -183,7 +186,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
                    SPLITS_GIVEN: tl.constexpr, BLOCK_B: tl.constexpr,
                    MIN_SPLIT_TOKENS: tl.constexpr, NEW_KV: tl.constexpr,
                    PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr, QUERY_LEN: tl.constexpr):
     split = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -200,7 +203,13 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
         n_splits = 1
     if split >= n_splits:
         return
-    start, end = split_range(ctx, split, n_splits, BLOCK_N)
+    # A verification's query tokens sit at the row's last QUERY_LEN positions; its ranges are
+    # placed by its first token's context, so every row sees a key in a range's first tile,
+    # and the last range runs on to the row's end.
+    ctx_first = ctx - (QUERY_LEN - 1)
+    start, end = split_range(ctx_first, split, n_splits, BLOCK_N)
+    if QUERY_LEN > 1:
+        end = tl.where((start < end) & (end == ctx_first), ctx, end)
     d = tl.arange(0, HEAD_DIM)
     bt_row = block_tables + b.to(tl.int64) * stride_bt
     kv_head_off = kvh * stride_pool_head
@@ -216,10 +225,18 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
+    # Tile row r: query token r // G of the row's QUERY_LEN, query head kvh * G + r % G.
     offs_h = tl.arange(0, BLOCK_H)
-    h_mask = offs_h < G
-    heads = kvh * G + offs_h
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    if QUERY_LEN > 1:
+        tok = offs_h // G
+        h_mask = offs_h < QUERY_LEN * G
+        heads = kvh * G + offs_h % G
+    else:
+        tok = tl.zeros([BLOCK_H], dtype=tl.int32)
+        h_mask = offs_h < G
+        heads = kvh * G + offs_h
+    first_row = b * QUERY_LEN
+    q_ptrs = q_ptr + (first_row + tok)[:, None] * stride_qb + heads[:, None] * stride_qh
     if NEW_KV:
         if not PREFETCH:
             cos, sin, slot = _new_row_inputs(pos_ptr, slot_ptr, cos_sin, b, stride_cs, d, HALF)
@@ -255,15 +272,18 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
         acc, l_i, m_i = attend_kv_tiles(acc, l_i, m_i, q, k_cache, v_cache, bt_row, kv_head_off,
                                         start + BLOCK_N, end, d, qk_scale, stride_pool_block,
                                         stride_pool_row, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
-                                        False)
+                                        False, end, False)
     else:  # every tile through the loop's pipeline (a peeled first tile costs wide launches)
+        # Token t of a verification sees the keys before ctx_first + t.
         acc, l_i, m_i = attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
                                         qk_scale, stride_pool_block, stride_pool_row, BLOCK_N,
-                                        BLOCK_SIZE, DOT_PRECISION, False)
-    finish_split(acc, l_i, m_i, out_ptr + b * stride_ob, 0, stride_oh,
-                 tl.zeros([BLOCK_H], dtype=tl.int32), heads, h_mask, d, b, 1, kvh, split,
-                 n_splits, part_out, part_lse, counters, stride_pb, stride_ph, stride_ps,
-                 stride_lb, stride_lh, stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
+                                        BLOCK_SIZE, DOT_PRECISION, False,
+                                        tl.minimum(ctx_first + tok, end), QUERY_LEN > 1)
+    # A row's workspace rows and counter: one per query token from first_row on.
+    finish_split(acc, l_i, m_i, out_ptr + first_row * stride_ob, stride_ob, stride_oh, tok,
+                 heads, h_mask, d, first_row, QUERY_LEN, kvh, split, n_splits, part_out,
+                 part_lse, counters, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                 stride_cb, G, HEAD_DIM, BLOCK_G, BLOCK_S, CHUNK_S)
 
 
 @triton.jit
@@ -359,7 +379,8 @@ class NewKV:
 
 
 def query_rows(group: int) -> int:
-    """Rows of a decoding row's query tile: its G heads, padded to the 16 tl.dot needs."""
+    """Rows of a decoding row's query tile: its G heads (times a verification's query tokens),
+    padded to the 16 tl.dot needs."""
     return max(16, triton.next_power_of_2(group))
 
 
@@ -398,7 +419,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor, max_splits: int = 1,
                            workspace: DecodeWorkspace | None = None, new_kv: NewKV | None = None,
                            num_splits: torch.Tensor | None = None,
-                           min_tokens: int | None = None) -> torch.Tensor:
+                           min_tokens: int | None = None, query_len: int = 1) -> torch.Tensor:
     """q, out: [B, Hq, D] (last dim contiguous); caches: [num_blocks, block_size, Hkv, D] with
     equal strides, D contiguous, in q's dtype or e4m3;
     block_tables: int32 [B, max_blocks]; context_lens: int32 [B], 0 for padding rows (their
@@ -408,8 +429,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     and max_splits splits holds the partials (allocated here when None); rows never read splits
     past their own count. The workspace's counters must be zero, as allocated; every launch
     leaves them so. With new_kv, q is rotated in registers (q itself is left as it is) and the
-    new key/value are written before they are read. Returns out."""
-    batch, num_q_heads, head_dim = q.shape
+    new key/value are written before they are read. query_len > 1: each row is a verification
+    of that many query tokens, q's rows b * query_len + t (t = 0.. query_len - 1) at the row's
+    last positions, token t seeing keys up to its own (no new_kv; their K/V already in the
+    pool; the workspace has a row per query token). Returns out."""
+    tokens, num_q_heads, head_dim = q.shape
+    batch = tokens // query_len
+    assert batch * query_len == tokens and (query_len == 1 or new_kv is None)
     _, block_size, num_kv_heads, _ = k_cache.shape
     pool = pool_strides(k_cache, v_cache)
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == q.shape
@@ -420,8 +446,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tiles = decode_tiles(head_dim, block_size)
     splits_given = num_splits is not None
     if max_splits > 1 and workspace is None:
-        workspace = DecodeWorkspace.allocate(batch, num_q_heads, head_dim, max_splits, q.device)
-    split_args, merge_tiles = workspace_args(workspace, max_splits, batch, num_kv_heads, group,
+        workspace = DecodeWorkspace.allocate(tokens, num_q_heads, head_dim, max_splits, q.device)
+    split_args, merge_tiles = workspace_args(workspace, max_splits, tokens, num_kv_heads, group,
                                              out, context_lens)
     if not splits_given:
         num_splits = context_lens  # unread placeholder
@@ -445,12 +471,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), *pool,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos_sin.stride(0),
-        G=group, HEAD_DIM=head_dim, BLOCK_H=query_rows(group), BLOCK_N=tiles.block_n,
+        G=group, HEAD_DIM=head_dim, BLOCK_H=query_rows(group * query_len),
+        BLOCK_N=tiles.block_n,
         BLOCK_SIZE=block_size, SPLIT_K=max_splits > 1, **merge_tiles,
         SPLITS_GIVEN=splits_given, BLOCK_B=triton.next_power_of_2(batch),
         MIN_SPLIT_TOKENS=min_tokens or min_split_tokens(head_dim), NEW_KV=new_kv is not None,
         PREFETCH=new_kv is not None and prefetches_first_tile(batch, num_kv_heads, max_splits,
                                                               sms),
-        DOT_PRECISION=dot_precision(q.dtype), USE_PDL=pdl,
+        DOT_PRECISION=dot_precision(q.dtype), USE_PDL=pdl, QUERY_LEN=query_len,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out

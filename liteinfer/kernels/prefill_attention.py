@@ -92,7 +92,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, cu_seqlens_q, context_lens, block_t
                     mask=h_mask[:, None], other=0.0)
         acc, l_i, m_i = attend_kv_range(q, k_cache, v_cache, bt_row, kv_head_off, start, end, d,
                                         qk_scale, stride_pool_block, stride_pool_row,
-                                        DECODE_BLOCK_N, BLOCK_SIZE, DOT_PRECISION, LOOKAHEAD)
+                                        DECODE_BLOCK_N, BLOCK_SIZE, DOT_PRECISION, LOOKAHEAD,
+                                        end, False)
         finish_split(acc, l_i, m_i, out_ptr + tok * stride_ot, 0, stride_oh,
                      tl.zeros([DECODE_ROWS], dtype=tl.int32), heads, h_mask, d, q_start, 1,
                      kvh, split, n_splits, part_out, part_lse, counters, stride_pb, stride_ph,

@@ -126,6 +126,55 @@ def test_decode_workspace_reuse(PagedKV, attention_ref, assert_close, device):
                device, max_splits, num_splits, ws)
 
 
+def _check_verifications(PagedKV, attention_ref, assert_close, contexts, query_len, num_q_heads,
+                         num_kv_heads, head_dim, dtype, device, max_splits, num_splits=None):
+    """Rows of `query_len` query tokens each (a verification), token t of row b at position
+    contexts[b] - query_len + t and seeing the keys up to it; rows of context 0 are padding."""
+    kv = PagedKV(contexts, num_kv_heads, head_dim, 16, dtype, device)
+    batch = len(contexts)
+    q = torch.randn(batch * query_len, num_q_heads, head_dim, dtype=dtype, device=device)
+    out = torch.full_like(q, float("nan"))
+    ws = _workspace(batch * query_len, num_q_heads, head_dim, max_splits, device)
+    scale = 1 / math.sqrt(head_dim)
+    paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens_t, scale,
+                           out, max_splits, ws, num_splits=num_splits, query_len=query_len)
+    assert (ws.counters == 0).all(), "the last program of each row must reset its counter"
+    for b, ctx in enumerate(contexts):
+        rows = slice(b * query_len, (b + 1) * query_len)
+        if ctx == 0:
+            assert (out[rows] == 0).all(), "padding rows must be zeros"
+            continue
+        assert_close(out[rows], attention_ref(q[rows], *kv.kv64(b, num_q_heads),
+                                              ctx - query_len, scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("max_splits", [1, 4])
+@pytest.mark.parametrize("query_len", [2, 5])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_verifications_match_reference(PagedKV, attention_ref, assert_close, needs_dot, device,
+                                       full, group, query_len, max_splits, dtype):
+    """A verification's 1 + k query tokens in one launch, beside their G query heads: each K/V
+    tile is read once for all of them, each token masking the keys after its own position."""
+    needs_dot(dtype)
+    num_kv_heads = 8 if full else 2
+    contexts = ([query_len, 300, 4096, 0, 16 * 40 + 3, 9000] if full
+                else [query_len, 17, 0, 16 * 9 + query_len, 300])
+    _check_verifications(PagedKV, attention_ref, assert_close, contexts, query_len,
+                         num_kv_heads * group, num_kv_heads, 64, dtype, device, max_splits)
+
+
+def test_verification_splits_past_the_first_tokens_context(PagedKV, attention_ref,
+                                                           assert_close, device):
+    """Split counts that leave a row's last range holding only its query tokens' own keys, or
+    empty, and one per row past max_splits: every token still sees a key in each range's first
+    tile, and the merge takes each token's ranges."""
+    contexts = [5, 128 + 4, 256 + 5, 129, 0]
+    num_splits = torch.tensor([4, 2, 3, 8, 2], dtype=torch.int32, device=device)
+    _check_verifications(PagedKV, attention_ref, assert_close, contexts, 5, 6, 2, 64,
+                         torch.float32, device, 6, num_splits)
+
+
 def _kernel_split_counts(PagedKV, contexts, max_splits, num_kv_heads, device,
                          min_tokens=MIN_SPLIT_TOKENS):
     """The split count the kernel's own rule gives each row, read back from the workspace: a row

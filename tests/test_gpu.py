@@ -210,6 +210,23 @@ def test_speculative_decoding_token_for_token(model_dir, prompts, fp32_reference
     assert (stats.num_accepted_tokens == stats.num_draft_tokens) == (corrupt == 0.0)
 
 
+def test_verifications_replay_captured_decode_steps(model_dir, prompts, fp32_reference,
+                                                   monkeypatch):
+    """With a proposer on the host, steps of decodes and verifications replay the decode
+    graphs captured for 1 + k query tokens a sequence (the eight in a batch and the one alone):
+    transformers' tokens."""
+    from liteinfer.engine.cuda_graph import CUDAGraphRunner
+    replayed = []
+    replay = CUDAGraphRunner.replay
+    monkeypatch.setattr(CUDAGraphRunner, "replay", lambda self, staged: (
+        replayed.append((staged.num_rows, staged.query_len)) or replay(self, staged)))
+    spec = {"method": "reference", "num_speculative_tokens": 4, "corrupt_probability": 0.3,
+            "reference_outputs": [[p, o] for p, o in zip(prompts, fp32_reference)]}
+    _speculate(model_dir, prompts, fp32_reference, "default", spec)
+    widths = {q for _, q in replayed if q > 1}
+    assert len(widths) > 1 and any(rows > 5 for rows, q in replayed if q > 1)
+
+
 def test_async_engine_matches_offline(model_dir, prompts, fp32_reference):
     """The server's engine core in a process of its own (default config: CUDA graphs, mixed
     steps, overlap scheduling), with requests arriving while others run."""

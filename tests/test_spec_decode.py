@@ -97,6 +97,28 @@ def test_greedy_equals_transformers_whatever_is_accepted(tiny_family, corrupt):
         release(llm)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_verifications_run_as_decode_steps(tiny_llama_dir, backend, monkeypatch):
+    """A step of decodes and verifications only runs as a decode step of 1 + k query tokens a
+    sequence (input_layout.fill_verify; captured on the GPU), drafts of any length padded: the
+    same tokens as transformers, through the torch backend and the Triton kernels."""
+    from liteinfer.engine.input_layout import InputLayout
+    widths = []
+    fill = InputLayout.fill_verify
+    monkeypatch.setattr(InputLayout, "fill_verify", lambda self, host, seqs, drafts, rows, q: (
+        widths.append((len(seqs), q)) or fill(self, host, seqs, drafts, rows, q)))
+    prompts = random_prompts(3, 384, 3, 40, seed=7)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    ref = hf_greedy(model, prompts, 12)
+    llm = build_llm(str(tiny_llama_dir), **ENGINE, max_num_seqs=3, attention_backend=backend,
+                    speculative_config=reference_config(prompts, ref, 0.3))
+    try:
+        assert token_ids(llm.generate(prompts, greedy(12), use_tqdm=False)) == ref
+        assert any(n > 1 for n, _ in widths) and any(q > 1 for _, q in widths)
+    finally:
+        release(llm)
+
+
 @pytest.mark.parametrize("corrupt", [0.0, 0.5, 1.0])
 def test_forced_acceptance_keeps_the_drafts_before_the_first_corrupted_one(
         tiny_llama_dir, corrupt):

@@ -27,6 +27,9 @@ class AttentionMetadata:
     # A mixed step (prefill): its first `num_decodes` sequences decode one token each, and their
     # rows come first.
     num_decodes: int = 0
+    # A decode step of verifications: each sequence's query tokens (its last token and its
+    # drafts, padded), at its last `query_len` positions of `context_lens`.
+    query_len: int = 1
     # Host copies for the eager paths; captured steps have none.
     query_lens_host: list[int] = field(default_factory=list)
     context_lens_host: list[int] = field(default_factory=list)

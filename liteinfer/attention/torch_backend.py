@@ -60,13 +60,16 @@ class TorchBackend(AttentionBackend):
         q = apply_rotary_torch(q, positions, cos_sin_cache)
         k = apply_rotary_torch(k, positions, cos_sin_cache)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if not meta.is_prefill:
+        if not meta.is_prefill:  # query_len tokens a sequence, at its last positions
+            n = meta.query_len
             length = max(meta.context_lens_host)
             keys = gather_kv(k_cache, meta.block_tables, length, q.dtype)
             values = gather_kv(v_cache, meta.block_tables, length, q.dtype)
-            mask = torch.arange(length, device=q.device)[None, None, :] < \
-                meta.context_lens[:, None, None]
-            return self.attend(q[:, None], keys, values, mask, scale)[:, 0]
+            ends = (meta.context_lens[:, None] - n + 1
+                    + torch.arange(n, device=q.device)[None, :])
+            mask = torch.arange(length, device=q.device)[None, None, :] < ends[:, :, None]
+            out = self.attend(q.view(-1, n, *q.shape[1:]), keys, values, mask, scale)
+            return out.flatten(0, 1)
         out = torch.empty_like(q)
         start = 0
         for b, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.context_lens_host)):

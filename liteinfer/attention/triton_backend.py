@@ -29,6 +29,12 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not meta.is_prefill and meta.query_len > 1:  # every token's K/V written first
+            rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                          meta.context_lens, scale, torch.empty_like(q),
+                                          max_splits=meta.max_splits, workspace=meta.workspace,
+                                          query_len=meta.query_len)
         if not meta.is_prefill:
             new_kv = NewKV(k, v, positions, meta.slot_mapping, cos_sin_cache)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,

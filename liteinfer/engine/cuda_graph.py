@@ -37,11 +37,13 @@ def capture_graph(forward: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph,
 
 @dataclass(frozen=True)
 class StagedDecode:
-    """A decode step whose inputs are on their way to the device: which graph replays it."""
+    """A decode step whose inputs are on their way to the device: which graph replays it (of
+    verifications of `query_len` tokens a sequence, where above 1), and the rows sampled."""
 
     batch_size: int
     may_split: bool
     num_rows: int
+    query_len: int = 1
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -83,22 +85,28 @@ class GraphsBySize(Generic[T]):
 class CUDAGraphRunner:
     """Captures decode steps of every batch size up to max_num_seqs (pool: the graph memory
     pool shared with captured prompt steps) and replays the step's size. `logits`: whether
-    the step ends with the LM head (a draft model's catch-up does not)."""
+    the step ends with the LM head (a draft model's catch-up does not). `query_len` > 1: decode
+    steps of verifications, that many query tokens a sequence (input_layout.fill_verify)."""
 
-    def __init__(self, step_model: StepModel, max_num_seqs: int, pool, logits: bool = True):
+    def __init__(self, step_model: StepModel, max_num_seqs: int, pool, logits: bool = True,
+                 query_len: int = 1):
         self.step_model = step_model
         self.splits = step_model.splits
         self.logits = logits
+        self.query_len = query_len
         layout, buffer = step_model.layout, step_model.inputs.dev
         self.graphs = GraphsBySize(self._forward, self.splits, max_num_seqs, pool,
-                                   lambda bs: layout.reset(buffer, StepShape(bs, bs)))
+                                   lambda bs: layout.reset(buffer, self._shape(bs)))
+
+    def _shape(self, bs: int) -> StepShape:
+        return StepShape(bs * self.query_len, bs)
 
     def _forward(self, bs: int, may_split: bool) -> torch.Tensor:
         sm = self.step_model
-        v = sm.layout.views(sm.inputs.dev, StepShape(bs, bs))
+        v = sm.layout.views(sm.inputs.dev, self._shape(bs))
         meta = AttentionMetadata(is_prefill=False, slot_mapping=v.slots,
                                  context_lens=v.context_lens, block_tables=v.block_tables,
-                                 cu_seqlens_q=None)
+                                 cu_seqlens_q=None, query_len=self.query_len)
         sm.set_split_k(meta, bs, may_split)  # split counts are chosen in the graph
         hidden = sm.model(sm.pending.read(v.ids, v.pending), v.positions, meta)
         return sm.model.compute_logits(hidden) if self.logits else hidden
@@ -113,11 +121,22 @@ class CUDAGraphRunner:
         n = len(batch.seqs)
         bs = self.size_for(n)
         sm = self.step_model
-        lens, used = sm.layout.fill_decode(sm.inputs.host(), batch.seqs, bs, table_tails=False)
+        if self.query_len > 1:
+            lens, used, n = sm.layout.fill_verify(sm.inputs.host(), batch.seqs,
+                                                  batch.draft_token_ids, bs, self.query_len)
+        else:
+            lens, used = sm.layout.fill_decode(sm.inputs.host(), batch.seqs, bs,
+                                               table_tails=False)
         sm.inputs.send(used)
-        return StagedDecode(bs, self.splits is not None and self.splits.may_split(lens), n)
+        return StagedDecode(bs, self.splits is not None and self.splits.may_split(lens), n,
+                            self.query_len)
 
     def replay(self, staged: StagedDecode) -> torch.Tensor:
         """The staged step's logits (its final hidden states without `logits`), once
-        launched: [rows, vocab]."""
-        return self.graphs.replay(staged.batch_size, staged.may_split)[:staged.num_rows]
+        launched: [rows, vocab], a verification's sampled rows gathered in order."""
+        out = self.graphs.replay(staged.batch_size, staged.may_split)
+        if self.query_len == 1:
+            return out[:staged.num_rows]
+        sm = self.step_model
+        rows = sm.layout.views(sm.inputs.dev, self._shape(staged.batch_size)).sample_rows
+        return out[rows[:staged.num_rows]]

@@ -187,6 +187,42 @@ class InputLayout:
             tables[i, :len(s.block_table)] = s.block_table
         return lens, at + rows * self.width
 
+    def fill_verify(self, host: np.ndarray, seqs: Sequence[PendingRequest],
+                    drafts: Sequence[Sequence[int]], rows: int, query_len: int
+                    ) -> tuple[np.ndarray, int, int]:
+        """Writes a decode step of verifications into a host mirror in shape (rows * query_len,
+        rows): sequence i's newest token (pending or known) and then its drafts (none for a
+        sequence that only decodes) at token rows i * query_len on, padded to query_len with
+        tokens that write no KV. Its context length counts query_len tokens from its newest
+        token's position, so that its token t sees the keys up to its own
+        (kernels/decode_attention.py), and its block table is zero past its blocks, where its
+        padding tokens read. Sample rows: each sequence's real tokens. Returns the context
+        lengths, the length to send and the number of sample rows."""
+        n, q, block_size = len(seqs), query_len, self.block_size
+        o = self.offsets(StepShape(rows * q, rows))
+        v = self.views(host, StepShape(rows * q, rows))
+        v.ids[:], v.pending[:], v.slots[:] = 0, NOT_PENDING, -1
+        v.positions[:], v.context_lens[:], v.block_tables[:] = 0, 0, 0
+        last_ids, last_pending = last_token_inputs(seqs)
+        samples = 0
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
+            first, real = i * q, 1 + len(draft)
+            start = len(seq) - 1
+            pos = np.arange(start, start + real)
+            table = seq.block_table
+            v.ids[first] = last_ids[i]
+            v.pending[first] = last_pending[i]
+            v.ids[first + 1:first + real] = draft
+            v.positions[first:first + real] = pos
+            v.positions[first + real:first + q] = start + real - 1  # any valid RoPE row
+            v.slots[first:first + real] = (np.asarray(table)[pos // block_size] * block_size
+                                           + pos % block_size)
+            v.context_lens[i] = start + q
+            v.block_tables[i, :len(table)] = table
+            v.sample_rows[samples:samples + real] = np.arange(first, first + real)
+            samples += real
+        return v.context_lens[:n].copy(), o["block_tables"] + rows * self.width, samples
+
     def fill(self, host: np.ndarray, step: StepInputs, shape: StepShape, d_size: int,
              tile_map: np.ndarray | None = None) -> int:
         """Writes a prompt or mixed step into a host mirror in `shape`, its `num_decodes`

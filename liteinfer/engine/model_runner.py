@@ -13,7 +13,7 @@ from torch import nn
 from liteinfer.attention import allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.attention.batch_invariant import BatchInvariantBackend
 from liteinfer.config import EngineConfig, ModelConfig
-from liteinfer.engine.cuda_graph import StagedDecode
+from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
 from liteinfer.engine.draft_runner import (
     DraftModelRunner,
     Eagle3Runner,
@@ -147,11 +147,19 @@ class ModelRunner:
                                             self.step_model.pending, config,
                                             self.max_blocks_per_seq, self.device)
         self.graphs = self.prompt_graphs = None
+        # Decode steps of verifications, by query tokens a sequence (`_verify_width`).
+        self.verify_graphs: dict[int, CUDAGraphRunner] = {}
         if self.device.type == "cuda" and self.use_triton and not config.enforce_eager:
             pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay one at a time
             self.graphs, self.prompt_graphs = capture_step_graphs(self.step_model, config, pool)
             if self.drafter is not None:
                 self.drafter.capture_graphs(pool)
+            elif spec is not None and not config.batch_invariant:
+                rows = self.scratch.decode.rows
+                self.verify_graphs = {
+                    q: CUDAGraphRunner(self.step_model, min(config.max_num_seqs, rows // q),
+                                       pool, query_len=q)
+                    for q in range(2, spec.num_speculative_tokens + 2)}
 
     @property
     def prompt_buckets(self) -> PromptBuckets | None:
@@ -165,6 +173,7 @@ class ModelRunner:
         teardown hangs while graphs that captured its collectives live
         (pytorch/pytorch#115388)."""
         self.graphs = self.prompt_graphs = None
+        self.verify_graphs = {}
         self.scratch.free()
         self.step_model.release()
         if self.drafter is not None:
@@ -299,6 +308,8 @@ class ModelRunner:
         decode = None
         if self._replays_decode(batch):
             decode = self.graphs.stage(batch)
+        elif (verify := self._verify_graphs(batch)) is not None:
+            decode = verify.stage(batch)
         return StagedStep(batch, below_min_tokens(batch.sampling_seqs), decode)
 
     def execute(self, step: StagedStep) -> ModelRunnerOutput:
@@ -342,12 +353,15 @@ class ModelRunner:
         hidden states of the rows scoring prompt tokens (None if none do)."""
         batch = step.batch
         if step.decode is not None:
-            return self.graphs.replay(step.decode), None
+            q = step.decode.query_len
+            graphs = self.graphs if q == 1 else self.verify_graphs[q]
+            return graphs.replay(step.decode), None
         prompt_hidden = None
         if self._replays_prompt(batch):
             hidden, rows = self.prompt_graphs.run(batch)
         else:
-            input_ids, positions, meta, rows, prompt_rows = self.step_model.prepare(batch)
+            input_ids, positions, meta, rows, prompt_rows = self.step_model.prepare(
+                batch, self._verify_width(batch))
             hidden = self.model(input_ids, positions, meta)
             if prompt_rows is not None:
                 prompt_hidden = hidden[prompt_rows]
@@ -363,15 +377,35 @@ class ModelRunner:
     def _replays_decode(self, batch: StepBatch) -> bool:
         return not batch.is_prefill and self.graphs is not None
 
+    def _verify_width(self, batch: StepBatch) -> int:
+        """Query tokens a sequence where the step runs as a decode step of verifications (its
+        `verification_width`), 0 where it runs as a prompt step: the host proposers' steps
+        (a draft model's catch-up reads a prompt step's rows), outside batch-invariant mode,
+        whose tokens have rows in the split-K workspace."""
+        if self.drafter is not None or self.config.batch_invariant:
+            return 0
+        q = batch.verification_width()
+        splits = self.step_model.splits
+        return 0 if splits is not None and len(batch.seqs) * q > splits.rows else q
+
+    def _verify_graphs(self, batch: StepBatch) -> CUDAGraphRunner | None:
+        """The captured decode steps of verifications that replay the step, if any."""
+        graphs = self.verify_graphs.get(self._verify_width(batch))
+        if graphs is None or len(batch.seqs) > graphs.graphs.sizes[-1]:
+            return None
+        return graphs
+
     def _replays_prompt(self, batch: StepBatch) -> bool:
         return (self.prompt_graphs is not None and not batch.prompt_logprob_spans
-                and self.prompt_graphs.fits(batch))
+                and self.prompt_graphs.fits(batch) and not self._verify_width(batch))
 
     def describe(self, batch: StepBatch) -> StepRun:
         """How `forward` runs the step (the scheduler's view of it or the runner's): eagerly
         or as which captured graph (instrumentation)."""
         if self._replays_decode(batch):
             return StepRun(DECODE_GRAPH, (self.graphs.size_for(len(batch.seqs)),))
+        if (verify := self._verify_graphs(batch)) is not None:
+            return StepRun(DECODE_GRAPH, (verify.size_for(len(batch.seqs)), verify.query_len))
         if self._replays_prompt(batch):
             return StepRun(PROMPT_GRAPH, self.prompt_graphs.layout.bucket(batch))
         return StepRun(EAGER)

@@ -84,3 +84,15 @@ class StepBatch(Generic[R]):
 
     def num_drafts(self, i: int) -> int:
         return len(self.draft_token_ids[i]) if self.draft_token_ids else 0
+
+    def verification_width(self) -> int:
+        """Where every sequence of the step decodes or verifies drafts (its newest token and
+        its drafts, no prompt tokens scored), 1 + the most drafts one verifies: the query
+        tokens each sequence takes as a decode step of verifications. 0 for any other step."""
+        if not self.draft_token_ids or self.prompt_logprob_spans:
+            return 0
+        for i in range(self.num_decodes, len(self.seqs)):
+            drafts = self.num_drafts(i)
+            if not drafts or self.num_tokens[i] != 1 + drafts or not self.sample_mask[i]:
+                return 0
+        return 1 + max(map(len, self.draft_token_ids))

@@ -38,15 +38,25 @@ class StepModel:
         # Query heads per KV head: prefill attention's tiles hold all of a group's heads.
         self.query_group_size = cfg.num_attention_heads // cfg.num_key_value_heads
 
-    def prepare(self, batch: StepBatch
+    def prepare(self, batch: StepBatch, query_len: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
                            torch.Tensor | None]:
         """An eager step's token ids, positions, attention metadata, the rows whose logits are
         sampled and the rows scoring prompt tokens (`prompt_logprob_spans`; None if there are
-        none): views of the input buffer, filled and sent here."""
+        none): views of the input buffer, filled and sent here. `query_len`: the step runs as a
+        decode step of verifications of that many tokens a sequence (its
+        `verification_width`; 0: as its kind)."""
         layout, host, splits = self.layout, self.inputs.host(), self.splits
         prompt_rows = None
-        if batch.is_prefill:
+        if query_len:
+            d = len(batch.seqs)
+            shape = StepShape(d * query_len, d)
+            context_lens, used, num_samples = layout.fill_verify(
+                host, batch.seqs, batch.draft_token_ids, d, query_len)
+            has_pending = bool((layout.views(host, shape).pending >= 0).any())
+            query_lens = [query_len] * d
+            self.inputs.send(used)
+        elif batch.is_prefill:
             step = build_step_inputs(batch, layout.block_size, layout.width)
             d = step.num_decodes
             tile_map, tile_tokens = None, 0
@@ -77,13 +87,13 @@ class StepModel:
             query_lens = [1] * d
             self.inputs.send(used)
         v = layout.views(self.inputs.dev, shape)
+        prefill = batch.is_prefill and not query_len
         meta = AttentionMetadata(
-            is_prefill=batch.is_prefill, slot_mapping=v.slots, context_lens=v.context_lens,
-            block_tables=v.block_tables,
-            cu_seqlens_q=v.cu_seqlens if batch.is_prefill else None,
-            num_decodes=d if batch.is_prefill else 0,
+            is_prefill=prefill, slot_mapping=v.slots, context_lens=v.context_lens,
+            block_tables=v.block_tables, cu_seqlens_q=v.cu_seqlens if prefill else None,
+            num_decodes=d if prefill else 0, query_len=query_len or 1,
             query_lens_host=query_lens, context_lens_host=context_lens.tolist())
-        if splits is not None and batch.is_prefill:
+        if splits is not None and prefill:
             meta.tile_tokens, meta.tile_map = tile_tokens, v.tiles
             meta.workspace = splits.workspace
         elif splits is not None:

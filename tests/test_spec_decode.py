@@ -97,12 +97,15 @@ def test_greedy_equals_transformers_whatever_is_accepted(tiny_family, corrupt):
         release(llm)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-captured"])
 def test_verifications_run_as_decode_steps(tiny_llama_dir, backend, monkeypatch):
     """A step of decodes and verifications only runs as a decode step of 1 + k query tokens a
-    sequence (input_layout.fill_verify; captured on the GPU), drafts of any length padded: the
-    same tokens as transformers, through the torch backend and the Triton kernels."""
+    sequence (input_layout.fill_verify), drafts of any length padded: the same tokens as
+    transformers, through the torch backend and the Triton kernels, eager and in the graphs
+    captured per (batch size, k) (stood in for on the CPU)."""
     from liteinfer.engine.input_layout import InputLayout
+    from test_draft_model import replay_captures_eagerly
+    replays = replay_captures_eagerly(monkeypatch) if backend.endswith("captured") else []
     widths = []
     fill = InputLayout.fill_verify
     monkeypatch.setattr(InputLayout, "fill_verify", lambda self, host, seqs, drafts, rows, q: (
@@ -110,11 +113,16 @@ def test_verifications_run_as_decode_steps(tiny_llama_dir, backend, monkeypatch)
     prompts = random_prompts(3, 384, 3, 40, seed=7)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
     ref = hf_greedy(model, prompts, 12)
-    llm = build_llm(str(tiny_llama_dir), **ENGINE, max_num_seqs=3, attention_backend=backend,
+    llm = build_llm(str(tiny_llama_dir), **ENGINE, max_num_seqs=3,
+                    attention_backend=backend.split("-")[0],
                     speculative_config=reference_config(prompts, ref, 0.3))
     try:
+        if backend.endswith("captured"):
+            llm.engine.core.runner.capture_verify_graphs(None)
+            replays.clear()
         assert token_ids(llm.generate(prompts, greedy(12), use_tqdm=False)) == ref
         assert any(n > 1 for n, _ in widths) and any(q > 1 for _, q in widths)
+        assert bool(replays) == backend.endswith("captured")
     finally:
         release(llm)
 

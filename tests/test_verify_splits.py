@@ -29,12 +29,16 @@ def test_split_verifications_equal_transformers(tiny_llm, tiny_llama_dir, monkey
                                                 captured):
     """Contexts of 40-140 tokens split once the least split is 16 tokens (64-key tiles: up to
     three ranges, the last crossing the diagonal), several verifications a step, beside plain
-    decodes and prompt chunks; logprobs as plain decoding's with the torch backend."""
+    decodes and prompt chunks; logprobs as plain decoding's with the torch backend. Every
+    verification takes the prefill launch here, as those beside prompt chunks and a draft
+    model's do (others run as decode steps: test_spec_decode.py)."""
     import liteinfer.engine.step_inputs as step_inputs
     from liteinfer.engine.prompt_graph import capture_step_graphs
+    from liteinfer.engine.step_batch import StepBatch
     from liteinfer.kernels import prefill_tiles
 
     monkeypatch.setattr(prefill_tiles, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(StepBatch, "verification_width", lambda self: 0)
     split_queries, split_rows = [], []
     tile_map = step_inputs.prefill_tile_map
 

@@ -155,11 +155,16 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.capture_graphs(pool)
             elif spec is not None and not config.batch_invariant:
-                rows = self.scratch.decode.rows
-                self.verify_graphs = {
-                    q: CUDAGraphRunner(self.step_model, min(config.max_num_seqs, rows // q),
-                                       pool, query_len=q)
-                    for q in range(2, spec.num_speculative_tokens + 2)}
+                self.capture_verify_graphs(pool)
+
+    def capture_verify_graphs(self, pool) -> None:
+        """Decode steps of verifications of 2 to 1 + num_speculative_tokens query tokens a
+        sequence, of every batch size whose tokens have rows in the split-K workspace."""
+        rows = self.scratch.decode.rows
+        self.verify_graphs = {
+            q: CUDAGraphRunner(self.step_model, min(self.config.max_num_seqs, rows // q), pool,
+                               query_len=q)
+            for q in range(2, self.config.num_speculative_tokens + 2)}
 
     @property
     def prompt_buckets(self) -> PromptBuckets | None:

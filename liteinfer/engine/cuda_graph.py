@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs captured once per batch size.
+"""Decode steps replayed from CUDA graphs captured once per batch size (and, for steps of
+verifications, per query tokens a sequence: its newest token and its drafts).
 
 A captured step's inputs are its batch size's views of the step model's input buffer
 (engine/input_layout.py); each step fills a pinned host mirror of it and sends the used prefix

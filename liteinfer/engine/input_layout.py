@@ -9,10 +9,10 @@ every captured graph shares the one buffer. Regions of different shapes overlap:
 writes every element its shape's views read, padding included (a padding row reads no KV and
 writes none), and a shape is reset before it is captured (`reset`).
 
-Decode steps are filled from the request states directly (`fill_decode`): a one-sequence 1B
-decode step is the shortest on the GPU, and all of its host work must hide under it. Other
-steps are filled from `StepInputs` (step_inputs.py), numpy arrays computed for all tokens at
-once.
+Decode steps are filled from the request states directly (`fill_decode`, and `fill_verify`
+for steps of verifications): a one-sequence 1B decode step is the shortest on the GPU, and all
+of its host work must hide under it. Other steps are filled from `StepInputs`
+(step_inputs.py), numpy arrays computed for all tokens at once.
 """
 from __future__ import annotations
 

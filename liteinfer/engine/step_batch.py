@@ -31,7 +31,9 @@ class StepBatch(Generic[R]):
     """A sequence verifying drafts (speculative decoding) computes its next token and its
     drafts as a chunk of `1 + len(drafts)` tokens after the decoding ones, and samples a token
     at every one of them: the drafts the samples agree with are kept, and the first sample that
-    disagrees (or the one after the last draft) follows them (Scheduler.update_from_output)."""
+    disagrees (or the one after the last draft) follows them (Scheduler.update_from_output).
+    A step of decodes and verifications only may run as a decode step of such chunks
+    (`verification_width`)."""
 
     seqs: list[R]
     num_tokens: list[int]  # tokens each sequence computes in this step

@@ -1,7 +1,11 @@
-"""Paged decode attention (one query token per sequence) with per-request split-K.
+"""Paged decode attention (one query token per sequence, or a verification's few) with
+per-request split-K.
 
 One program per (sequence, KV head, split) serves all G query heads of that KV head, so each
-K/V tile is read from the pool once; the G query rows are padded to 16 for tl.dot. A sequence's
+K/V tile is read from the pool once; the G query rows are padded to 16 for tl.dot. A row that
+verifies drafts holds its query tokens' rows too (`query_len`: its newest token and its drafts
+at its last positions, each masking the keys after its own), so speculation reads each tile
+once for all of them. A sequence's
 KV tiles are divided between its programs, as many as `decode_splits` says for its length and
 the batch's (computed in the kernel: no launches to size the splits). A row with one split
 writes its output directly. Otherwise each program writes an fp32 partial output and its

@@ -12,7 +12,7 @@ from torch import nn
 
 from liteinfer.attention import allocate_kv_pool, get_backend, kv_cache_dtype
 from liteinfer.attention.batch_invariant import BatchInvariantBackend
-from liteinfer.config import EngineConfig, ModelConfig
+from liteinfer.config import NARROW_VERIFICATIONS, EngineConfig, ModelConfig
 from liteinfer.engine.cuda_graph import CUDAGraphRunner, StagedDecode
 from liteinfer.engine.draft_runner import (
     DraftModelRunner,
@@ -159,11 +159,10 @@ class ModelRunner:
 
     def capture_verify_graphs(self, pool) -> None:
         """Decode steps of verifications of 2 to 1 + num_speculative_tokens query tokens a
-        sequence, of every batch size whose tokens have rows in the split-K workspace."""
-        rows = self.scratch.decode.rows
+        sequence, of every batch size `_verify_width` takes."""
+        max_seqs = min(self.config.max_num_seqs, NARROW_VERIFICATIONS)
         self.verify_graphs = {
-            q: CUDAGraphRunner(self.step_model, min(self.config.max_num_seqs, rows // q), pool,
-                               query_len=q)
+            q: CUDAGraphRunner(self.step_model, max_seqs, pool, query_len=q)
             for q in range(2, self.config.num_speculative_tokens + 2)}
 
     @property
@@ -386,19 +385,17 @@ class ModelRunner:
         """Query tokens a sequence where the step runs as a decode step of verifications (its
         `verification_width`), 0 where it runs as a prompt step: the host proposers' steps
         (a draft model's catch-up reads a prompt step's rows), outside batch-invariant mode,
-        whose tokens have rows in the split-K workspace."""
-        if self.drafter is not None or self.config.batch_invariant:
+        of up to NARROW_VERIFICATIONS sequences, whose tokens have rows in the split-K
+        workspace. Wider steps are the device's time more than the host's, and keep the
+        prompt step's path."""
+        if (self.drafter is not None or self.config.batch_invariant
+                or len(batch.seqs) > NARROW_VERIFICATIONS):
             return 0
-        q = batch.verification_width()
-        splits = self.step_model.splits
-        return 0 if splits is not None and len(batch.seqs) * q > splits.rows else q
+        return batch.verification_width()
 
     def _verify_graphs(self, batch: StepBatch) -> CUDAGraphRunner | None:
         """The captured decode steps of verifications that replay the step, if any."""
-        graphs = self.verify_graphs.get(self._verify_width(batch))
-        if graphs is None or len(batch.seqs) > graphs.graphs.sizes[-1]:
-            return None
-        return graphs
+        return self.verify_graphs.get(self._verify_width(batch))
 
     def _replays_prompt(self, batch: StepBatch) -> bool:
         return (self.prompt_graphs is not None and not batch.prompt_logprob_spans

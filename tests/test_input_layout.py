@@ -85,3 +85,34 @@ def test_a_shape_past_the_layout_is_an_error():
     layout = InputLayout(WIDTH, BLOCK, StepShape(64, 16, 32))
     with pytest.raises(ValueError, match="does not fit the input layout"):
         layout.offsets(StepShape(65, 16, 32))
+
+
+@pytest.mark.parametrize("rows", [3, 4])
+def test_a_step_of_verifications_reads_the_prompt_steps_tokens_padded_per_sequence(rows):
+    """A decoding row (its token pending) and two sequences verifying 3 and 1 drafts, as a
+    decode step of 4 query tokens a sequence over another shape's inputs: each sequence's real
+    tokens are the prompt-shaped step's, its padding tokens write no KV, its context counts 4
+    tokens from its newest token, and the sample rows are its real tokens in order."""
+    layout = InputLayout(WIDTH, BLOCK, StepShape(64, 16, 32))
+    seqs = [state(0, 20, 20, 1), state(1, 9, 8, 0), state(2, 14, 13, 0)]
+    drafts = [[], [11, 12, 13], [14]]
+    for s, d in zip(seqs[1:], drafts[1:]):  # room for the drafts' KV
+        s.block_table = rng.permutation(100)[:-(-(len(s) + len(d)) // BLOCK)].tolist()
+    batch = StepBatch(seqs, [1, 4, 2], True, 1, draft_token_ids=drafts)
+    assert batch.verification_width() == 4
+    host = garbage(layout)
+    lens, used, samples = layout.fill_verify(host, seqs, drafts, rows, 4)
+    ref = build_step_inputs(batch, BLOCK, WIDTH)
+    v = layout.views(host, StepShape(rows * 4, rows))
+    real = np.array([0, 4, 5, 6, 7, 8, 9])  # token rows of the real tokens, in step order
+    for got, want in ((v.ids, ref.input_ids), (v.pending, ref.pending_rows),
+                      (v.positions, ref.positions), (v.slots, ref.slots)):
+        assert np.array_equal(got[real], want)
+    padding = np.setdiff1d(np.arange(rows * 4), real)
+    assert (v.slots[padding] == -1).all() and (v.ids[padding] == 0).all()
+    assert np.array_equal(lens, [len(s) - 1 + 4 for s in seqs])
+    assert (v.context_lens[3:] == 0).all() and (v.block_tables[3:] == 0).all()
+    # Each table as the step's own, zero past its blocks, where its padding tokens read.
+    assert np.array_equal(v.block_tables[:3], ref.block_tables)
+    assert samples == len(ref.sample_rows) == 7 and np.array_equal(v.sample_rows[:7], real)
+    assert used == layout.used(StepShape(rows * 4, rows), rows)

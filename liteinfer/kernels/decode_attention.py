@@ -231,16 +231,17 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, context_lens, num_spli
 
     # Tile row r: query token r // G of the row's QUERY_LEN, query head kvh * G + r % G.
     offs_h = tl.arange(0, BLOCK_H)
+    first_row = b * QUERY_LEN
     if QUERY_LEN > 1:
         tok = offs_h // G
         h_mask = offs_h < QUERY_LEN * G
         heads = kvh * G + offs_h % G
+        q_ptrs = q_ptr + (first_row + tok)[:, None] * stride_qb + heads[:, None] * stride_qh
     else:
         tok = tl.zeros([BLOCK_H], dtype=tl.int32)
         h_mask = offs_h < G
         heads = kvh * G + offs_h
-    first_row = b * QUERY_LEN
-    q_ptrs = q_ptr + (first_row + tok)[:, None] * stride_qb + heads[:, None] * stride_qh
+        q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     if NEW_KV:
         if not PREFETCH:
             cos, sin, slot = _new_row_inputs(pos_ptr, slot_ptr, cos_sin, b, stride_cs, d, HALF)

@@ -29,18 +29,17 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if not meta.is_prefill and meta.query_len > 1:  # every token's K/V written first
-            rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                          meta.context_lens, scale, torch.empty_like(q),
-                                          max_splits=meta.max_splits, workspace=meta.workspace,
-                                          query_len=meta.query_len)
         if not meta.is_prefill:
-            new_kv = NewKV(k, v, positions, meta.slot_mapping, cos_sin_cache)
+            new_kv = None
+            if meta.query_len > 1:  # a verification's tokens: every one's K/V written first
+                rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                              meta.slot_mapping)
+            else:
+                new_kv = NewKV(k, v, positions, meta.slot_mapping, cos_sin_cache)
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                           meta.context_lens, scale, torch.empty_like(q),
                                           max_splits=meta.max_splits, workspace=meta.workspace,
-                                          new_kv=new_kv)
+                                          new_kv=new_kv, query_len=meta.query_len)
         rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         if self._lone_fresh_prompt(meta):
             return _causal_sdpa(q, k, v, scale)

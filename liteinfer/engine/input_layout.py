@@ -199,8 +199,8 @@ class InputLayout:
         padding tokens read. Sample rows: each sequence's real tokens. Returns the context
         lengths, the length to send and the number of sample rows."""
         n, q, block_size = len(seqs), query_len, self.block_size
-        o = self.offsets(StepShape(rows * q, rows))
-        v = self.views(host, StepShape(rows * q, rows))
+        shape = StepShape(rows * q, rows)
+        v = self.views(host, shape)
         v.ids[:], v.pending[:], v.slots[:] = 0, NOT_PENDING, -1
         v.positions[:], v.context_lens[:], v.block_tables[:] = 0, 0, 0
         last_ids, last_pending = last_token_inputs(seqs)
@@ -221,7 +221,7 @@ class InputLayout:
             v.block_tables[i, :len(table)] = table
             v.sample_rows[samples:samples + real] = np.arange(first, first + real)
             samples += real
-        return v.context_lens[:n].copy(), o["block_tables"] + rows * self.width, samples
+        return v.context_lens[:n].copy(), self.used(shape, rows), samples
 
     def fill(self, host: np.ndarray, step: StepInputs, shape: StepShape, d_size: int,
              tile_map: np.ndarray | None = None) -> int:

@@ -122,6 +122,14 @@ def _row_scales(w_scale_ptr, offs, n_mask, N, GATED: tl.constexpr, W_SCALE: tl.c
 
 
 @triton.jit
+def swiglu(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in fp32, rounded to the activation dtype where Hugging Face's unfused
+    layers hold a tensor (gate, up, silu(gate))."""
+    g = gate.to(dtype).to(tl.float32)
+    return (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED: tl.constexpr,
                    ADD: tl.constexpr, W_SCALE: tl.constexpr):
     """The epilogue of both kernels: row scales, SwiGLU of gate y and up, the residual add."""
@@ -129,11 +137,9 @@ def store_outputs(y, up, scale, scale_up, res, out_ptr, offs, n_mask, GATED: tl.
     if W_SCALE:
         y = y * scale
     if GATED:
-        g = y.to(dtype).to(tl.float32)
         if W_SCALE:
             up = up * scale_up
-        up = up.to(dtype).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32) * up
+        y = swiglu(y, up, dtype)
     if ADD:  # residual + (x W^T rounded), as Hugging Face's separate add
         y = y.to(dtype).to(tl.float32) + res
     tl.store(out_ptr + offs, y.to(dtype), mask=n_mask)

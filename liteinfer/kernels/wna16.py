@@ -25,7 +25,9 @@ rows of a step:
   on the tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter of a bf16
   tile's bytes, so projections are cut along K too (`wna16_tiles`) until every SM has several
   programs streaming; the last split of a tile to arrive sums the partials
-  (fewrow_gemm.sum_splits).
+  (fewrow_gemm.split_total). The SwiGLU after gate/up is its epilogue (gate's and up's tiles
+  side by side in a program), and the RMSNorm before a projection its prologue where the rows
+  are few (`fuses_norm`): each program first reads its rows whole for their RMS.
 - wider steps (prefill) are compute-bound: the weight is dequantized into a scratch tensor in
   the activation dtype (`dequantize_weight`) and multiplied by cuBLAS, whose tiles no
   dequantizing kernel of ours beats there.
@@ -42,9 +44,9 @@ import triton
 import triton.language as tl
 
 from liteinfer.kernels import dot_precision, num_sms, supports_pdl
-from liteinfer.kernels.fewrow_gemm import scale_add_store, sum_splits
+from liteinfer.kernels.fewrow_gemm import scale_add_store, split_arrive, split_total
 from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace, split_buffers
-from liteinfer.kernels.gemv import gemv_prologue, normalize, store_outputs
+from liteinfer.kernels.gemv import gemv_prologue, normalize, store_outputs, swiglu
 from liteinfer.kernels.prefetch import prefetch_lines
 
 # Rows up to which a step runs the in-register kernels; wider steps dequantize and call cuBLAS.
@@ -75,6 +77,10 @@ PRODUCT_POWER: tl.constexpr = tl.constexpr(64)
 PRODUCT_SCALE: tl.constexpr = tl.constexpr(2.0 ** 64)
 SPLIT_MAX_WAVES = 4
 SPLIT_MIN_K = 1024
+# The rows' bytes up to which the few-row kernel takes the RMSNorm in: each program reads the
+# rows whole for their RMS (from L2) beside the share of K it multiplies, which past this
+# costs more than the norm's kernel of its own (16 rows of SmolLM2's 576 features fit).
+FUSED_NORM_MAX_BYTES = 32768
 
 
 @dataclass(frozen=True)
@@ -289,11 +295,25 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
 
 
 @triton.jit
-def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-                         stride_xm, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
-                         GROUP_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _rows_inv_rms(x_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS of each row x[m, :K] [BLOCK_M], in a first pass over the rows (from L2)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xf = tl.load(x_rows + k0 + offs_k[None, :],
+                     mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        xf = xf.to(tl.float32)
+        squares += xf * xf
+    return tl.rsqrt(tl.sum(squares, 1) / K + eps)
+
+
+@triton.jit
+def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_ptr, norm_ptr,
+                         eps, M, N, K, stride_xm, stride_om, BITS: tl.constexpr,
+                         GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLITS: tl.constexpr, PART_ROWS: tl.constexpr, ADD: tl.constexpr,
+                         NORM: tl.constexpr, GATED: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     # The splits of a tile are launch neighbours, so their partials meet in L2.
     tile = tl.program_id(0) // SPLITS
@@ -307,27 +327,53 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
     n_mask = offs_n < N
     m_mask = offs_m < M
     x_rows = x_ptr + offs_m[:, None] * stride_xm
+    # gate's rows, then up's: up's words, scales and mins start N rows on
+    up_w = N * (K // (32 // BITS))
+    up_g = N * (K // GROUP)
     if USE_PDL:  # the rows may be the previous kernel's output
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    dtype = x_ptr.dtype.element_ty
+    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        inv_rms = _rows_inv_rms(x_rows, m_mask, K, eps, BLOCK_M, BLOCK_K)
     # The tile is dequantized times 2^-64 (a code's AND and one FMA, `_dequantized_codes`)
     # where the activation dtype has fp32's exponent range; fp16's would underflow.
-    POWER: tl.constexpr = 0 if x_ptr.dtype.element_ty == tl.float16 else 64
+    POWER: tl.constexpr = 0 if dtype == tl.float16 else 64
     # y^T = W x^T: the dequantized tile is the MMA's row operand, taken from registers
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = acc
     for k0 in range(k_start, k_end, BLOCK_K):
+        k_mask = k0 + offs_k < K
+        x = tl.load(x_rows + k0 + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        if NORM:
+            x = normalize(x.to(tl.float32), norm_ptr + k0, offs_k[None, :], k_mask[None, :],
+                          inv_rms[:, None], dtype).to(dtype)
         w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
                          BLOCK_N, BLOCK_K, POWER)
-        x = tl.load(x_rows + k0 + offs_k[None, :],
-                    mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=DOT_PRECISION)
-    acc = acc * 2.0 ** POWER
+        acc = tl.dot(w.to(dtype), tl.trans(x), acc, input_precision=DOT_PRECISION)
+        if GATED:
+            w = _dequantized(qw_ptr + up_w, s_ptr + up_g, m_ptr + up_g, offs_n, n_mask, k0, K,
+                             BITS, GROUP, GROUP_TILE, BLOCK_N, BLOCK_K, POWER)
+            acc_up = tl.dot(w.to(dtype), tl.trans(x), acc_up, input_precision=DOT_PRECISION)
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLITS > 1:
-        acc, last = sum_splits(acc, part_ptr + offs_n[:, None] * PART_ROWS + offs_m[None, :],
-                               mask, count_ptr + tile, split, N * PART_ROWS, SPLITS)
-        if not last:
+        # Each split's partials (gate's, then up's N features on) in the slots of 2N features
+        # when gated; the last of the tile's splits to arrive sums them in split order.
+        parts = part_ptr + offs_n[:, None] * PART_ROWS + offs_m[None, :]
+        split_stride = N * PART_ROWS * (1 + GATED)
+        tl.store(parts + split * split_stride, acc, mask=mask)
+        if GATED:
+            tl.store(parts + N * PART_ROWS + split * split_stride, acc_up, mask=mask)
+        if not split_arrive(count_ptr + tile, SPLITS):
             return
+        acc = split_total(parts, mask, split_stride, SPLITS)
+        if GATED:
+            acc_up = split_total(parts + N * PART_ROWS, mask, split_stride, SPLITS)
+    acc = acc * 2.0 ** POWER
+    if GATED:
+        acc = swiglu(acc, acc_up * 2.0 ** POWER, dtype)
     scale_add_store(acc, out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], mask, None,
                     None, False, ADD)
 
@@ -391,32 +437,43 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     return out
 
 
+def fuses_norm(x: torch.Tensor) -> bool:
+    """Whether `wna16_gemm` takes the RMSNorm of x's rows in (FUSED_NORM_MAX_BYTES)."""
+    return x.shape[0] <= FEWROW_MAX and x.numel() * x.element_size() <= FUSED_NORM_MAX_BYTES
+
+
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-               bits: int, residual: torch.Tensor | None = None,
+               bits: int, residual: torch.Tensor | None = None, *,
+               norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
                tiles: WNA16Tiles | None = None,
                workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """x [M, K] (M <= FEWROW_MAX) times the packed weight [N, K], transposed: [M, N] in x's
-    dtype, or residual += it in place (returning residual). `tiles`: by default
-    `wna16_tiles`'s; `workspace`: where a tile cut along K sums its splits
-    (fewrow_gemm.split_buffers)."""
+    dtype, or residual += it in place (returning residual). As `wna16_gemv`, f the RMSNorm with
+    norm_weight and eps when given, and for a weight [2N, K] = [gate; up] SwiGLU'd to [M, N]
+    when gated. `tiles`: by default `wna16_tiles`'s (for all of the weight's rows, so that a
+    gated launch cuts K as gate/up's unfused one does); `workspace`: where a tile cut along K
+    sums its splits (fewrow_gemm.split_buffers)."""
     m, k = x.shape
-    n = qweight.shape[0]
+    rows = qweight.shape[0]
+    n = rows // 2 if gated else rows
     assert 1 <= m <= FEWROW_MAX and x.stride(-1) == 1 and qweight.is_contiguous()
-    assert qweight.shape[1] * (32 // bits) == k
-    tiles = tiles or wna16_tiles(m, n, k, bits, x.element_size(), num_sms(x.device))
+    assert qweight.shape[1] * (32 // bits) == k and not (gated and residual is not None)
+    tiles = tiles or wna16_tiles(m, rows, k, bits, x.element_size(), num_sms(x.device))
     block_k, group = _fit_group(qweight, scales, bits, tiles.block_k)
     assert m <= tiles.block_m and block_k >= 16  # (tl.dot's least K)
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(-1) == 1
     out = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    parts, counts = (split_buffers(workspace, n, tiles.splits, x.device) if tiles.splits > 1
+    parts, counts = (split_buffers(workspace, rows, tiles.splits, x.device) if tiles.splits > 1
                      else (out, out))
     pdl = supports_pdl(x.device)
     _wna16_fewrow_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
-        x, qweight, scales, mins, out, parts, counts, m, n, k, x.stride(0), out.stride(0),
+        x, qweight, scales, mins, out, parts, counts,
+        norm_weight if norm_weight is not None else x, eps, m, n, k, x.stride(0), out.stride(0),
         BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLITS=tiles.splits, PART_ROWS=FEWROW_MAX_ROWS,
-        ADD=residual is not None, DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
+        ADD=residual is not None, NORM=norm_weight is not None, GATED=gated,
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out
 

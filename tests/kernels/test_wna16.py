@@ -119,6 +119,35 @@ def test_fewrow(assert_close, device, full, needs_dot, dtype, rounded):
     assert not workspace.counters.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gated", [False, True])
+def test_fewrow_normed(assert_close, device, full, needs_dot, dtype, gated, rounded, normed_ref):
+    """A few rows with the RMSNorm fused in front, and for [gate; up] SwiGLU behind, rounded
+    where Hugging Face's unfused layers hold a tensor; K whole in a program and cut among 4
+    (gate's and up's partials side by side in the workspace, which the unfused launch of the
+    same weight sizes)."""
+    needs_dot(dtype)
+    cases = _cases(full, FORMATS[:3])
+    workspace = SplitKWorkspace.allocate(
+        [(2 * n if gated else n, MAX_SPLITS) for _, n, _, _ in cases], device)
+    for k, n, bits, group in cases:
+        packed = _packed(2 * n if gated else n, k, bits, group, device)
+        w64 = _weight64(*packed, bits)
+        norm_weight = torch.rand(k, device=device).to(dtype) + 0.5
+        for rows in GPU_ROWS[:2] if full else CPU_ROWS:
+            x = torch.randn(rows, k, device=device).to(dtype)
+            y = normed_ref(x, norm_weight, 1e-5) @ w64.to(dtype).double().T
+            if gated:
+                gate, up = rounded(y[:, :n], dtype), rounded(y[:, n:], dtype)
+                y = rounded(torch.nn.functional.silu(gate), dtype) * up
+            for tiles in _tiles(rows, packed[0].shape[0], k, bits, x.element_size(), device):
+                got = wna16_gemm(x, *packed, bits, norm_weight=norm_weight, eps=1e-5,
+                                 gated=gated, tiles=tiles, workspace=workspace)
+                assert got.shape == (rows, n)
+                assert_close(got, y)
+    assert not workspace.counters.any()
+
+
 @pytest.mark.parametrize("rows", [1, 3, FEWROW_MAX, FEWROW_MAX + 5])
 def test_linear_every_path(assert_close, device, full, rows):
     """`wna16_linear` at one row, a few, the most the few-row kernel takes and past it (the

@@ -15,8 +15,9 @@ loader shards fused and tensor-parallel layers as it does a plain weight.
 
 On CUDA with the Triton layers the packed weight stays on the device and kernels/wna16.py
 multiplies it, dequantizing in registers (one row through its GEMV, with the norm, SwiGLU and
-residual add fused in as kernels/gemv.py does for bf16; a few rows on the tensor cores) or into
-a scratch weight (wide steps).
+residual add fused in as kernels/gemv.py does for bf16; a few rows on the tensor cores, with
+the SwiGLU and residual add fused in, and the norm for the fewest) or into a scratch weight
+(wide steps).
 Elsewhere the weight is dequantized once loaded, as the FP8 layers do: CPU tests then check the
 exact weights the GPU multiplies, at the speed of an unquantized model.
 """
@@ -223,8 +224,15 @@ class WNA16LinearMethod(LinearMethod):
 
     def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                     act: SiluAndMul | None) -> torch.Tensor:
-        y = self._matmul(layer, norm(x))
-        return y if act is None else act(y)
+        from liteinfer.kernels.wna16 import FEWROW_MAX, fuses_norm, wna16_gemm
+        if layer.weight is not None or x.shape[0] > FEWROW_MAX:
+            y = self._matmul(layer, norm(x))
+            return y if act is None else act(y)
+        # A few rows: the SwiGLU, and for the fewest the norm too, inside the kernel.
+        fused = fuses_norm(x)
+        return wna16_gemm(x if fused else norm(x), layer.qweight, layer.scales, layer.mins,
+                          self.config.bits, norm_weight=norm.weight if fused else None,
+                          eps=norm.eps, gated=act is not None, workspace=layer.scratch.split_k)
 
 
 class ZeroPointFormat(CheckpointFormat):

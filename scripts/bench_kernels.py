@@ -23,6 +23,8 @@ the engine multiplies (the fused GEMV at one row, cuBLAS above); `vs_bf16` is bf
 the row's. Weight bytes (codes, scales and mins) give the rate. `--only invariant` times the
 batch-invariant GEMM at the 1B's and 8B's projections and the 1B's LM head, at 1, 32, 128 and
 2,048 rows, with its norm / SwiGLU inside and with them apart, against the default's path.
+`--only wna16-fused` times the 4-bit few-row kernel with the norm or SwiGLU inside against
+their own kernels beside it, at SmolLM2's and the 8B's shapes.
 Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>-<kv dtype>-d<D>.json.
 `--sweep` additionally times alternative tile configurations, prefill also at the sizes of mixed
 steps' prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
@@ -30,13 +32,14 @@ decode sweep then times the engine's path alone (split policy, this step's K/V f
 
     python scripts/bench_kernels.py [--sweep] [--pool token-major] [--head-dim 128]
                                     [--only decode prefill verify elementwise moe wna16
-                                            invariant]
+                                            wna16-fused invariant]
                                     [--moe-dtype fp8]
                                     [--decode-shapes 1x256 128x256 ...] [--kv-dtype fp8]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -52,7 +55,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from liteinfer.attention import allocate_kv_pool
 from liteinfer.attention.torch_backend import gather_kv
-from liteinfer.kernels import FP8_DTYPE, wna16
+from liteinfer.kernels import FP8_DTYPE, num_sms, wna16
 from liteinfer.kernels import decode_attention as dec
 from liteinfer.kernels import decode_splits as splits
 from liteinfer.kernels import fused_moe as moe
@@ -135,6 +138,12 @@ ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
 WNA16_SHAPES = (("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "residual"),
                 ("gate_up", 28672, 4096, "gated"), ("down", 4096, 14336, "residual"))
 WNA16_ROWS = (1, 8, 32, 128)
+# Projections with a norm in front or SwiGLU behind (model, name, out features, in features,
+# fusion), and the rows of verifications and narrow decode steps, for `--only wna16-fused`.
+WNA16_FUSED_SHAPES = (("smollm2", "qkv", 960, 576, "norm"),
+                      ("smollm2", "gate_up", 3072, 576, "gated"),
+                      ("8b", "qkv", 6144, 4096, "norm"), ("8b", "gate_up", 28672, 4096, "gated"))
+WNA16_FUSED_ROWS = (2, 5, 16, 32)
 # (model, projection, N, K, fusion) of the 1B's and 8B's linears, for the invariant GEMM.
 INVARIANT_SHAPES = tuple((model, name, n, k, fusion) for model, h, i, q in (
     ("1b", 2048, 8192, 3072), ("8b", 4096, 14336, 6144)) for name, n, k, fusion in (
@@ -490,6 +499,44 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
         del weight, deq
 
 
+def bench_wna16_fused(rows: list[dict]) -> None:
+    """The few-row kernel with the RMSNorm or SwiGLU inside (as the engine runs it: the norm
+    inside only up to wna16.FUSED_NORM_MAX_BYTES of rows) against the norm's or SwiGLU's kernel
+    beside it, and the fused kernel at tiles of 16, 32 and 64 features (of each, gated); CUDA
+    graphs, as a decode step replays them."""
+    from liteinfer.kernels.activation import silu_and_mul
+    from liteinfer.kernels.norm import rms_norm
+    for model, name, n, k, fusion in WNA16_FUSED_SHAPES:
+        weight = torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
+        packed = (*quantize_rtn(weight, 4, math.gcd(128, k)), 4)
+        norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
+        gated = fusion == "gated"
+        ws = SplitKWorkspace.allocate([(n, wna16.MAX_SPLITS)], DEV)
+        for m in WNA16_FUSED_ROWS:
+            x = torch.randn(m, k, dtype=DTYPE, device=DEV)
+            kw = dict(gated=True) if gated else dict(norm_weight=norm_w, eps=1e-5)
+            rule = wna16.wna16_tiles(m, n, k, 4, 2, num_sms(x.device), gated)
+            paths = {"unfused": (lambda x=x: silu_and_mul(wna16.wna16_gemm(
+                         x, *packed, workspace=ws))) if gated else (lambda x=x: wna16.wna16_gemm(
+                         rms_norm(x, norm_w, 1e-5), *packed, workspace=ws)),
+                     "fused": lambda x=x, kw=kw: wna16.wna16_gemm(x, *packed, **kw,
+                                                                  workspace=ws)}
+            for block_n in (16, 32, 64):
+                tiles = dataclasses.replace(rule, block_n=block_n)
+                paths[f"fused n{block_n}"] = lambda x=x, kw=kw, t=tiles: wna16.wna16_gemm(
+                    x, *packed, **kw, tiles=t, workspace=ws)
+            ref = paths["unfused"]()
+            err = max(check(fn(), ref, 2e-2) for fn in paths.values())
+            times = {path: do_bench_cudagraph(fn, rep=40, return_mode="median")
+                     for path, fn in paths.items()}
+            for path, ms in times.items():
+                label = f" (rule n{rule.block_n} s{rule.splits})" if path == "fused" else ""
+                rows.append(dict(kernel=f"int4 {model} {name} {path}{label}", batch=m,
+                                 us=ms * 1e3, vs_unfused=times["unfused"] / ms, err=err,
+                                 fuses_norm=str(wna16.fuses_norm(x))))
+        del weight
+
+
 def bench_invariant(rows: list[dict], num_sms: int, label: str = "",
                     row_counts=INVARIANT_ROWS) -> None:
     """The batch-invariant GEMM (kernels/invariant_gemm.py) at each INVARIANT_SHAPES projection
@@ -621,7 +668,7 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
 
 def print_table(rows: list[dict]) -> None:
     cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "floor_us", "gbps",
-            "pct_peak", "vs_bf16", "vs_default",
+            "pct_peak", "vs_bf16", "vs_default", "vs_unfused", "fuses_norm",
             "tflops", "graph_tflops", "sdpa_tflops", "flash_varlen_tflops", "err"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = {float: "{:.3g}", int: "{}", str: "{}"}
@@ -639,7 +686,7 @@ def main() -> None:
                         help="memory order of the KV pool the attention kernels read")
     parser.add_argument("--only", nargs="+",
                         choices=("decode", "prefill", "verify", "elementwise", "moe", "wna16",
-                                 "invariant"),
+                                 "wna16-fused", "invariant"),
                         help="time only these kernels (default: all)")
     parser.add_argument("--head-dim", type=int, default=64, help="attention head size")
     parser.add_argument("--decode-shapes", nargs="+", metavar="BATCHxCTX",
@@ -665,6 +712,7 @@ def main() -> None:
              "elementwise": lambda: bench_elementwise(rows),
              "moe": lambda: moe_layers.append(bench_moe(rows, fp8)),
              "wna16": lambda: bench_wna16(rows),
+             "wna16-fused": lambda: bench_wna16_fused(rows),
              "invariant": lambda: bench_invariant(rows, props.multi_processor_count)}
     fp8, moe_layers = args.moe_dtype == "fp8", []
     for name in args.only or parts:

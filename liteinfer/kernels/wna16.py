@@ -64,6 +64,10 @@ GEMV_MIN_WAVES = 1
 # in shared memory beside the weight's). K is cut among up to MAX_SPLITS programs a tile while
 # the grid stays within SPLIT_MAX_WAVES programs an SM and each keeps SPLIT_MIN_K codes.
 FEWROW_BLOCK_N = 64
+# A projection of fewer tiles than this takes narrower ones (down to tl.dot's 16 features):
+# SmolLM2's 576 to 1,536 features would otherwise run on 9 to 24 SMs, each program walking
+# four times the codes that the one-row GEMV's do.
+FEWROW_MIN_TILES = 32
 FEWROW_BLOCK_K_BYTES = 128
 X_TILE_BYTES = 32768
 # Rows up to which a program has four warps (more codes a thread, so fewer instructions a code
@@ -96,20 +100,28 @@ class WNA16Tiles:
     num_stages: int = 3
 
 
-def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int) -> WNA16Tiles:
+def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int,
+                gated: bool = False) -> WNA16Tiles:
     """The few-row tile for `rows` rows (of `itemsize` bytes an element) of a projection [n, k]
     of `bits`-bit codes on a GPU of `sms` SMs: the most splits (a power of two) that keep the
-    grid and each split's K within their bounds."""
+    grid and each split's K within their bounds, the features a program takes halved while a
+    projection has fewer than FEWROW_MIN_TILES tiles. Gated ([gate; up] = n rows, SwiGLU'd), a
+    program takes half as many features of each, so that it dequantizes as many codes and the
+    grid and splits are the unfused launch's."""
     block_m = max(16, triton.next_power_of_2(rows))
     block_k = min(FEWROW_BLOCK_K_BYTES * 8 // bits, X_TILE_BYTES // (block_m * itemsize),
                   triton.next_power_of_2(k))
-    tiles = triton.cdiv(n, FEWROW_BLOCK_N)
+    least = 16 * (1 + gated)  # tl.dot's least M, gate's and up's when gated
+    block_n = FEWROW_BLOCK_N
+    while block_n > least and triton.cdiv(n, block_n) < FEWROW_MIN_TILES:
+        block_n //= 2
+    tiles = triton.cdiv(n, block_n)
     splits = 1
     while (splits < MAX_SPLITS and tiles * splits * 2 <= SPLIT_MAX_WAVES * sms
            and k // (splits * 2) >= SPLIT_MIN_K):
         splits *= 2
-    return WNA16Tiles(block_m=block_m, block_n=FEWROW_BLOCK_N, block_k=block_k, splits=splits,
-                      num_warps=4 if block_m <= FOUR_WARPS_MAX_ROWS else 8)
+    return WNA16Tiles(block_m=block_m, block_n=block_n // (1 + gated), block_k=block_k,
+                      splits=splits, num_warps=4 if block_m <= FOUR_WARPS_MAX_ROWS else 8)
 
 
 @triton.jit
@@ -450,15 +462,14 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     """x [M, K] (M <= FEWROW_MAX) times the packed weight [N, K], transposed: [M, N] in x's
     dtype, or residual += it in place (returning residual). As `wna16_gemv`, f the RMSNorm with
     norm_weight and eps when given, and for a weight [2N, K] = [gate; up] SwiGLU'd to [M, N]
-    when gated. `tiles`: by default `wna16_tiles`'s (for all of the weight's rows, so that a
-    gated launch cuts K as gate/up's unfused one does); `workspace`: where a tile cut along K
+    when gated. `tiles`: by default `wna16_tiles`'s; `workspace`: where a tile cut along K
     sums its splits (fewrow_gemm.split_buffers)."""
     m, k = x.shape
     rows = qweight.shape[0]
     n = rows // 2 if gated else rows
     assert 1 <= m <= FEWROW_MAX and x.stride(-1) == 1 and qweight.is_contiguous()
     assert qweight.shape[1] * (32 // bits) == k and not (gated and residual is not None)
-    tiles = tiles or wna16_tiles(m, rows, k, bits, x.element_size(), num_sms(x.device))
+    tiles = tiles or wna16_tiles(m, rows, k, bits, x.element_size(), num_sms(x.device), gated)
     block_k, group = _fit_group(qweight, scales, bits, tiles.block_k)
     assert m <= tiles.block_m and block_k >= 16  # (tl.dot's least K)
     if residual is not None:

@@ -83,11 +83,11 @@ def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_r
         assert_close(got, y)
 
 
-def _tiles(rows: int, n: int, k: int, bits: int, itemsize: int,
-           device: str) -> list[WNA16Tiles]:
+def _tiles(rows: int, n: int, k: int, bits: int, itemsize: int, device: str,
+           gated: bool = False) -> list[WNA16Tiles]:
     """The rule's tile, and K cut among 4 programs of a narrower tile (at the CPU's shapes the
     last split then has an uneven share or none)."""
-    rule = wna16_tiles(rows, n, k, bits, itemsize, 132 if device == "cuda" else 8)
+    rule = wna16_tiles(rows, n, k, bits, itemsize, 132 if device == "cuda" else 8, gated)
     return [rule, WNA16Tiles(block_m=rule.block_m, block_n=32, block_k=rule.block_k, splits=4,
                              num_warps=4)]
 
@@ -140,7 +140,8 @@ def test_fewrow_normed(assert_close, device, full, needs_dot, dtype, gated, roun
             if gated:
                 gate, up = rounded(y[:, :n], dtype), rounded(y[:, n:], dtype)
                 y = rounded(torch.nn.functional.silu(gate), dtype) * up
-            for tiles in _tiles(rows, packed[0].shape[0], k, bits, x.element_size(), device):
+            for tiles in _tiles(rows, packed[0].shape[0], k, bits, x.element_size(), device,
+                                gated):
                 got = wna16_gemm(x, *packed, bits, norm_weight=norm_weight, eps=1e-5,
                                  gated=gated, tiles=tiles, workspace=workspace)
                 assert got.shape == (rows, n)
@@ -203,6 +204,13 @@ def test_tile_rule():
     splits = {(n, k): wna16_tiles(32, n, k, 4, 2, 132).splits
               for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
     assert splits == {(6144, 4096): 4, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 8}
+    # SmolLM2's narrow projections take narrower tiles, so that more SMs stream them.
+    assert [wna16_tiles(5, n, k, 4, 2, 132).block_n
+            for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))] == [16, 16, 64, 16]
+    # Gated, a program takes half of its features from gate's rows and half from up's.
+    for n, k in ((28672, 4096), (3072, 576)):
+        plain, gated = wna16_tiles(5, n, k, 4, 2, 132), wna16_tiles(5, n, k, 4, 2, 132, True)
+        assert (gated.block_n, gated.splits) == (plain.block_n // 2, plain.splits)
     for rows, itemsize, block_k in ((2, 2, 256), (17, 2, 256), (64, 2, 256), (65, 2, 128),
                                     (128, 4, 64)):
         tiles = wna16_tiles(rows, 4096, 4096, 4, itemsize, 132)

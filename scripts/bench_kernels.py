@@ -23,8 +23,8 @@ the engine multiplies (the fused GEMV at one row, cuBLAS above); `vs_bf16` is bf
 the row's. Weight bytes (codes, scales and mins) give the rate. `--only invariant` times the
 batch-invariant GEMM at the 1B's and 8B's projections and the 1B's LM head, at 1, 32, 128 and
 2,048 rows, with its norm / SwiGLU inside and with them apart, against the default's path.
-`--only wna16-fused` times the 4-bit few-row kernel with the norm or SwiGLU inside against
-their own kernels beside it, at SmolLM2's and the 8B's shapes.
+`--only wna16-fused` times the 4-bit few-row kernel at SmolLM2's and the 8B's shapes at
+several tile widths, gate/up with the SwiGLU inside and beside.
 Prints a table; with $OUT set, also writes $OUT/kernels-<pool layout>-<kv dtype>-d<D>.json.
 `--sweep` additionally times alternative tile configurations, prefill also at the sizes of mixed
 steps' prompt pieces; `--decode-shapes` names the decode shapes (BATCHxCTX) timed and swept, and the
@@ -138,8 +138,8 @@ ELEMENTWISE_TOKENS = (1, 32, 128, 4096)
 WNA16_SHAPES = (("qkv", 6144, 4096, "norm"), ("o", 4096, 4096, "residual"),
                 ("gate_up", 28672, 4096, "gated"), ("down", 4096, 14336, "residual"))
 WNA16_ROWS = (1, 8, 32, 128)
-# Projections with a norm in front or SwiGLU behind (model, name, out features, in features,
-# fusion), and the rows of verifications and narrow decode steps, for `--only wna16-fused`.
+# Projections behind a norm, and gate/up (model, name, out features, in features, fusion),
+# and the rows of verifications and narrow decode steps, for `--only wna16-fused`.
 WNA16_FUSED_SHAPES = (("smollm2", "qkv", 960, 576, "norm"),
                       ("smollm2", "gate_up", 3072, 576, "gated"),
                       ("8b", "qkv", 6144, 4096, "norm"), ("8b", "gate_up", 28672, 4096, "gated"))
@@ -500,10 +500,10 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
 
 
 def bench_wna16_fused(rows: list[dict]) -> None:
-    """The few-row kernel with the RMSNorm or SwiGLU inside (as the engine runs it: the norm
-    inside only up to wna16.FUSED_NORM_MAX_BYTES of rows) against the norm's or SwiGLU's kernel
-    beside it, and the fused kernel at tiles of 16, 32 and 64 features (of each, gated); CUDA
-    graphs, as a decode step replays them."""
+    """The 4-bit few-row kernel at the rule's tile and at 16, 32 and 64 features: for a
+    projection behind a norm, with the norm's kernel before it; for gate/up, with the SwiGLU's
+    kernel after it ('unfused') and with the SwiGLU inside ('fused', 16-64 features of each of
+    gate and up). CUDA graphs, as a decode step replays them."""
     from liteinfer.kernels.activation import silu_and_mul
     from liteinfer.kernels.norm import rms_norm
     for model, name, n, k, fusion in WNA16_FUSED_SHAPES:
@@ -512,28 +512,35 @@ def bench_wna16_fused(rows: list[dict]) -> None:
         norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
         gated = fusion == "gated"
         ws = SplitKWorkspace.allocate([(n, wna16.MAX_SPLITS)], DEV)
+        sms = num_sms(torch.device(DEV))
         for m in WNA16_FUSED_ROWS:
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
-            kw = dict(gated=True) if gated else dict(norm_weight=norm_w, eps=1e-5)
-            rule = wna16.wna16_tiles(m, n, k, 4, 2, num_sms(x.device), gated)
-            paths = {"unfused": (lambda x=x: silu_and_mul(wna16.wna16_gemm(
-                         x, *packed, workspace=ws))) if gated else (lambda x=x: wna16.wna16_gemm(
-                         rms_norm(x, norm_w, 1e-5), *packed, workspace=ws)),
-                     "fused": lambda x=x, kw=kw: wna16.wna16_gemm(x, *packed, **kw,
-                                                                  workspace=ws)}
-            for block_n in (16, 32, 64):
-                tiles = dataclasses.replace(rule, block_n=block_n)
-                paths[f"fused n{block_n}"] = lambda x=x, kw=kw, t=tiles: wna16.wna16_gemm(
-                    x, *packed, **kw, tiles=t, workspace=ws)
-            ref = paths["unfused"]()
+
+            def unfused(tiles, x=x):
+                y = wna16.wna16_gemm(rms_norm(x, norm_w, 1e-5), *packed, tiles=tiles,
+                                     workspace=ws)
+                return silu_and_mul(y) if gated else y
+
+            def fused(tiles, x=x):
+                return wna16.wna16_gemm(rms_norm(x, norm_w, 1e-5), *packed, gated=True,
+                                        tiles=tiles, workspace=ws)
+            variants = [("unfused", unfused, False)] + ([("fused", fused, True)] if gated else [])
+            paths = {}
+            for label, fn, fuses in variants:
+                rule = wna16.wna16_tiles(m, n, k, 4, 2, sms, fuses)
+                paths[f"{label} (rule n{rule.block_n} s{rule.splits})"] = (
+                    lambda fn=fn, t=rule: fn(t))
+                for block_n in (16, 32, 64):
+                    tiles = dataclasses.replace(rule, block_n=block_n)
+                    paths[f"{label} n{block_n}"] = lambda fn=fn, t=tiles: fn(t)
+            ref = next(iter(paths.values()))()
             err = max(check(fn(), ref, 2e-2) for fn in paths.values())
             times = {path: do_bench_cudagraph(fn, rep=40, return_mode="median")
                      for path, fn in paths.items()}
+            first = next(iter(times.values()))
             for path, ms in times.items():
-                label = f" (rule n{rule.block_n} s{rule.splits})" if path == "fused" else ""
-                rows.append(dict(kernel=f"int4 {model} {name} {path}{label}", batch=m,
-                                 us=ms * 1e3, vs_unfused=times["unfused"] / ms, err=err,
-                                 fuses_norm=str(wna16.fuses_norm(x))))
+                rows.append(dict(kernel=f"int4 {model} {name} {path}", batch=m, us=ms * 1e3,
+                                 vs_rule=first / ms, err=err))
         del weight
 
 
@@ -668,7 +675,7 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
 
 def print_table(rows: list[dict]) -> None:
     cols = ["kernel", "batch", "ctx", "max_splits", "us", "graph_us", "floor_us", "gbps",
-            "pct_peak", "vs_bf16", "vs_default", "vs_unfused", "fuses_norm",
+            "pct_peak", "vs_bf16", "vs_default", "vs_rule",
             "tflops", "graph_tflops", "sdpa_tflops", "flash_varlen_tflops", "err"]
     cols = [c for c in cols if any(c in r for r in rows)]
     fmt = {float: "{:.3g}", int: "{}", str: "{}"}

@@ -25,9 +25,12 @@ rows of a step:
   on the tensor cores (tl.dot, fp32 accumulation). A 4-bit tile holds a quarter of a bf16
   tile's bytes, so projections are cut along K too (`wna16_tiles`) until every SM has several
   programs streaming; the last split of a tile to arrive sums the partials
-  (fewrow_gemm.split_total). The SwiGLU after gate/up is its epilogue (gate's and up's tiles
-  side by side in a program), and the RMSNorm before a projection its prologue where the rows
-  are few (`fuses_norm`): each program first reads its rows whole for their RMS.
+  (fewrow_gemm.split_total). A small model's projections (SmolLM2's 576 to 3,072 features)
+  would leave most SMs idle in 64-feature tiles: they take narrower ones, and their gate/up
+  takes the SwiGLU as its epilogue (gate's and up's tiles side by side in a program,
+  `fuses_swiglu`), a launch fewer where every launch is latency. (Fused, the RMSNorm before a
+  projection cost more than its own kernel at every shape measured, and the SwiGLU of a wide
+  gate/up broke even at best: NOTES.md, "Speculative decoding".)
 - wider steps (prefill) are compute-bound: the weight is dequantized into a scratch tensor in
   the activation dtype (`dequantize_weight`) and multiplied by cuBLAS, whose tiles no
   dequantizing kernel of ours beats there.
@@ -64,10 +67,11 @@ GEMV_MIN_WAVES = 1
 # in shared memory beside the weight's). K is cut among up to MAX_SPLITS programs a tile while
 # the grid stays within SPLIT_MAX_WAVES programs an SM and each keeps SPLIT_MIN_K codes.
 FEWROW_BLOCK_N = 64
-# A projection of fewer tiles than this takes narrower ones (down to tl.dot's 16 features):
-# SmolLM2's 576 to 1,536 features would otherwise run on 9 to 24 SMs, each program walking
-# four times the codes that the one-row GEMV's do.
-FEWROW_MIN_TILES = 32
+# A projection whose grid (its tiles, each cut into its K splits) has fewer programs than this
+# takes narrower tiles, down to tl.dot's 16 features: SmolLM2's 576 to 1,536 features would
+# otherwise run on 9 to 24 SMs, each program walking four times the codes that the one-row
+# GEMV's do. (Every projection of the 1B and the 8B has this many at 64 features.)
+FEWROW_MIN_PROGRAMS = 64
 FEWROW_BLOCK_K_BYTES = 128
 X_TILE_BYTES = 32768
 # Rows up to which a program has four warps (more codes a thread, so fewer instructions a code
@@ -81,10 +85,6 @@ PRODUCT_POWER: tl.constexpr = tl.constexpr(64)
 PRODUCT_SCALE: tl.constexpr = tl.constexpr(2.0 ** 64)
 SPLIT_MAX_WAVES = 4
 SPLIT_MIN_K = 1024
-# The rows' bytes up to which the few-row kernel takes the RMSNorm in: each program reads the
-# rows whole for their RMS (from L2) beside the share of K it multiplies, which past this
-# costs more than the norm's kernel of its own (16 rows of SmolLM2's 576 features fit).
-FUSED_NORM_MAX_BYTES = 32768
 
 
 @dataclass(frozen=True)
@@ -103,25 +103,33 @@ class WNA16Tiles:
 def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int,
                 gated: bool = False) -> WNA16Tiles:
     """The few-row tile for `rows` rows (of `itemsize` bytes an element) of a projection [n, k]
-    of `bits`-bit codes on a GPU of `sms` SMs: the most splits (a power of two) that keep the
-    grid and each split's K within their bounds, the features a program takes halved while a
-    projection has fewer than FEWROW_MIN_TILES tiles. Gated ([gate; up] = n rows, SwiGLU'd), a
-    program takes half as many features of each, so that it dequantizes as many codes and the
-    grid and splits are the unfused launch's."""
+    of `bits`-bit codes on a GPU of `sms` SMs: the widest tile (64 features, halved down to 16)
+    whose grid has FEWROW_MIN_PROGRAMS programs, each tile cut along K into the most splits (a
+    power of two) that keep the grid and each split's K within their bounds. Gated ([gate; up]
+    = n rows, SwiGLU'd), a tile is that many features of each."""
     block_m = max(16, triton.next_power_of_2(rows))
     block_k = min(FEWROW_BLOCK_K_BYTES * 8 // bits, X_TILE_BYTES // (block_m * itemsize),
                   triton.next_power_of_2(k))
-    least = 16 * (1 + gated)  # tl.dot's least M, gate's and up's when gated
+    features = n // 2 if gated else n
     block_n = FEWROW_BLOCK_N
-    while block_n > least and triton.cdiv(n, block_n) < FEWROW_MIN_TILES:
+    while True:
+        tiles = triton.cdiv(features, block_n)
+        splits = 1
+        while (splits < MAX_SPLITS and tiles * splits * 2 <= SPLIT_MAX_WAVES * sms
+               and k // (splits * 2) >= SPLIT_MIN_K):
+            splits *= 2
+        if block_n == 16 or tiles * splits >= FEWROW_MIN_PROGRAMS:
+            break
         block_n //= 2
-    tiles = triton.cdiv(n, block_n)
-    splits = 1
-    while (splits < MAX_SPLITS and tiles * splits * 2 <= SPLIT_MAX_WAVES * sms
-           and k // (splits * 2) >= SPLIT_MIN_K):
-        splits *= 2
-    return WNA16Tiles(block_m=block_m, block_n=block_n // (1 + gated), block_k=block_k,
-                      splits=splits, num_warps=4 if block_m <= FOUR_WARPS_MAX_ROWS else 8)
+    return WNA16Tiles(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits,
+                      num_warps=4 if block_m <= FOUR_WARPS_MAX_ROWS else 8)
+
+
+def fuses_swiglu(n: int, k: int, bits: int, sms: int) -> bool:
+    """Whether a gate/up projection [n, k] ([gate; up]) runs its few-row launches with the
+    SwiGLU inside: where its unfused launch would take narrower tiles than FEWROW_BLOCK_N
+    (latency-bound, one launch fewer pays; measured where wider ones break even at best)."""
+    return wna16_tiles(2, n, k, bits, 2, sms).block_n < FEWROW_BLOCK_N
 
 
 @triton.jit
@@ -307,26 +315,13 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
 
 
 @triton.jit
-def _rows_inv_rms(x_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / RMS of each row x[m, :K] [BLOCK_M], in a first pass over the rows (from L2)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        xf = tl.load(x_rows + k0 + offs_k[None, :],
-                     mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        xf = xf.to(tl.float32)
-        squares += xf * xf
-    return tl.rsqrt(tl.sum(squares, 1) / K + eps)
-
-
-@triton.jit
-def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_ptr, norm_ptr,
-                         eps, M, N, K, stride_xm, stride_om, BITS: tl.constexpr,
-                         GROUP: tl.constexpr, GROUP_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                         stride_xm, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
+                         GROUP_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLITS: tl.constexpr, PART_ROWS: tl.constexpr, ADD: tl.constexpr,
-                         NORM: tl.constexpr, GATED: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                         GATED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     # The splits of a tile are launch neighbours, so their partials meet in L2.
     tile = tl.program_id(0) // SPLITS
     split = tl.program_id(0) % SPLITS
@@ -346,9 +341,6 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     dtype = x_ptr.dtype.element_ty
-    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        inv_rms = _rows_inv_rms(x_rows, m_mask, K, eps, BLOCK_M, BLOCK_K)
     # The tile is dequantized times 2^-64 (a code's AND and one FMA, `_dequantized_codes`)
     # where the activation dtype has fp32's exponent range; fp16's would underflow.
     POWER: tl.constexpr = 0 if dtype == tl.float16 else 64
@@ -356,12 +348,8 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = acc
     for k0 in range(k_start, k_end, BLOCK_K):
-        k_mask = k0 + offs_k < K
-        x = tl.load(x_rows + k0 + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        if NORM:
-            x = normalize(x.to(tl.float32), norm_ptr + k0, offs_k[None, :], k_mask[None, :],
-                          inv_rms[:, None], dtype).to(dtype)
+        x = tl.load(x_rows + k0 + offs_k[None, :],
+                    mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
         w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
                          BLOCK_N, BLOCK_K, POWER)
         acc = tl.dot(w.to(dtype), tl.trans(x), acc, input_precision=DOT_PRECISION)
@@ -449,21 +437,14 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     return out
 
 
-def fuses_norm(x: torch.Tensor) -> bool:
-    """Whether `wna16_gemm` takes the RMSNorm of x's rows in (FUSED_NORM_MAX_BYTES)."""
-    return x.shape[0] <= FEWROW_MAX and x.numel() * x.element_size() <= FUSED_NORM_MAX_BYTES
-
-
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-               bits: int, residual: torch.Tensor | None = None, *,
-               norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+               bits: int, residual: torch.Tensor | None = None, *, gated: bool = False,
                tiles: WNA16Tiles | None = None,
                workspace: SplitKWorkspace | None = None) -> torch.Tensor:
     """x [M, K] (M <= FEWROW_MAX) times the packed weight [N, K], transposed: [M, N] in x's
-    dtype, or residual += it in place (returning residual). As `wna16_gemv`, f the RMSNorm with
-    norm_weight and eps when given, and for a weight [2N, K] = [gate; up] SwiGLU'd to [M, N]
-    when gated. `tiles`: by default `wna16_tiles`'s; `workspace`: where a tile cut along K
-    sums its splits (fewrow_gemm.split_buffers)."""
+    dtype, or residual += it in place (returning residual); for a weight [2N, K] = [gate; up]
+    SwiGLU'd to [M, N] when gated. `tiles`: by default `wna16_tiles`'s; `workspace`: where a
+    tile cut along K sums its splits (fewrow_gemm.split_buffers)."""
     m, k = x.shape
     rows = qweight.shape[0]
     n = rows // 2 if gated else rows
@@ -479,12 +460,10 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
                      else (out, out))
     pdl = supports_pdl(x.device)
     _wna16_fewrow_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
-        x, qweight, scales, mins, out, parts, counts,
-        norm_weight if norm_weight is not None else x, eps, m, n, k, x.stride(0), out.stride(0),
+        x, qweight, scales, mins, out, parts, counts, m, n, k, x.stride(0), out.stride(0),
         BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLITS=tiles.splits, PART_ROWS=FEWROW_MAX_ROWS,
-        ADD=residual is not None, NORM=norm_weight is not None, GATED=gated,
-        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
+        ADD=residual is not None, GATED=gated, DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out
 

@@ -11,6 +11,7 @@ from liteinfer.kernels.wna16 import (
     MAX_SPLITS,
     WNA16Tiles,
     dequantize_weight,
+    fuses_swiglu,
     wna16_gemm,
     wna16_gemv,
     wna16_linear,
@@ -25,6 +26,8 @@ FORMATS = [(4, 128), (4, 32), (8, 16), (2, 64), (4, 1024)]
 # AWQ's on the others), small ones interpreted; N not a multiple of any tile, and a K (576 = 9
 # groups of 64) that is not a multiple of the tile.
 GPU_SHAPES = [(4096, 6144), (4096, 4096), (14336, 4096), (4096, 28672)]
+# SmolLM2's qkv in its GGUF Q4_1 groups: so narrow a projection takes 16-feature tiles.
+GPU_NARROW = (576, 960, 4, 32)
 CPU_SHAPES = [(1024, 40), (576, 136)]
 GPU_ROWS = [2, 17, 64, 128]
 CPU_ROWS = [3, 33]
@@ -41,7 +44,7 @@ def _cases(full: bool, formats=FORMATS):
     """(k, n, bits, group) of every shape and format that divides its K."""
     if full:
         cases = [(*GPU_SHAPES[0], bits, group) for bits, group in formats]
-        cases += [(k, n, *formats[0]) for k, n in GPU_SHAPES[1:]]
+        cases += [(k, n, *formats[0]) for k, n in GPU_SHAPES[1:]] + [GPU_NARROW]
     else:
         cases = [(k, n, bits, group) for k, n in CPU_SHAPES for bits, group in formats]
     return [(k, n, bits, group) for k, n, bits, group in cases if k % group == 0]
@@ -120,30 +123,25 @@ def test_fewrow(assert_close, device, full, needs_dot, dtype, rounded):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("gated", [False, True])
-def test_fewrow_normed(assert_close, device, full, needs_dot, dtype, gated, rounded, normed_ref):
-    """A few rows with the RMSNorm fused in front, and for [gate; up] SwiGLU behind, rounded
-    where Hugging Face's unfused layers hold a tensor; K whole in a program and cut among 4
-    (gate's and up's partials side by side in the workspace, which the unfused launch of the
-    same weight sizes)."""
+def test_fewrow_gated(assert_close, device, full, needs_dot, dtype, rounded):
+    """A few rows of [gate; up] with the SwiGLU fused behind, rounded where Hugging Face's
+    unfused layers hold a tensor; K whole in a program and cut among 4 (gate's and up's
+    partials side by side in the workspace, which the unfused launch of the same weight
+    sizes)."""
     needs_dot(dtype)
     cases = _cases(full, FORMATS[:3])
-    workspace = SplitKWorkspace.allocate(
-        [(2 * n if gated else n, MAX_SPLITS) for _, n, _, _ in cases], device)
+    workspace = SplitKWorkspace.allocate([(2 * n, MAX_SPLITS) for _, n, _, _ in cases], device)
     for k, n, bits, group in cases:
-        packed = _packed(2 * n if gated else n, k, bits, group, device)
+        packed = _packed(2 * n, k, bits, group, device)
         w64 = _weight64(*packed, bits)
-        norm_weight = torch.rand(k, device=device).to(dtype) + 0.5
         for rows in GPU_ROWS[:2] if full else CPU_ROWS:
             x = torch.randn(rows, k, device=device).to(dtype)
-            y = normed_ref(x, norm_weight, 1e-5) @ w64.to(dtype).double().T
-            if gated:
-                gate, up = rounded(y[:, :n], dtype), rounded(y[:, n:], dtype)
-                y = rounded(torch.nn.functional.silu(gate), dtype) * up
-            for tiles in _tiles(rows, packed[0].shape[0], k, bits, x.element_size(), device,
-                                gated):
-                got = wna16_gemm(x, *packed, bits, norm_weight=norm_weight, eps=1e-5,
-                                 gated=gated, tiles=tiles, workspace=workspace)
+            y = x.double() @ w64.to(dtype).double().T
+            gate, up = rounded(y[:, :n], dtype), rounded(y[:, n:], dtype)
+            y = rounded(torch.nn.functional.silu(gate), dtype) * up
+            for tiles in _tiles(rows, 2 * n, k, bits, x.element_size(), device, gated=True):
+                got = wna16_gemm(x, *packed, bits, gated=True, tiles=tiles,
+                                 workspace=workspace)
                 assert got.shape == (rows, n)
                 assert_close(got, y)
     assert not workspace.counters.any()
@@ -204,18 +202,19 @@ def test_tile_rule():
     splits = {(n, k): wna16_tiles(32, n, k, 4, 2, 132).splits
               for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
     assert splits == {(6144, 4096): 4, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 8}
-    # SmolLM2's narrow projections take narrower tiles, so that more SMs stream them.
+    # SmolLM2's narrow projections take narrower tiles, so that more SMs stream them; the 1B's
+    # and the 8B's keep 64 features. Gated, a tile is that many features of gate and of up.
     assert [wna16_tiles(5, n, k, 4, 2, 132).block_n
-            for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))] == [16, 16, 64, 16]
-    # Gated, a program takes half of its features from gate's rows and half from up's.
-    for n, k in ((28672, 4096), (3072, 576)):
-        plain, gated = wna16_tiles(5, n, k, 4, 2, 132), wna16_tiles(5, n, k, 4, 2, 132, True)
-        assert (gated.block_n, gated.splits) == (plain.block_n // 2, plain.splits)
-    for rows, itemsize, block_k in ((2, 2, 256), (17, 2, 256), (64, 2, 256), (65, 2, 128),
-                                    (128, 4, 64)):
-        tiles = wna16_tiles(rows, 4096, 4096, 4, itemsize, 132)
-        assert tiles.block_m == max(16, 1 << (rows - 1).bit_length())
-        assert tiles.block_k == block_k
+            for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))] == [16, 16, 32, 16]
+    assert wna16_tiles(5, 3072, 576, 4, 2, 132, gated=True).block_n == 16
+    assert {wna16_tiles(5, n, k, 4, 2, 132).block_n
+            for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (3072, 2048),
+                         (2048, 2048), (16384, 2048), (2048, 8192))} == {64}
+    assert {wna16_tiles(5, n, k, 4, 2, 132, gated=True).block_n
+            for n, k in ((28672, 4096), (16384, 2048))} == {64}
+    # The SwiGLU is fused into SmolLM2's gate/up, not into the 1B's or the 8B's.
+    assert [fuses_swiglu(n, k, 4, 132) for n, k in ((3072, 576), (16384, 2048), (28672, 4096))
+            ] == [True, False, False]
 
 
 @pytest.mark.gpu

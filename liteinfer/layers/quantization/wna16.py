@@ -16,8 +16,7 @@ loader shards fused and tensor-parallel layers as it does a plain weight.
 On CUDA with the Triton layers the packed weight stays on the device and kernels/wna16.py
 multiplies it, dequantizing in registers (one row through its GEMV, with the norm, SwiGLU and
 residual add fused in as kernels/gemv.py does for bf16; a few rows on the tensor cores, with
-the SwiGLU and residual add fused in, and the norm for the fewest) or into a scratch weight
-(wide steps).
+the residual add fused in, and a small model's SwiGLU) or into a scratch weight (wide steps).
 Elsewhere the weight is dequantized once loaded, as the FP8 layers do: CPU tests then check the
 exact weights the GPU multiplies, at the speed of an unquantized model.
 """
@@ -205,8 +204,10 @@ class WNA16LinearMethod(LinearMethod):
         from liteinfer.kernels.wna16 import wna16_tiles
         n = layer.qweight.shape[0]
         k = layer.qweight.shape[1] * (32 // self.config.bits)
-        # The split count depends on neither the rows nor their dtype.
-        splits = wna16_tiles(2, n, k, self.config.bits, self.out_dtype.itemsize, sms).splits
+        # The split count depends on neither the rows nor their dtype; a gated launch (taken
+        # for gate/up) may cut K differently, its partials in the same room of n features.
+        splits = max(wna16_tiles(2, n, k, self.config.bits, self.out_dtype.itemsize, sms,
+                                  gated).splits for gated in (False, True))
         return (n, splits) if splits > 1 else None
 
     def gemv(self, layer: nn.Module, x: torch.Tensor, *, norm: RMSNorm | None = None,
@@ -224,15 +225,21 @@ class WNA16LinearMethod(LinearMethod):
 
     def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                     act: SiluAndMul | None) -> torch.Tensor:
-        from liteinfer.kernels.wna16 import FEWROW_MAX, fuses_norm, wna16_gemm
-        if layer.weight is not None or x.shape[0] > FEWROW_MAX:
-            y = self._matmul(layer, norm(x))
-            return y if act is None else act(y)
-        # A few rows: the SwiGLU, and for the fewest the norm too, inside the kernel.
-        fused = fuses_norm(x)
-        return wna16_gemm(x if fused else norm(x), layer.qweight, layer.scales, layer.mins,
-                          self.config.bits, norm_weight=norm.weight if fused else None,
-                          eps=norm.eps, gated=act is not None, workspace=layer.scratch.split_k)
+        if act is not None and self._fuses_swiglu(layer, x):
+            from liteinfer.kernels.wna16 import wna16_gemm
+            return wna16_gemm(norm(x), layer.qweight, layer.scales, layer.mins,
+                              self.config.bits, gated=True, workspace=layer.scratch.split_k)
+        y = self._matmul(layer, norm(x))
+        return y if act is None else act(y)
+
+    def _fuses_swiglu(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """A few rows of a narrow gate/up on the GPU: the few-row kernel applies the SwiGLU."""
+        from liteinfer.kernels import num_sms
+        from liteinfer.kernels.wna16 import FEWROW_MAX, fuses_swiglu
+        return (layer.weight is None and x.shape[0] <= FEWROW_MAX
+                and fuses_swiglu(layer.qweight.shape[0], layer.qweight.shape[1]
+                                 * (32 // self.config.bits), self.config.bits,
+                                 num_sms(x.device)))
 
 
 class ZeroPointFormat(CheckpointFormat):

@@ -49,7 +49,7 @@ from typing import Any
 from liteinfer.bench.metrics import summarize
 from liteinfer.bench.registry import DEFAULT, full_matrix
 from liteinfer.bench.runner import drive, warm_up, workload
-from liteinfer.bench.store import now_iso
+from liteinfer.bench.store import machine_boot, now_iso
 from liteinfer.bench.timeline import OutputSteps, write_timeline
 from liteinfer.bench.workloads import SEED, Shape
 from liteinfer.sampling_params import SamplingParams
@@ -215,6 +215,7 @@ def main() -> None:
                    (None, "auto")}
     env = {"engine": "vllm", "version": vllm.__version__, "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name(0), "host": socket.gethostname(),
+           "boot": machine_boot(),
            "model": model_label(args.model_dir),
            "engine_args": engine_args, "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.speculative_config is not None:

@@ -55,12 +55,22 @@ def _version(package: str) -> str | None:
         return None
 
 
+def machine_boot() -> str | None:
+    """This boot of this machine (Linux's boot id), None where there is none: rows of one lease
+    of a rented GPU share it, where hostnames (a VM image's, the same on every machine) cannot
+    tell leases apart."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
 @functools.cache
 def environment() -> Row:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    # host: the machine, so that the report divides only rows measured on the same one.
+    # host and boot: the machine, so that the report divides only rows measured on the same one.
     return {"commit": engine_commit(), "gpu": gpu, "host": socket.gethostname(),
-            "torch": torch.__version__,
+            "boot": machine_boot(), "torch": torch.__version__,
             "triton": _version("triton"), "transformers": _version("transformers")}
 
 

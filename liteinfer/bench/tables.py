@@ -24,7 +24,7 @@ RATIOS = ("vs base", "vs first", "vs vLLM")
 FLOOR = "of floor"  # the row's share of its physical floor (bench/floor.py)
 INTRO = ("Each config is scored against the one it improves on (vs base), against the start of "
          "its lineage (vs first), and against vLLM at the same batch width measured on the same "
-         "machine (vs vLLM: a vLLM row of another GPU or host is never divided). Above 1.00x "
+         "machine (vs vLLM: a vLLM row of another GPU, host or boot is never divided). Above 1.00x "
          "is better. Each row names the config it improves on; vLLM rows are references, not "
          "competitors. Bars show standing on the headline metric of each table. A ratio marked ~ "
          "compares rows not measured under the same conditions; the note under its table says why. "
@@ -55,10 +55,11 @@ def short_build(build: str) -> str:
 
 
 def same_machine(a: Row, b: Row) -> bool:
-    """Whether two rows were measured on one machine: the same GPU and host. Rows from before
-    hosts were recorded cannot tell, and count as measured apart."""
+    """Whether two rows were measured on one machine: the same GPU and host, and the same boot
+    where either row recorded one (every lease of a rented GPU may have the same hostname).
+    Rows from before hosts were recorded cannot tell, and count as measured apart."""
     return a.get("gpu") == b.get("gpu") and a.get("host") is not None and (
-        a.get("host") == b.get("host"))
+        a.get("host") == b.get("host")) and a.get("boot") == b.get("boot")
 
 
 def vllm_counterpart(row: Row, candidates: list[Row]) -> Row | None:
@@ -248,7 +249,8 @@ def _spec_setting(row: Row) -> str:
 def _spec_off_row(row: Row, offs: list[Row]) -> Row | None:
     """The row without speculation that the same `liteinfer-bench spec` run measured first."""
     same = [r for r in offs if r["timestamp"] <= row["timestamp"] and all(
-        r.get(k) == row.get(k) for k in ("model", "gpu", "host", "commit", "width", "isl"))]
+        r.get(k) == row.get(k) for k in ("model", "gpu", "host", "boot", "commit", "width",
+                                         "isl"))]
     return max(same, key=lambda r: r["timestamp"]) if same else None
 
 

@@ -250,7 +250,7 @@ def format_account(timeline: Timeline) -> str:
 
 
 def machines_differ(a: Timeline, b: Timeline) -> bool:
-    return any(a.header.get(k) != b.header.get(k) for k in ("gpu", "host"))
+    return any(a.header.get(k) != b.header.get(k) for k in ("gpu", "host", "boot"))
 
 
 def format_comparison(a: Timeline, b: Timeline) -> str:

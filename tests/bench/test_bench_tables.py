@@ -392,6 +392,12 @@ def test_speculation_rows_sit_beside_their_runs_off_row_and_vllms_of_one_machine
     at8, at32 = table.lines
     assert at8.row["tok_s"] == 200.0 and at8.vs_off == 2.5 and at8.vs_vllm == 4.0
     assert at32.vs_off is None and at32.vs_vllm is None
+    # Another lease of a GPU of the same name and hostname: its boot differs, nothing divides.
+    leased = [{**r, "boot": "b2"} for r in rows if r["engine"] == "liteinfer"]
+    (table,) = spec_tables(leased + [{**vllm, "boot": "b1"}, vllm])
+    assert [line.vs_vllm for line in table.lines] == [None, None]
+    (table,) = spec_tables(leased + [{**vllm, "boot": "b2", "tok_s": 40.0}])
+    assert table.lines[0].vs_vllm == 5.0
     forced = _spec_row("spec-reference", 1, 10.0, 6, spec_target_acceptance_length=2.5)
     assert [t.lines[0].setting for t in spec_tables([forced])] == ["forced 2.5"]
     drafting = _spec_row("spec-draft_model", 1, 10.0, 7, spec_draft_forced=True)

@@ -219,11 +219,11 @@ def test_verifications_replay_captured_decode_steps(model_dir, prompts, fp32_ref
     replayed = []
     replay = CUDAGraphRunner.replay
     monkeypatch.setattr(CUDAGraphRunner, "replay", lambda self, staged: (
-        replayed.append((staged.num_rows, staged.query_len)) or replay(self, staged)))
+        replayed.append((staged.batch_size, staged.query_len)) or replay(self, staged)))
     spec = {"method": "reference", "num_speculative_tokens": 4, "corrupt_probability": 0.3,
             "reference_outputs": [[p, o] for p, o in zip(prompts, fp32_reference)]}
     _speculate(model_dir, prompts, fp32_reference, "default", spec)
-    verifying = {rows for rows, q in replayed if q > 1}
+    verifying = {size for size, q in replayed if q > 1}  # the captured batch sizes
     assert 1 in verifying and max(verifying) > 5
 
 

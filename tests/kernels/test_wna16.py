@@ -1,7 +1,8 @@
 """The W4A16 / W8A16 kernels against a float64 dequantize-then-matmul reference, on fresh random
 packed weights (every code, scale and min drawn): the one-row GEMV (plain, residual add, RMSNorm
-and SwiGLU fused in), the few-row tensor-core GEMM (K cut among programs or not), the scratch
-dequantization, and `wna16_linear`'s choice among them by rows."""
+and SwiGLU fused in), the few-row tensor-core GEMM (K cut among programs or not, SwiGLU fused in
+or not) and its tile rule, the scratch dequantization, and `wna16_linear`'s choice among them
+by rows."""
 import pytest
 import torch
 

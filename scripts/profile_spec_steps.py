@@ -8,7 +8,7 @@ The counts of steps do not depend on the device, so the CPU gives them too; the 
 device's own only on CUDA.
 
     python scripts/profile_spec_steps.py SmolLM2-135M-Instruct.Q4_1.gguf [--prompts 8]
-        [--max-tokens 256] [--retry-intervals 8 1] [--kernels]
+        [--max-tokens 256] [--retry-intervals 8 1] [--num-speculative-tokens 4] [--kernels]
 
 --retry-intervals: one speculating run per value of the policy's `retry_interval` (steps
 after one in which the proposers found nothing before they are asked again). --kernels: each
@@ -27,8 +27,7 @@ from liteinfer.engine.instrumentation import StepRecord
 
 PROMPTS = (Path(__file__).resolve().parent.parent / "benchmarks" / "workloads"
            / "grounded-tokens-smollm2.json")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 5}
+NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 
 def summarize(steps: list[StepRecord]) -> None:
@@ -74,12 +73,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--retry-intervals", type=int, nargs="+", default=[8])
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--kernels", action="store_true")
     args = ap.parse_args()
     prompts = json.loads(PROMPTS.read_text())["1"][:args.prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    runs = [("off", None, None)] + [(f"ngram, retry every {n}", NGRAM, n)
-                                    for n in args.retry_intervals]
+    ngram = {**NGRAM, "num_speculative_tokens": args.num_speculative_tokens}
+    runs = [("off", None, None)] + [(f"ngram k={args.num_speculative_tokens}, retry every {n}",
+                                     ngram, n) for n in args.retry_intervals]
     outputs: dict[str, list[list[int]]] = {}
     for name, spec, retry in runs:
         llm = LLM(args.model, max_model_len=4096, max_num_seqs=32, speculative_config=spec)

@@ -5,7 +5,7 @@
 #   gather PATH...   copy carried chunk folders (and .gguf parts, .whl) to /tmp/vw
 #   install          liteinfer's wheels and vLLM into /tmp/site and /tmp/vsite, and vLLM's smoke test
 #   smollm2-spec     SmolLM2 (the GGUF from /tmp/vw) with ngram against vLLM's ngram, grounded
-#                    prompts at 1, 8 and 32 in flight
+#                    prompts at 1, 8 and 32 in flight, SPEC_K (default 4) draft tokens in both
 #   vllm-spec TOKENS vLLM's side of smollm2-spec alone, on the prompts (token ids) it wrote
 #   timeline MODEL W...  liteinfer and vLLM at 128/256 at each width W, with run timelines
 #   rows MODEL PRECISION  liteinfer and vLLM at 128/256: one request at a time (20 prompts), then
@@ -34,14 +34,14 @@ while [ $# -gt 0 ]; do
     smollm2-spec) shift; site
       export LITEINFER_COMMIT="${LITEINFER_COMMIT:-unknown}"
       python3 -m liteinfer.bench spec --model $W/smollm2.gguf --method ngram --widths 1 8 32 \
-        --tokens-out $OUT/grounded-tokens.json --out $OUT/spec-smollm2.jsonl 2>&1 \
-        | grep -v -i warn | tail -8
+        --num-speculative-tokens ${SPEC_K:-4} --tokens-out $OUT/grounded-tokens.json \
+        --out $OUT/spec-smollm2.jsonl 2>&1 | grep -v -i warn | tail -8
       set -- vllm-spec $OUT/grounded-tokens.json "$@" ;;
     vllm-spec) shift; site; tokens=$1; shift
       python3 scripts/gguf_to_hf.py $W/smollm2.gguf /tmp/smollm2-hf 2>&1 | tail -1
       python3 scripts/bench_vllm.py /tmp/smollm2-hf --out $OUT/vllm-spec-smollm2.jsonl \
         --real-weights --prompts-file $tokens --widths 1 8 32 \
-        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": '${SPEC_K:-4}',
                                "prompt_lookup_min": 2, "prompt_lookup_max": 5}' 2>&1 \
         | grep -v -i warn | tail -8 ;;
     timeline) shift; site; m=$1; shift; runs=(); widths=()

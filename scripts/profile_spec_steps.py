@@ -103,8 +103,9 @@ def main() -> None:
             print_kernels(llm, prompts[0], params)
         if speculator is not None:
             policy = speculator.policy
-            print(f"  policy: acceptance {policy.acceptance:.3f}, verifying step "
-                  f"{policy.verify_overhead:.2f} plain steps; {speculator.stats}")
+            print(f"  policy: acceptance {policy.acceptance:.3f}, drafts found for "
+                  f"{policy.hit_rate:.2f} of the asked, verifying step "
+                  f"{policy.verify_overhead(1):.2f} plain steps; {speculator.stats}")
             same = sum(a == b for a, b in zip(outputs["off"], outputs[name]))
             print(f"  greedy output equals the output without speculation: {same} of "
                   f"{len(prompts)} prompts")

@@ -124,7 +124,7 @@ class Scheduler:
         # never fits in the blocks its preemption freed, so nobody is admitted past it.
         decodes, verifies, asked = self._reserve_decodes()
         if self.speculator is not None:
-            self.speculator.step_scheduled(drafted=bool(verifies), asked=asked)
+            self.speculator.step_scheduled(len(self.running), asked, len(verifies))
         out = self._schedule_prompts(decodes, verifies) or self._decode_batch(decodes)
         if out is None:
             if self.speculator is not None and not self.running:
@@ -188,7 +188,7 @@ class Scheduler:
         sampled = runner_output.wait()
         if self.speculator is not None:
             num_tokens = sum(out.num_tokens)
-            self.speculator.step_read(time.perf_counter(), num_tokens,
+            self.speculator.step_read(time.perf_counter(), len(out.seqs), num_tokens,
                                       verified=any(out.draft_token_ids),
                                       decode_only=len(out.sampling_seqs) == num_tokens)
         if out.draft_token_ids:
@@ -360,10 +360,10 @@ class Scheduler:
                 seqs.pop()
                 num_tokens.pop()
 
-    def _reserve_decodes(self) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]], bool]:
+    def _reserve_decodes(self) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]], int]:
         """Running sequences that decode a token next, each given room for it: those that
         decode it alone, and those that verify drafts after it (with room for them too); and
-        whether drafts were asked for any sequence with every token on the host.
+        for how many sequences with every token on the host drafts were asked.
         Partly prefilled prompts sit decodes out, and so do sequences whose pending token ends
         them. Written out for speed: it runs for every running sequence every step."""
         blocks_needed = self.block_manager.blocks_needed
@@ -371,7 +371,7 @@ class Scheduler:
         if self.speculator is not None:
             num_drafts = self.speculator.draft_length(len(self.running))
         decodes, verifies = [], []
-        asked = False
+        asked = 0
         for seq in list(self.running):
             n = len(seq.token_ids) + seq.num_pending
             if (seq.status is not SequenceStatus.RUNNING or n - seq.num_computed_tokens != 1
@@ -379,7 +379,7 @@ class Scheduler:
                 continue
             drafts = []
             if num_drafts and not seq.num_pending:
-                asked = True
+                asked += 1
                 drafts = self._propose(seq, num_drafts)
             # Drafts never preempt anyone: without room for them, the sequence decodes alone.
             if drafts and self.block_manager.can_allocate(seq, n + len(drafts)):

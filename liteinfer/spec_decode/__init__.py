@@ -61,19 +61,21 @@ class Speculator:
     def wants_host_tokens(self, num_decoding: int) -> bool:
         return self.policy.wants_host_tokens(num_decoding)
 
-    def step_scheduled(self, drafted: bool, asked: bool) -> None:
-        self.policy.step_scheduled(drafted, asked)
+    def step_scheduled(self, batch: int, asked: int, drafted: int) -> None:
+        self.policy.step_scheduled(batch, asked, drafted)
 
-    def step_read(self, now: float, num_tokens: int, verified: bool, decode_only: bool) -> None:
-        """The host has read a step's results at `now`: a decode step (`decode_only`) is timed
-        from the previous step's reading, for the policy's cost of verifying."""
+    def step_read(self, now: float, batch: int, num_tokens: int, verified: bool,
+                  decode_only: bool) -> None:
+        """The host has read the results of a step of `batch` sequences at `now`: a decode
+        step (`decode_only`) is timed from the previous step's reading, for the policy's cost
+        of verifying."""
         last, self.last_step_read = self.last_step_read, now
         after_verifying, self.last_step_verified = self.last_step_verified, verified
         # A plain step after a verifying one was scheduled after the host read it: its time
         # holds that round trip, which is the verifying step's cost, not its own.
         steady = verified or not after_verifying
         if self.policy.timed and last is not None and decode_only and steady:
-            self.policy.record_step_time(num_tokens, verified, now - last)
+            self.policy.record_step_time(batch, num_tokens, verified, now - last)
 
     def paused(self) -> None:
         """No step is running: the next one's time starts with it."""

@@ -10,13 +10,21 @@ is accepted; it runs the prompt-shaped kernels rather than the decode ones; and 
 model's proposals run inside it. That overhead is measured: the time of each step between
 the host seeing its predecessor's results and its own, over the model's cost, kept apart for
 plain and verifying steps (`sync_cost`, a fraction of a step, stands in until both are
-measured). With a per-token acceptance rate a, k drafts yield 1 + a + ... + a^k tokens a
-step; the policy picks the k with the most tokens per unit of step time, and 0 (no
-speculation, steps overlapped) wherever none beats plain decoding.
+measured), and apart by the step's width class (its decoding sequences, by powers of two): a
+narrow verification replays a captured decode step while a wide one runs the prompt-shaped
+kernels, so one width's overhead says little about another's. A proposer finds drafts for a
+fraction h of the sequences it is asked about (prompt lookup finds no match for the others,
+which decode one token in the verifying step). With a per-token acceptance rate a, k drafts
+yield 1 + h (a + ... + a^k) tokens a sequence for B (1 + h k) computed tokens a step of B;
+the policy picks the k with the most tokens per unit of step time, and 0 (no speculation,
+steps overlapped) wherever none beats plain decoding.
 """
 from __future__ import annotations
 
-# Acceptance assumed before any draft is verified, and the weight of each step's measurement.
+from dataclasses import dataclass, field
+
+# Acceptance assumed before any draft is verified, and the weight of each step's measurement
+# (of the acceptance and of the share of sequences the proposers find drafts for).
 PRIOR_ACCEPTANCE = 0.6
 ACCEPTANCE_SMOOTHING = 0.05
 # With speculation off at a width where drafts are cheap to verify, every this many steps draft
@@ -38,6 +46,22 @@ STEP_TIME_SMOOTHING = 0.1
 STEP_TIME_CLAMP = 2.0
 
 
+def width_class(batch: int) -> int:
+    """The class whose step times a step of `batch` decoding sequences shares: 1, 2-3, 4-7..."""
+    return batch.bit_length()
+
+
+@dataclass
+class StepTimes:
+    """One width class's step times: moving averages of seconds per unit of modelled cost, of
+    plain and of verifying steps (None: unmeasured), and the kinds whose first step was seen
+    (left out: compilation, first allocations)."""
+
+    plain: float | None = None
+    verify: float | None = None
+    seen: set[bool] = field(default_factory=set)
+
+
 class DraftLengthPolicy:
     def __init__(self, max_drafts: int, knee_tokens: int, sync_cost: float,
                  timed: bool = False):
@@ -55,11 +79,9 @@ class DraftLengthPolicy:
         self.steps_without_drafts = 0
         # Steps left before the proposers are asked again, after a step they found nothing in.
         self.retry_in = 0
-        # Seconds per unit of modelled cost, of plain and of verifying steps (None: unmeasured).
-        self.plain_time: float | None = None
-        self.verify_time: float | None = None
-        # The kinds whose first step was seen: it is left out (compilation, first allocations).
-        self.timed_kinds: set[bool] = set()
+        # The share of asked sequences that the proposers found drafts for (moving average).
+        self.hit_rate = 1.0
+        self.times: dict[int, StepTimes] = {}  # by width_class
         self.steps_drafting = 0  # since the last plain probe
         self.plain_probe_left = 0
 
@@ -72,20 +94,25 @@ class DraftLengthPolicy:
         """The estimated per-token acceptance rate."""
         return self.mean_accepted / self.mean_trials
 
-    @property
-    def verify_overhead(self) -> float:
-        """A verifying step's time over a plain step's of the same modelled cost."""
-        if self.plain_time is None or self.verify_time is None:
+    def step_times(self, batch: int) -> StepTimes:
+        return self.times.setdefault(width_class(batch), StepTimes())
+
+    def verify_overhead(self, batch: int) -> float:
+        """A verifying step's time over a plain step's of the same modelled cost, at a width
+        of `batch` decoding sequences."""
+        times = self.times.get(width_class(batch))
+        if times is None or times.plain is None or times.verify is None:
             return 1.0 + self.sync_cost
-        return self.verify_time / self.plain_time
+        return times.verify / times.plain
 
     def _gain(self, batch: int, k: int) -> float:
         """Tokens per unit of plain step time with k drafts per sequence."""
         if k == 0:
             return batch / self._cost(batch)
-        a = self.acceptance
-        expected = sum(a ** i for i in range(k + 1))
-        return batch * expected / (self._cost(batch * (k + 1)) * self.verify_overhead)
+        a, h = self.acceptance, self.hit_rate
+        expected = 1 + h * sum(a ** i for i in range(1, k + 1))
+        tokens = round(batch * (1 + h * k))
+        return batch * expected / (self._cost(tokens) * self.verify_overhead(batch))
 
     def draft_length(self, batch: int) -> int:
         """Drafts per sequence for a step of `batch` decoding sequences."""
@@ -102,14 +129,18 @@ class DraftLengthPolicy:
         before it read first), so that drafts can follow them."""
         return self.retry_in == 0 and self.draft_length(batch) > 0
 
-    def step_scheduled(self, drafted: bool, asked: bool) -> None:
-        """drafted: some sequence verifies drafts in the step; asked: drafts were asked for a
-        sequence with every token on the host. A step read ahead in which nobody could be
-        asked (all prefilling) is no failed retry: the next step stays read ahead."""
+    def step_scheduled(self, batch: int, asked: int, drafted: int) -> None:
+        """A step of `batch` running sequences was scheduled: drafts were asked for `asked`
+        sequences with every token on the host, and `drafted` of them verify some. A step read
+        ahead in which nobody could be asked (all prefilling) is no failed retry: the next
+        step stays read ahead."""
+        if asked:
+            self.hit_rate += ACCEPTANCE_SMOOTHING * (drafted / asked - self.hit_rate)
         if drafted:
             self.steps_without_drafts = self.retry_in = 0
             self.steps_drafting += 1
-            every = PLAIN_PROBE_INTERVAL if self.plain_time is not None else PLAIN_PROBE_FIRST
+            measured = self.step_times(batch).plain is not None
+            every = PLAIN_PROBE_INTERVAL if measured else PLAIN_PROBE_FIRST
             if self.timed and self.steps_drafting >= every:
                 self.plain_probe_left, self.steps_drafting = PLAIN_PROBE_STEPS, 0
             return
@@ -122,23 +153,25 @@ class DraftLengthPolicy:
         elif self.retry_in:
             self.retry_in -= 1
 
-    def record_step_time(self, num_tokens: int, verified: bool, seconds: float) -> None:
-        """A decode step of `num_tokens` tokens (drafts included) took `seconds`, from the host
-        reading its predecessor's results to reading its own."""
-        if verified not in self.timed_kinds:
-            self.timed_kinds.add(verified)
+    def record_step_time(self, batch: int, num_tokens: int, verified: bool,
+                         seconds: float) -> None:
+        """A decode step of `batch` sequences and `num_tokens` tokens (drafts included) took
+        `seconds`, from the host reading its predecessor's results to reading its own."""
+        times = self.step_times(batch)
+        if verified not in times.seen:
+            times.seen.add(verified)
             return
         per_cost = seconds / self._cost(num_tokens)
-        mean = self.verify_time if verified else self.plain_time
+        mean = times.verify if verified else times.plain
         if mean is None:
             mean = per_cost
         else:
             per_cost = min(max(per_cost, mean / STEP_TIME_CLAMP), mean * STEP_TIME_CLAMP)
             mean += STEP_TIME_SMOOTHING * (per_cost - mean)
         if verified:
-            self.verify_time = mean
+            times.verify = mean
         else:
-            self.plain_time = mean
+            times.plain = mean
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """One sequence's verification: `num_accepted` of its `num_drafted` drafts kept. The

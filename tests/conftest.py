@@ -4,6 +4,7 @@ Every engine a test touches must have all of its KV blocks back in the pool when
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -43,17 +44,28 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def all_blocks_returned():
     yield
-    for llm in ENGINES:
-        core = getattr(getattr(llm, "engine", None), "core", None)
-        if core is None:
-            continue
-        bm = core.block_manager
-        assert not core.has_unfinished_requests(), "a request was left running"
-        assert bm.num_free_blocks == bm.num_blocks, \
-            f"{bm.num_blocks - bm.num_free_blocks} KV blocks were not returned"
-        assert sorted(bm.unreferenced_blocks()) == list(range(bm.num_blocks)), \
-            "a KV block was returned twice"
-        assert not any(bm.ref_counts), "a returned KV block is still referenced"
+    try:
+        for llm in ENGINES:
+            core = getattr(getattr(llm, "engine", None), "core", None)
+            if core is None:
+                continue
+            bm = core.block_manager
+            assert not core.has_unfinished_requests(), "a request was left running"
+            assert bm.num_free_blocks == bm.num_blocks, \
+                f"{bm.num_blocks - bm.num_free_blocks} KV blocks were not returned"
+            assert sorted(bm.unreferenced_blocks()) == list(range(bm.num_blocks)), \
+                "a KV block was returned twice"
+            assert not any(bm.ref_counts), "a returned KV block is still referenced"
+    finally:
+        ENGINES.mark_checked()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def engines_freed():
+    """A module's engines that nothing holds any more are freed before the next module builds
+    its own (an engine's parts refer to each other, so only the cycle collector frees them)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

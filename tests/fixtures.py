@@ -7,6 +7,7 @@ import math
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -255,8 +256,34 @@ def make_tiny_gguf(path: Path, state_dict: dict[str, torch.Tensor], arch: str = 
     return path
 
 
-# Every engine the tests build, so that each test can check all KV blocks came back.
-ENGINES: list[Any] = []
+class Engines:
+    """Every engine the tests build, so that each test can check that all of its KV blocks came
+    back: those built since the last check held strongly (a test's own engine is checked after
+    the test returns), those checked before weakly, so that an engine nobody uses any more is
+    freed (holding every engine took one pytest process past 12 GB)."""
+
+    def __init__(self) -> None:
+        self._new: list[Any] = []
+        self._checked: list[weakref.ref] = []
+
+    def append(self, llm: Any) -> None:
+        self._new.append(llm)
+
+    def remove(self, llm: Any) -> None:
+        if any(e is llm for e in self._new):
+            self._new = [e for e in self._new if e is not llm]
+        else:
+            self._checked = [r for r in self._checked if r() is not llm]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter([e for r in self._checked if (e := r()) is not None] + self._new)
+
+    def mark_checked(self) -> None:
+        self._checked = [weakref.ref(e) for e in self]
+        self._new = []
+
+
+ENGINES = Engines()
 
 
 def build_llm(model: str, **kwargs: Any) -> Any:

@@ -6,18 +6,18 @@ below the width where a step stops being bound by reading the weights (`knee_tok
 extra tokens cost little; past it, step time grows with the tokens. A step that verifies
 drafts also costs more than that model says: it gives up the overlap of the next step's
 scheduling with this one's run (engine/core.py), since the next step's inputs depend on what
-is accepted; it runs the prompt-shaped kernels rather than the decode ones; and a drafting
-model's proposals run inside it. That overhead is measured: the time of each step between
-the host seeing its predecessor's results and its own, over the model's cost, kept apart for
-plain and verifying steps (`sync_cost`, a fraction of a step, stands in until both are
+is accepted; a wide one runs the prompt-shaped kernels rather than the decode ones; and a
+drafting model's proposals run inside it. That overhead is measured: the time of each step
+between the host seeing its predecessor's results and its own, over the model's cost, kept
+apart for plain and verifying steps (`sync_cost`, a fraction of a step, stands in until both are
 measured), and apart by the step's width class (its decoding sequences, by powers of two): a
 narrow verification replays a captured decode step while a wide one runs the prompt-shaped
-kernels, so one width's overhead says little about another's. A proposer finds drafts for a
-fraction h of the sequences it is asked about (prompt lookup finds no match for the others,
-which decode one token in the verifying step). With a per-token acceptance rate a, k drafts
-yield 1 + h (a + ... + a^k) tokens a sequence for B (1 + h k) computed tokens a step of B;
-the policy picks the k with the most tokens per unit of step time, and 0 (no speculation,
-steps overlapped) wherever none beats plain decoding.
+kernels, so one width's overhead says little about another's. In a verifying step the
+proposers found drafts for a fraction h of the sequences they were asked about (prompt lookup
+finds no match for the others, which decode one token in it). With a per-token acceptance
+rate a, k drafts yield 1 + h (a + ... + a^k) tokens a sequence for B (1 + h k) computed
+tokens a step of B; the policy picks the k with the most tokens per unit of step time, and 0
+(no speculation, steps overlapped) wherever none beats plain decoding.
 """
 from __future__ import annotations
 
@@ -79,7 +79,9 @@ class DraftLengthPolicy:
         self.steps_without_drafts = 0
         # Steps left before the proposers are asked again, after a step they found nothing in.
         self.retry_in = 0
-        # The share of asked sequences that the proposers found drafts for (moving average).
+        # The share of a verifying step's asked sequences that the proposers found drafts for
+        # (moving average; a step in which they found none verifies nothing, and the retry
+        # rule above prices it).
         self.hit_rate = 1.0
         self.times: dict[int, StepTimes] = {}  # by width_class
         self.steps_drafting = 0  # since the last plain probe
@@ -134,9 +136,8 @@ class DraftLengthPolicy:
         sequences with every token on the host, and `drafted` of them verify some. A step read
         ahead in which nobody could be asked (all prefilling) is no failed retry: the next
         step stays read ahead."""
-        if asked:
-            self.hit_rate += ACCEPTANCE_SMOOTHING * (drafted / asked - self.hit_rate)
         if drafted:
+            self.hit_rate += ACCEPTANCE_SMOOTHING * (drafted / asked - self.hit_rate)
             self.steps_without_drafts = self.retry_in = 0
             self.steps_drafting += 1
             measured = self.step_times(batch).plain is not None

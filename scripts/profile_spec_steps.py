@@ -1,6 +1,6 @@
-"""Where a speculating engine's steps go at one request: the grounded prompts of
-benchmarks/workloads/ (SmolLM2's token ids) run one at a time without speculation and with
-prompt lookup, each run's decode steps counted by kind (plain or verifying, eager or which
+"""Where a speculating engine's steps go: the grounded prompts of benchmarks/workloads/
+(SmolLM2's token ids) run one at a time (or `--width` of them in flight) without speculation
+and with prompt lookup, each run's decode steps counted by kind (plain or verifying, eager or which
 graph) with the median host time of each phase, device time and interval between steps
 (EngineCore.recording), the draft-length policy's state and the counters after the run (its
 warm-up request included), and whether greedy output equals the output without speculation.
@@ -8,11 +8,14 @@ The counts of steps do not depend on the device, so the CPU gives them too; the 
 device's own only on CUDA.
 
     python scripts/profile_spec_steps.py SmolLM2-135M-Instruct.Q4_1.gguf [--prompts 8]
-        [--max-tokens 256] [--retry-intervals 8 1] [--num-speculative-tokens 4] [--kernels]
+        [--max-tokens 256] [--retry-intervals 8 1] [--num-speculative-tokens 4] [--width 1]
+        [--kernels]
 
 --retry-intervals: one speculating run per value of the policy's `retry_interval` (steps
 after one in which the proposers found nothing before they are asked again). --kernels: each
 run's first prompt again under torch's profiler, its device kernels by total time (CUDA only).
+--width 8 or 32: that width's 2W prompts of the benchmark's workload submitted together, at
+most W in flight (--prompts is then ignored).
 """
 from __future__ import annotations
 
@@ -74,16 +77,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--retry-intervals", type=int, nargs="+", default=[8])
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--width", type=int, choices=(1, 8, 32), default=1)
     ap.add_argument("--kernels", action="store_true")
     args = ap.parse_args()
-    prompts = json.loads(PROMPTS.read_text())["1"][:args.prompts]
+    prompts = json.loads(PROMPTS.read_text())[str(args.width)]
+    if args.width == 1:
+        prompts = prompts[:args.prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     ngram = {**NGRAM, "num_speculative_tokens": args.num_speculative_tokens}
     runs = [("off", None, None)] + [(f"ngram k={args.num_speculative_tokens}, retry every {n}",
                                      ngram, n) for n in args.retry_intervals]
     outputs: dict[str, list[list[int]]] = {}
     for name, spec, retry in runs:
-        llm = LLM(args.model, max_model_len=4096, max_num_seqs=32, speculative_config=spec)
+        llm = LLM(args.model, max_model_len=4096, max_num_seqs=args.width if args.width > 1 else 32,
+                  speculative_config=spec)
         core = llm.engine.core
         speculator = core.scheduler.speculator
         if speculator is not None:
@@ -91,9 +98,10 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
         start = time.perf_counter()
         with core.recording() as steps:
-            outputs[name] = [list(llm.generate([{"prompt_token_ids": p}], params,
-                                               use_tqdm=False)[0].outputs[0].token_ids)
-                             for p in prompts]
+            batches = [[p] for p in prompts] if args.width == 1 else [prompts]
+            outputs[name] = [list(o.outputs[0].token_ids) for batch in batches
+                             for o in llm.generate([{"prompt_token_ids": p} for p in batch],
+                                                   params, use_tqdm=False)]
         wall = time.perf_counter() - start
         tokens = sum(map(len, outputs[name]))
         print(f"{name}: {tokens} tokens in {wall:.3f} s ({tokens / wall:.1f} tok/s), "
@@ -103,9 +111,11 @@ def main() -> None:
             print_kernels(llm, prompts[0], params)
         if speculator is not None:
             policy = speculator.policy
+            overheads = {f"{1 << c - 1}-{(1 << c) - 1}": round(t.verify / t.plain, 2)
+                         for c, t in sorted(policy.times.items()) if t.plain and t.verify}
             print(f"  policy: acceptance {policy.acceptance:.3f}, drafts found for "
-                  f"{policy.hit_rate:.2f} of the asked, verifying step "
-                  f"{policy.verify_overhead(1):.2f} plain steps; {speculator.stats}")
+                  f"{policy.hit_rate:.2f} of a verifying step's asked sequences, a verifying "
+                  f"step in plain steps by sequences in flight {overheads}; {speculator.stats}")
             same = sum(a == b for a, b in zip(outputs["off"], outputs[name]))
             print(f"  greedy output equals the output without speculation: {same} of "
                   f"{len(prompts)} prompts")

@@ -100,7 +100,7 @@ class CUDAGraphRunner:
                                    lambda bs: layout.reset(buffer, self._shape(bs)))
 
     def _shape(self, bs: int) -> StepShape:
-        return StepShape(bs * self.query_len, bs)
+        return StepShape.decode(bs, self.query_len)
 
     def _forward(self, bs: int, may_split: bool) -> torch.Tensor:
         sm = self.step_model

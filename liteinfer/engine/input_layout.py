@@ -73,6 +73,12 @@ class StepShape:
     rows: int
     tiles: int = 0
 
+    @classmethod
+    def decode(cls, rows: int, query_len: int = 1) -> StepShape:
+        """A decode step of `rows` sequences, `query_len` query tokens each (a verification's
+        next token and drafts where above 1)."""
+        return cls(rows * query_len, rows)
+
 
 @dataclass
 class StepViews:
@@ -159,7 +165,7 @@ class InputLayout:
         n = len(seqs)
         o = self._decode_offsets.get(rows)
         if o is None:
-            o = self._decode_offsets[rows] = self.offsets(StepShape(rows, rows))
+            o = self._decode_offsets[rows] = self.offsets(StepShape.decode(rows))
         block_size = self.block_size
         lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
         pos = lens - 1
@@ -199,7 +205,7 @@ class InputLayout:
         padding tokens read. Sample rows: each sequence's real tokens. Returns the context
         lengths, the length to send and the number of sample rows."""
         n, q, block_size = len(seqs), query_len, self.block_size
-        shape = StepShape(rows * q, rows)
+        shape = StepShape.decode(rows, q)
         v = self.views(host, shape)
         v.ids[:], v.pending[:], v.slots[:] = 0, NOT_PENDING, -1
         v.positions[:], v.context_lens[:], v.block_tables[:] = 0, 0, 0

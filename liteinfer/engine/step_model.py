@@ -50,7 +50,7 @@ class StepModel:
         prompt_rows = None
         if query_len:
             d = len(batch.seqs)
-            shape = StepShape(d * query_len, d)
+            shape = StepShape.decode(d, query_len)
             context_lens, used, num_samples = layout.fill_verify(
                 host, batch.seqs, batch.draft_token_ids, d, query_len)
             has_pending = bool((layout.views(host, shape).pending >= 0).any())
@@ -79,7 +79,7 @@ class StepModel:
                 prompt_rows = to_device(step.prompt_rows, torch.int64, self.device)
         else:
             d = num_samples = len(batch.seqs)
-            shape = StepShape(d, d)
+            shape = StepShape.decode(d)
             context_lens, used = layout.fill_decode(host, batch.seqs, d)
             views = layout.views(host, shape)
             views.sample_rows[:] = np.arange(d)

@@ -25,6 +25,8 @@ from liteinfer.spec_decode.draft_length import (
     PROBE_INTERVAL,
     RETRY_INTERVAL,
     DraftLengthPolicy,
+    StepTimes,
+    width_class,
 )
 from liteinfer.spec_decode.ngram import NgramProposer
 from liteinfer.spec_decode.suffix import SuffixProposer
@@ -526,8 +528,8 @@ def test_plain_steps_are_interleaved_to_time_them(timed):
             policy.record(k, k)
         policy.step_scheduled(1, asked=int(k > 0), drafted=int(k > 0))
         if step == PLAIN_PROBE_FIRST + PLAIN_PROBE_STEPS:
-            times = policy.step_times(1)
-            times.plain = times.verify = 0.005  # as if both were timed by now
+            # As if both were timed by now.
+            policy.times[width_class(1)] = StepTimes(plain=0.005, verify=0.005)
     plain = [i for i, k in enumerate(lengths) if k == 0]
     if not timed:
         assert plain == []

@@ -40,6 +40,7 @@ tensor-core path under the interpreter in those, whose bf16 tl.dot is wrong).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +126,7 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int,
                       num_warps=4 if block_m <= FOUR_WARPS_MAX_ROWS else 8)
 
 
+@functools.cache  # asked at every eager few-row launch of a gate/up
 def fuses_swiglu(n: int, k: int, bits: int, sms: int) -> bool:
     """Whether a gate/up projection [n, k] ([gate; up]) runs its few-row launches with the
     SwiGLU inside: where its unfused launch would take narrower tiles than FEWROW_BLOCK_N

@@ -97,13 +97,14 @@ class DraftLengthPolicy:
         return self.mean_accepted / self.mean_trials
 
     def step_times(self, batch: int) -> StepTimes:
-        return self.times.setdefault(width_class(batch), StepTimes())
+        """The step times of `batch` decoding sequences' width class (empty if unmeasured)."""
+        return self.times.get(width_class(batch)) or StepTimes()
 
     def verify_overhead(self, batch: int) -> float:
         """A verifying step's time over a plain step's of the same modelled cost, at a width
         of `batch` decoding sequences."""
-        times = self.times.get(width_class(batch))
-        if times is None or times.plain is None or times.verify is None:
+        times = self.step_times(batch)
+        if times.plain is None or times.verify is None:
             return 1.0 + self.sync_cost
         return times.verify / times.plain
 
@@ -158,7 +159,7 @@ class DraftLengthPolicy:
                          seconds: float) -> None:
         """A decode step of `batch` sequences and `num_tokens` tokens (drafts included) took
         `seconds`, from the host reading its predecessor's results to reading its own."""
-        times = self.step_times(batch)
+        times = self.times.setdefault(width_class(batch), StepTimes())
         if verified not in times.seen:
             times.seen.add(verified)
             return

@@ -202,8 +202,7 @@ class WNA16LinearMethod(LinearMethod):
         if layer.weight is not None:
             return None
         from liteinfer.kernels.wna16 import wna16_tiles
-        n = layer.qweight.shape[0]
-        k = layer.qweight.shape[1] * (32 // self.config.bits)
+        n, k = self._packed_shape(layer)
         # The split count depends on neither the rows nor their dtype; a gated launch (taken
         # for gate/up) may cut K differently, its partials in the same room of n features.
         splits = max(wna16_tiles(2, n, k, self.config.bits, self.out_dtype.itemsize, sms,
@@ -237,9 +236,12 @@ class WNA16LinearMethod(LinearMethod):
         from liteinfer.kernels import num_sms
         from liteinfer.kernels.wna16 import FEWROW_MAX, fuses_swiglu
         return (layer.weight is None and x.shape[0] <= FEWROW_MAX
-                and fuses_swiglu(layer.qweight.shape[0], layer.qweight.shape[1]
-                                 * (32 // self.config.bits), self.config.bits,
+                and fuses_swiglu(*self._packed_shape(layer), self.config.bits,
                                  num_sms(x.device)))
+
+    def _packed_shape(self, layer: nn.Module) -> tuple[int, int]:
+        """The packed weight's [N, K] in features and codes."""
+        return layer.qweight.shape[0], layer.qweight.shape[1] * (32 // self.config.bits)
 
 
 class ZeroPointFormat(CheckpointFormat):

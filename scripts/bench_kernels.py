@@ -632,10 +632,16 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
             bench_invariant(rows, num_sms, " narrow serial", row_counts=(128, 2048))
             inv.WIDE_BLOCK_M = wide_block_m
         if "wna16" in parts:
-            # (rows, codes a step, warps, stages)
-            for tile in ((8, 8192, 4, 4), (16, 16384, 4, 4), (32, 16384, 4, 4), (16, 8192, 8, 4)):
+            # More bytes in flight an SM: more programs (fewer rows each), longer steps, the next
+            # step's words loaded before this step's multiply (NOTES.md, "4-bit weights").
+            changes = ({}, {"min_programs_per_sm": 3}, {"min_programs_per_sm": 6}, {"rows": 8},
+                       {"codes": 32768, "num_warps": 8})
+            for change, ahead in itertools.product(changes, (False, True)):
+                tile = wna16.GemvTile(**change, words_ahead=ahead)
                 wna16.GEMV_TILE = tile
-                bench_wna16(rows, f" gemv{tile}", row_counts=(1,))
+                label = (f" gemv r{tile.rows} c{tile.codes} w{tile.num_warps} "
+                         f"p{tile.min_programs_per_sm}{' ahead' if tile.words_ahead else ''}")
+                bench_wna16(rows, label, row_counts=(1,))
             wna16.GEMV_TILE = gemv_tile
             # (features, bytes a row a step, programs an SM that K is cut towards)
             for tile in ((64, 128, 8), (32, 128, 4), (64, 64, 4), (64, 256, 4), (128, 64, 4)):

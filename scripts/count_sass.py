@@ -10,6 +10,7 @@ by the codes a thread takes a step (NOTES.md, "4-bit weights"). Run from the rep
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -59,18 +60,20 @@ def loop_and_registers(kernel) -> tuple[int, int]:
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
-    rows, codes, num_warps, num_stages = wna16.GEMV_TILE
-    for name, norm, add, gated in (("qkv", True, False, False), ("o", False, True, False),
-                                   ("gate_up", True, False, True)):
-        block_k = codes // (rows * (1 + gated))
+    tile = wna16.GEMV_TILE
+    for (name, norm, add, gated), ahead in itertools.product(
+            (("qkv", True, False, False), ("o", False, True, False),
+             ("gate_up", True, False, True)), (False, True)):
+        block_k = tile.codes // (tile.rows * (1 + gated))
         kernel = compiled(wna16._wna16_gemv_kernel, dict(
-            BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, block_k), BLOCK_N=rows, BLOCK_K=block_k,
-            NORM=norm, ADD=add, GATED=gated, USE_PDL=True, PREFETCH_LINES=4),
-            num_warps, num_stages)
+            BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, block_k), BLOCK_N=tile.rows,
+            BLOCK_K=block_k, NORM=norm, ADD=add, GATED=gated, USE_PDL=True, PREFETCH_LINES=4,
+            WORDS_AHEAD=ahead), tile.num_warps, 4)
         loop, registers = loop_and_registers(kernel)
-        per_thread = rows * block_k * (1 + gated) // (32 * num_warps)
-        print(f"GEMV {name} {rows} x {block_k}: {loop} instructions a step of {per_thread} "
-              f"codes a thread, {loop / per_thread:.2f} a code, {registers} registers")
+        per_thread = tile.rows * block_k * (1 + gated) // (32 * tile.num_warps)
+        print(f"GEMV {name} {tile.rows} x {block_k}{', words ahead' if ahead else ''}: {loop} "
+              f"instructions a step of {per_thread} codes a thread, {loop / per_thread:.2f} a "
+              f"code, {registers} registers")
     for m in (16, 128):
         tiles = wna16.wna16_tiles(m, 4096, 4096, 4, 2, 132)
         kernel = compiled(wna16._wna16_fewrow_kernel, dict(

@@ -55,14 +55,30 @@ from liteinfer.kernels.prefetch import prefetch_lines
 
 # Rows up to which a step runs the in-register kernels; wider steps dequantize and call cuBLAS.
 FEWROW_MAX = FEWROW_MAX_ROWS
-# The one-row kernel's tile: features a program owns (fewer where the projection would then be
-# cut into under GEMV_MIN_WAVES programs an SM), codes a loop step multiplies over all its rows
-# (gate's and up's together), warps, pipeline stages. 16 x 1024 4-bit codes are 8 KiB a step,
-# 128 codes a thread in under 100 registers; the input's per-step work (its conversion to the
-# tile's layout, its group sums) spreads over more codes than at 16 x 512 (NOTES.md, "4-bit
-# weights").
-GEMV_TILE = (16, 16384, 4, 4)
-GEMV_MIN_WAVES = 1
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    """The one-row kernel's tile: `rows` features a program owns (halved while the projection
+    would give fewer than `min_programs_per_sm` programs an SM), `codes` a loop step multiplies
+    over all its rows (gate's and up's together), and whether a program loads the next step's
+    words before multiplying this step's (`words_ahead`: twice the bytes in flight a program,
+    for more registers; the first step's words then load before the PDL wait). A loop without
+    a dot is not pipelined by Triton, so the bytes an SM has in flight are its resident
+    programs' loads (NOTES.md, "4-bit weights").
+    16 x 1024 4-bit codes are 8 KiB a step, 128 codes a thread in under 100 registers; the
+    input's per-step work (its conversion to the tile's layout, its group sums) spreads over
+    more codes than at 16 x 512."""
+
+    rows: int = 16
+    codes: int = 16384
+    num_warps: int = 4
+    min_programs_per_sm: int = 1
+    words_ahead: bool = False
+
+
+GEMV_TILE = GemvTile()
+
 # The few-row kernel's tile: BLOCK_N features by FEWROW_BLOCK_K_BYTES of packed words a row
 # (256 4-bit codes) a step, fewer where the rows' tile would pass X_TILE_BYTES (it is pipelined
 # in shared memory beside the weight's). K is cut among up to MAX_SPLITS programs a tile while
@@ -245,24 +261,33 @@ def _group_dot(sums, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_sums, GROUP: tl.cons
 
 
 @triton.jit
-def _gemv_step(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_ptr, norm_ptr, inv_rms,
-               up_w, up_g, BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-               GATED: tl.constexpr):
-    """sum over k in k0..k0 + BLOCK_K of w[n, k] x[k] for the rows offs_n (gate's and up's
-    when GATED), by group of the tile (GROUP_TILE columns each): [BLOCK_N, BLOCK_K //
-    GROUP_TILE] fp32 each. Code j of a word is the denormal q 2^a 2^-149 and multiplies x
-    2^(149 - a - PRODUCT_POWER) of the word's column j, one FMA a code into the word's sum;
-    the words' sums add up by group, a group is scaled once, and its min multiplies the
-    group's sum of x instead of every code."""
-    PER: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER
-    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
+def _step_words(qw_ptr, up_w, offs_n, n_mask, k0, K, BITS: tl.constexpr,
+                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GATED: tl.constexpr):
+    """A GEMV step's packed words from column k0 on: gate's (or the projection's), and up's
+    (`up_w` words on) when GATED, else the same again."""
     packed = _packed_words(qw_ptr, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N, BLOCK_K)
     packed_up = packed
     if GATED:
         packed_up = _packed_words(qw_ptr + up_w, offs_n, n_mask, k0, K, BITS, GROUP, BLOCK_N,
                                   BLOCK_K)
+    return packed, packed_up
+
+
+@triton.jit
+def _gemv_step(packed, packed_up, s_ptr, m_ptr, offs_n, n_mask, k0, K, x_ptr, norm_ptr,
+               inv_rms, up_g, BITS: tl.constexpr, GROUP: tl.constexpr,
+               GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               NORM: tl.constexpr, GATED: tl.constexpr):
+    """sum over k in k0..k0 + BLOCK_K of w[n, k] x[k] for the rows offs_n (gate's and up's
+    when GATED), their packed words given (`_step_words`), by group of the tile (GROUP_TILE
+    columns each): [BLOCK_N, BLOCK_K // GROUP_TILE] fp32 each. Code j of a word is the
+    denormal q 2^a 2^-149 and multiplies x 2^(149 - a - PRODUCT_POWER) of the word's column j,
+    one FMA a code into the word's sum; the words' sums add up by group, a group is scaled
+    once, and its min multiplies the group's sum of x instead of every code."""
+    PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
     # x as [WORDS, PER]: a thread loads its words' inputs whole and takes column j in registers
     k = tl.arange(0, WORDS)[:, None] * PER + tl.arange(0, PER)[None, :]
     k_mask = k0 + k < K
@@ -291,7 +316,7 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
                        BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                        ADD: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
-                       PREFETCH_LINES: tl.constexpr):
+                       PREFETCH_LINES: tl.constexpr, WORDS_AHEAD: tl.constexpr):
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs < N
@@ -299,14 +324,25 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
     # gate's rows, then up's: up's words, scales and mins start N rows on
     up_w = N * words
     up_g = N * (K // GROUP)
+    if WORDS_AHEAD:  # the first step's words before the PDL wait: no step writes them
+        packed, packed_up = _step_words(qw_ptr, up_w, offs, n_mask, 0, K, BITS, GROUP,
+                                        BLOCK_N, BLOCK_K, GATED)
     inv_rms = gemv_prologue(qw_ptr, up_w, offs, N, words, words, x_ptr, K, eps, USE_PDL,
                             PREFETCH_LINES, GATED, NORM, BLOCK_K)
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     acc_up = acc
     for k0 in range(0, K, BLOCK_K):
-        y, y_up = _gemv_step(qw_ptr, s_ptr, m_ptr, offs, n_mask, k0, K, x_ptr, norm_ptr,
-                             inv_rms, up_w, up_g, BITS, GROUP, GROUP_TILE, BLOCK_N, BLOCK_K,
-                             NORM, GATED)
+        if WORDS_AHEAD:
+            next_packed, next_up = _step_words(qw_ptr, up_w, offs, n_mask, k0 + BLOCK_K, K,
+                                               BITS, GROUP, BLOCK_N, BLOCK_K, GATED)
+        else:
+            packed, packed_up = _step_words(qw_ptr, up_w, offs, n_mask, k0, K, BITS, GROUP,
+                                            BLOCK_N, BLOCK_K, GATED)
+        y, y_up = _gemv_step(packed, packed_up, s_ptr, m_ptr, offs, n_mask, k0, K, x_ptr,
+                             norm_ptr, inv_rms, up_g, BITS, GROUP, GROUP_TILE, BLOCK_N,
+                             BLOCK_K, NORM, GATED)
+        if WORDS_AHEAD:
+            packed, packed_up = next_packed, next_up
         acc += y
         acc_up += y_up
     y = tl.sum(acc, 1)
@@ -417,13 +453,13 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     and eps when given, or with residual ([1, N]) adds it to residual in place and returns it."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
     k = x.shape[1]
-    rows, block_codes, num_warps, num_stages = GEMV_TILE
+    tile = GEMV_TILE
     assert qweight.shape[1] * (32 // bits) == k and qweight.is_contiguous()
     n = qweight.shape[0] // 2 if gated else qweight.shape[0]
-    sms = num_sms(x.device)
-    while rows > 1 and triton.cdiv(n, rows) < GEMV_MIN_WAVES * sms:
+    rows = tile.rows
+    while rows > 1 and triton.cdiv(n, rows) < tile.min_programs_per_sm * num_sms(x.device):
         rows //= 2
-    block_k, group = _fit_group(qweight, scales, bits, min(block_codes // (rows * (1 + gated)),
+    block_k, group = _fit_group(qweight, scales, bits, min(tile.codes // (rows * (1 + gated)),
                                                            triton.next_power_of_2(k)))
     if residual is not None:
         assert residual.shape == (1, n) and residual.dtype == x.dtype
@@ -435,7 +471,7 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
         BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_N=rows, BLOCK_K=block_k,
         NORM=norm_weight is not None,
         ADD=residual is not None, GATED=gated, USE_PDL=pdl, PREFETCH_LINES=lines,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+        WORDS_AHEAD=tile.words_ahead, num_warps=tile.num_warps, num_stages=4, launch_pdl=pdl)
     return out
 
 

@@ -6,10 +6,12 @@ by rows."""
 import pytest
 import torch
 
+from liteinfer.kernels import wna16
 from liteinfer.kernels.gemm_splits import SplitKWorkspace
 from liteinfer.kernels.wna16 import (
     FEWROW_MAX,
     MAX_SPLITS,
+    GemvTile,
     WNA16Tiles,
     dequantize_weight,
     fuses_swiglu,
@@ -55,7 +57,18 @@ def _weight64(qweight, scales, mins, bits):
     return dequantize(qweight, scales, mins, bits, torch.float64)
 
 
+# The GEMV's tile, and one of several steps a row (K's last step partial at the CPU's 576)
+# whose next step's words load before this step's multiply.
+GEMV_TILES = [GemvTile(), GemvTile(rows=4, codes=1024, words_ahead=True)]
+
+
+@pytest.fixture(params=GEMV_TILES, ids=["tile", "words-ahead"])
+def gemv_tile(request, monkeypatch):
+    monkeypatch.setattr(wna16, "GEMV_TILE", request.param)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.usefixtures("gemv_tile")
 def test_gemv(assert_close, device, full, dtype, rounded):
     """One row: x W^T, and residual + (x W^T rounded) in place."""
     for k, n, bits, group in _cases(full):
@@ -71,6 +84,7 @@ def test_gemv(assert_close, device, full, dtype, rounded):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.usefixtures("gemv_tile")
 def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_ref):
     """RMSNorm fused in front, and for [gate; up] SwiGLU behind, rounded where Hugging Face's
     unfused layers hold a tensor."""

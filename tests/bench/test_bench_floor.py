@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from liteinfer.bench.floor import (
+    experts_touched,
     floor_share,
     kv_bytes_per_token,
     packaged_model_config,
@@ -12,6 +13,7 @@ from liteinfer.bench.floor import (
 )
 
 ONE_B, EIGHT_B = "llama-3.2-1b-instruct", "llama-3.1-8b-instruct"
+QWEN3_MOE, MIXTRAL = "qwen3-30b-a3b", "mixtral-8x7b-instruct"
 
 
 def test_weight_and_kv_bytes_of_the_llama_configs():
@@ -32,6 +34,30 @@ def test_weight_and_kv_bytes_of_the_llama_configs():
     # Untied: the LM head is read, the embedding table only at the step's own tokens.
     assert weight_bytes(eight_b) == 2 * (32 * layer + 128256 * 4096 + 65 * 4096)
     assert packaged_model_config("no-such-model") is None
+
+
+def test_a_mixture_reads_the_experts_its_tokens_touch():
+    qwen = packaged_model_config(QWEN3_MOE)
+    # One token reads its 8 experts of each of the 48 layers: gate, up, down 2048 x 768 each.
+    assert experts_touched(qwen.moe, 1) == pytest.approx(8)
+    attention = 2048 * (4096 + 2 * 512) + 4096 * 2048
+    router, expert = 128 * 2048, 3 * 2048 * 768
+    head, norms = 151936 * 2048, 97 * 2048
+    assert weight_bytes(qwen) == pytest.approx(
+        2 * (48 * (attention + router + 8 * expert) + head + norms), abs=2)
+    assert weight_bytes(qwen) == pytest.approx(6.08e9, rel=0.001)  # NOTES.md's 6.1 GB
+    # 32 tokens picking 8 of 128 evenly touch 128 (1 - (120 / 128)^32) = 111.8 experts a layer;
+    # 128 tokens nearly all of them; e4m3 experts, the router and norms in bf16.
+    assert experts_touched(qwen.moe, 32) == pytest.approx(111.8, abs=0.05)
+    assert weight_bytes(qwen, tokens=128) == pytest.approx(
+        2 * (48 * (attention + router + 128 * (1 - (120 / 128) ** 128) * expert) + head
+             + norms), abs=2)
+    assert weight_bytes(qwen, "fp8", 32) == pytest.approx(
+        48 * (attention + experts_touched(qwen.moe, 32) * expert) + head
+        + 2 * (48 * router + norms), abs=2)
+    mixtral = packaged_model_config(MIXTRAL)  # top-2 of 8 experts of 14,336: all 8 from ~16
+    assert experts_touched(mixtral.moe, 16) == pytest.approx(7.92, abs=0.01)
+    assert weight_bytes(mixtral) == pytest.approx(25.5e9, rel=0.001)
 
 
 def row(**overrides):

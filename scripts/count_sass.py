@@ -30,7 +30,12 @@ GROUP = 128
 
 
 def compiled(fn: triton.JITFunction, constants: dict, num_warps: int, num_stages: int):
-    """fn for sm_90: its non-constant integer arguments and pointers 16-divisible."""
+    """fn for sm_90: its non-constant integer arguments and pointers 16-divisible. Every
+    constexpr parameter must be given: one left out would compile as a runtime argument, both
+    sides of its branches in the loop."""
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constants]
+    if missing:
+        raise ValueError(f"{fn.__name__}: constexpr parameters not given: {missing}")
     signature = {name: "constexpr" if name in constants else TYPES.get(name, "i32")
                  for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
@@ -79,7 +84,8 @@ def main() -> None:
         kernel = compiled(wna16._wna16_fewrow_kernel, dict(
             BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, tiles.block_k), BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLITS=tiles.splits, PART_ROWS=128,
-            ADD=False, DOT_PRECISION="tf32", USE_PDL=True), tiles.num_warps, tiles.num_stages)
+            ADD=False, GATED=False, DOT_PRECISION="tf32", USE_PDL=True), tiles.num_warps,
+            tiles.num_stages)
         loop, registers = loop_and_registers(kernel)
         per_thread = tiles.block_n * tiles.block_k // (32 * tiles.num_warps)
         print(f"few-row {m} rows {tiles.block_n} x {tiles.block_k}, {tiles.num_warps} warps: "

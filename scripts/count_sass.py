@@ -73,7 +73,7 @@ def main() -> None:
         kernel = compiled(wna16._wna16_gemv_kernel, dict(
             BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, block_k), BLOCK_N=tile.rows,
             BLOCK_K=block_k, NORM=norm, ADD=add, GATED=gated, USE_PDL=True, PREFETCH_LINES=4,
-            WORDS_AHEAD=ahead), tile.num_warps, 4)
+            WORDS_AHEAD=ahead), tile.num_warps, tile.num_stages)
         loop, registers = loop_and_registers(kernel)
         per_thread = tile.rows * block_k * (1 + gated) // (32 * tile.num_warps)
         print(f"GEMV {name} {tile.rows} x {block_k}{', words ahead' if ahead else ''}: {loop} "

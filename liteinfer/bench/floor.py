@@ -48,14 +48,14 @@ def weight_bytes(config: ModelConfig, quantization: str | None = None,
     q = config.num_attention_heads * head_dim
     kv = config.num_key_value_heads * head_dim
     layers = config.num_hidden_layers
-    dense_mlp = 3 * hidden * config.intermediate_size
-    projections = layers * (hidden * (q + 2 * kv) + q * hidden) + layers * dense_mlp
+    moe = config.moe
+    sparse = 0 if moe is None else len(moe.sparse_layers)
+    mlps = (layers - sparse) * 3 * hidden * config.intermediate_size
     router = 0  # in the model dtype whatever the experts' quantization
-    if (moe := config.moe) is not None:
-        sparse = len(moe.sparse_layers)
-        projections += sparse * (experts_touched(moe, tokens) * 3 * hidden * moe.intermediate_size
-                                 - dense_mlp)
+    if moe is not None:
+        mlps += sparse * experts_touched(moe, tokens) * 3 * hidden * moe.intermediate_size
         router = sparse * moe.num_experts * hidden
+    projections = layers * (hidden * (q + 2 * kv) + q * hidden) + mlps
     norms = 2 * hidden * layers + hidden
     lm_head = config.vocab_size * hidden
     if quantization == "int4":

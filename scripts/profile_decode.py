@@ -5,6 +5,9 @@ under torch.profiler (each kernel's GPU time per step, and its launches per step
     python scripts/profile_decode.py [--model llama-3.2-1b-instruct] [--batch 1 32 128]
                                      [--ctx 128] [--set KEY=VALUE ...] [--eager-only]
 `--eager-only` skips the captured runs (and building their graphs): the breakdown alone.
+`--int4-tiles` (with `--set quantization=int4`) instead times the captured step at each batch
+size under several 4-bit kernel tiles, its graphs captured again for each: the one-row GEMV's
+`GemvTile`s at one row, the few-row GEMM's tile rules above (NOTES.md, "4-bit weights").
 With $OUT set, writes $OUT/profile-decode-<model>.json.
 """
 from __future__ import annotations
@@ -21,6 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from liteinfer import LLM, SamplingParams
 from liteinfer.config import parse_overrides
+from liteinfer.engine.cuda_graph import CUDAGraphRunner
+from liteinfer.kernels import wna16
 from liteinfer.utils import free_device_memory
 
 STEPS = 50
@@ -67,6 +72,54 @@ def kernels_per_step(llm: LLM, bs: int, ctx: int) -> dict[str, tuple[float, floa
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
 
 
+# One-row GEMV tiles: more programs (fewer rows each), longer steps, the next step's words
+# loaded before this step's multiply, alone and together.
+GEMV_TILES = [wna16.GemvTile(**change, words_ahead=ahead) for change in (
+    {}, {"min_programs_per_sm": 3}, {"min_programs_per_sm": 6}, {"rows": 8},
+    {"rows": 8, "codes": 32768, "num_warps": 8}, {"min_programs_per_sm": 6, "codes": 32768},
+    {"codes": 32768, "num_warps": 8}) for ahead in (False, True)]
+# Few-row tile rules: (features, packed bytes a row a step, programs an SM that K is cut
+# towards, rows up to which a program has four warps, swapped).
+FEWROW_RULES = [(64, 128, 4, 32, True), (64, 128, 8, 32, True), (32, 128, 4, 32, True),
+                (64, 64, 4, 32, True), (64, 128, 4, 16, True), (128, 64, 4, 32, True),
+                (64, 128, 4, 64, False), (64, 64, 4, 64, False), (128, 64, 4, 64, False),
+                (128, 64, 4, 32, False), (64, 64, 8, 64, False), (128, 128, 4, 32, False)]
+
+
+def _set_fewrow_rule(rule: tuple[int, int, int, int, bool]) -> None:
+    (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES,
+     wna16.FOUR_WARPS_MAX_ROWS, wna16.FEWROW_SWAPPED) = rule
+    wna16.fuses_swiglu.cache_clear()
+
+
+def int4_tile_times(llm: LLM, bs: int, ctx: int) -> dict[str, float]:
+    """The captured step's ms at each one-row tile (bs 1) or few-row rule (bs > 1), the decode
+    graphs captured again under each (the module's tiles are read at capture)."""
+    runner = llm.engine.core.runner
+    pool = torch.cuda.graph_pool_handle()
+    default_tile = wna16.GEMV_TILE
+    default_rule = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES,
+                    wna16.FOUR_WARPS_MAX_ROWS, wna16.FEWROW_SWAPPED)
+    variants = ([(str(t), lambda t=t: setattr(wna16, "GEMV_TILE", t)) for t in GEMV_TILES]
+                if bs == 1 else
+                [(f"n{r[0]} kb{r[1]} waves{r[2]} 4warps<={r[3]}{'' if r[4] else ' unswapped'}",
+                  lambda r=r: _set_fewrow_rule(r)) for r in FEWROW_RULES])
+    times = {}
+    try:
+        for label, apply in variants:
+            apply()
+            runner.graphs = None
+            gc.collect()
+            runner.graphs = CUDAGraphRunner(runner.step_model, llm.engine.core.config.max_num_seqs,
+                                            pool)
+            times[label] = round(step_ms(llm, bs, ctx), 4)
+            print(bs, label, times[label], "ms", flush=True)
+    finally:
+        wna16.GEMV_TILE = default_tile
+        _set_fewrow_rule(default_rule)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.2-1b-instruct")
@@ -76,11 +129,18 @@ def main() -> None:
                     help="engine arguments, as in `liteinfer-bench run --set`")
     ap.add_argument("--eager-only", action="store_true",
                     help="only the per-kernel breakdown, no captured step times")
+    ap.add_argument("--int4-tiles", action="store_true",
+                    help="the captured step at each 4-bit kernel tile instead")
     args = ap.parse_args()
     engine_args = {"dtype": "bfloat16", "max_num_seqs": max(args.batch),
                    "max_model_len": args.ctx + 10 * STEPS + 64, **parse_overrides(args.set)}
     report: dict[str, Any] = {"model": args.model, "engine_args": engine_args, "rows": {}}
-    for eager in (True,) if args.eager_only else (False, True):
+    if args.int4_tiles:
+        llm = LLM(args.model, load_format="dummy", **engine_args)
+        report["int4_tiles"] = {bs: int4_tile_times(llm, bs, args.ctx) for bs in args.batch}
+        del llm
+    modes = () if args.int4_tiles else (True,) if args.eager_only else (False, True)
+    for eager in modes:
         llm = LLM(args.model, load_format="dummy", **engine_args, enforce_eager=eager)
         for bs in args.batch:
             row = report["rows"].setdefault(bs, {"batch": bs, "ctx": args.ctx})

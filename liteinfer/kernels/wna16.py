@@ -528,7 +528,8 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
         BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLITS=tiles.splits, PART_ROWS=FEWROW_MAX_ROWS,
         ADD=residual is not None, GATED=gated, SWAPPED=tiles.swapped,
-        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, launch_pdl=pdl)
     return out
 
 

@@ -25,7 +25,9 @@ from torch.profiler import ProfilerActivity, profile
 from liteinfer import LLM, SamplingParams
 from liteinfer.config import parse_overrides
 from liteinfer.engine.cuda_graph import CUDAGraphRunner
-from liteinfer.kernels import wna16
+from liteinfer.kernels import num_sms, wna16
+from liteinfer.kernels.gemm_splits import SplitKWorkspace
+from liteinfer.layers.quantization import split_k_launches
 from liteinfer.utils import free_device_memory
 
 STEPS = 50
@@ -106,6 +108,12 @@ def int4_tile_times(llm: LLM, bs: int, ctx: int) -> dict[str, float]:
                   lambda r=r: _set_fewrow_rule(r)) for r in FEWROW_RULES])
     times = {}
     try:
+        # the split-K workspace, sized for the default rule's splits, made room for every rule's
+        launches = []
+        for _, apply in variants:
+            apply()
+            launches += split_k_launches(runner.model, num_sms(runner.device))
+        runner.scratch.split_k = SplitKWorkspace.allocate(launches, runner.device)
         for label, apply in variants:
             apply()
             runner.graphs = None

@@ -74,18 +74,21 @@ def kernels_per_step(llm: LLM, bs: int, ctx: int) -> dict[str, tuple[float, floa
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
 
 
-# One-row GEMV tiles: more programs (fewer rows each), longer steps, the next step's words
-# loaded before this step's multiply, alone and together.
-GEMV_TILES = [wna16.GemvTile(**change, words_ahead=ahead) for change in (
-    {}, {"min_programs_per_sm": 3}, {"min_programs_per_sm": 6}, {"rows": 8},
-    {"rows": 8, "codes": 32768, "num_warps": 8}, {"min_programs_per_sm": 6, "codes": 32768},
-    {"codes": 32768, "num_warps": 8}) for ahead in (False, True)]
-# Few-row tile rules: (features, packed bytes a row a step, programs an SM that K is cut
-# towards, rows up to which a program has four warps, swapped).
-FEWROW_RULES = [(64, 128, 4, 32, True), (64, 128, 8, 32, True), (32, 128, 4, 32, True),
-                (64, 64, 4, 32, True), (64, 128, 4, 16, True), (128, 64, 4, 32, True),
-                (64, 128, 4, 64, False), (64, 64, 4, 64, False), (128, 64, 4, 64, False),
-                (128, 64, 4, 32, False), (64, 64, 8, 64, False), (128, 128, 4, 32, False)]
+# One-row GEMV tiles, the likeliest first: more programs (fewer rows each), longer steps, the
+# next step's words loaded before this step's multiply, alone and together.
+GEMV_TILES = [wna16.GemvTile(**change) for change in (
+    {}, {"min_programs_per_sm": 6, "words_ahead": True}, {"rows": 8, "words_ahead": True},
+    {"min_programs_per_sm": 3, "words_ahead": True},
+    {"rows": 8, "codes": 32768, "num_warps": 8, "words_ahead": True},
+    {"min_programs_per_sm": 6, "codes": 32768, "words_ahead": True}, {"words_ahead": True},
+    {"min_programs_per_sm": 6}, {"rows": 8}, {"min_programs_per_sm": 3},
+    {"codes": 32768, "num_warps": 8, "words_ahead": True})]
+# Few-row tile rules, the rule in use first: (features, packed bytes a row a step, programs an
+# SM that K is cut towards, rows up to which a program has four warps, swapped).
+FEWROW_RULES = [(64, 128, 4, 32, True), (64, 128, 4, 64, False), (64, 64, 4, 64, False),
+                (128, 64, 4, 64, False), (128, 64, 4, 32, False), (64, 64, 8, 64, False),
+                (128, 128, 4, 32, False), (64, 128, 8, 32, True), (32, 128, 4, 32, True),
+                (64, 64, 4, 32, True)]
 
 
 def _set_fewrow_rule(rule: tuple[int, int, int, int, bool]) -> None:

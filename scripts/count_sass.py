@@ -84,8 +84,8 @@ def main() -> None:
         kernel = compiled(wna16._wna16_fewrow_kernel, dict(
             BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, tiles.block_k), BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLITS=tiles.splits, PART_ROWS=128,
-            ADD=False, GATED=False, SWAPPED=tiles.swapped, DOT_PRECISION="tf32", USE_PDL=True),
-            tiles.num_warps, tiles.num_stages)
+            ADD=False, GATED=False, DOT_PRECISION="tf32", USE_PDL=True), tiles.num_warps,
+            tiles.num_stages)
         loop, registers = loop_and_registers(kernel)
         per_thread = tiles.block_n * tiles.block_k // (32 * tiles.num_warps)
         print(f"few-row {m} rows {tiles.block_n} x {tiles.block_k}, {tiles.num_warps} warps: "

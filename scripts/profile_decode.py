@@ -84,16 +84,14 @@ GEMV_TILES = [wna16.GemvTile(**change) for change in (
     {"min_programs_per_sm": 6}, {"rows": 8}, {"min_programs_per_sm": 3},
     {"codes": 32768, "num_warps": 8, "words_ahead": True})]
 # Few-row tile rules, the rule in use first: (features, packed bytes a row a step, programs an
-# SM that K is cut towards, rows up to which a program has four warps, swapped).
-FEWROW_RULES = [(64, 128, 4, 32, True), (64, 128, 4, 64, False), (64, 64, 4, 64, False),
-                (128, 64, 4, 64, False), (128, 64, 4, 32, False), (64, 64, 8, 64, False),
-                (128, 128, 4, 32, False), (64, 128, 8, 32, True), (32, 128, 4, 32, True),
-                (64, 64, 4, 32, True)]
+# SM that K is cut towards, rows up to which a program has four warps).
+FEWROW_RULES = [(64, 128, 4, 32), (64, 128, 8, 32), (32, 128, 4, 32), (64, 64, 4, 32),
+                (64, 128, 4, 16), (128, 64, 4, 32)]
 
 
-def _set_fewrow_rule(rule: tuple[int, int, int, int, bool]) -> None:
+def _set_fewrow_rule(rule: tuple[int, int, int, int]) -> None:
     (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES,
-     wna16.FOUR_WARPS_MAX_ROWS, wna16.FEWROW_SWAPPED) = rule
+     wna16.FOUR_WARPS_MAX_ROWS) = rule
     wna16.fuses_swiglu.cache_clear()
 
 
@@ -104,10 +102,10 @@ def int4_tile_times(llm: LLM, bs: int, ctx: int) -> dict[str, float]:
     pool = torch.cuda.graph_pool_handle()
     default_tile = wna16.GEMV_TILE
     default_rule = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES,
-                    wna16.FOUR_WARPS_MAX_ROWS, wna16.FEWROW_SWAPPED)
+                    wna16.FOUR_WARPS_MAX_ROWS)
     variants = ([(str(t), lambda t=t: setattr(wna16, "GEMV_TILE", t)) for t in GEMV_TILES]
                 if bs == 1 else
-                [(f"n{r[0]} kb{r[1]} waves{r[2]} 4warps<={r[3]}{'' if r[4] else ' unswapped'}",
+                [(f"n{r[0]} kb{r[1]} waves{r[2]} 4warps<={r[3]}",
                   lambda r=r: _set_fewrow_rule(r)) for r in FEWROW_RULES])
     times = {}
     try:

@@ -66,11 +66,12 @@ class GemvTile:
     for more registers; the first step's words then load before the PDL wait). A loop without
     a dot is not pipelined by Triton, so the bytes an SM has in flight are its resident
     programs' loads (NOTES.md, "4-bit weights").
-    16 x 1024 4-bit codes are 8 KiB a step, 128 codes a thread in under 100 registers; the
-    input's per-step work (its conversion to the tile's layout, its group sums) spreads over
-    more codes than at 16 x 512."""
+    8 rows x 2048 4-bit codes are 8 KiB a step, 128 codes a thread in under 100 registers; as
+    many bytes a step as 16 x 1024 from twice the programs, and the 8B's captured one-request
+    step 0.85x as long (3.22 -> 2.72 ms on an H100; more programs or the words ahead measured
+    within 1% of it, `scripts/profile_decode.py --int4-tiles`)."""
 
-    rows: int = 16
+    rows: int = 8
     codes: int = 16384
     num_warps: int = 4
     num_stages: int = 4  # as measured; Triton 3.9 emits the same SASS at its default 3
@@ -96,12 +97,6 @@ X_TILE_BYTES = 32768
 # for the tile's layout changes), eight above (the MMA's share grows with the rows).
 FOUR_WARPS_MAX_ROWS = 32
 MAX_SPLITS = 8
-# Swapped, the dequantized tile is wgmma's register operand: Triton moves it into the operand's
-# layout through shared memory in quarters (a barrier on each side) and waits on every wgmma.
-# Unswapped (rows padded to wgmma's 64), the tile is stored once as the shared operand and a
-# step's wgmmas issue back to back: 4.5-5.1 instructions a code against 5.5-5.7 in the SASS, 3
-# barriers a step against 9. Not yet timed on a GPU.
-FEWROW_SWAPPED = True
 # The GEMV's products carry 2^-PRODUCT_POWER: its inputs times 2^(149 - a) (what undoes a code's
 # denormal exponent) would pass fp32's range, and x 2^(85 - a) stays within it below 2^42. The
 # FMAs keep denormals (Triton emits no .ftz), which the exactness test checks on the GPU.
@@ -113,9 +108,8 @@ SPLIT_MIN_K = 1024
 
 @dataclass(frozen=True)
 class WNA16Tiles:
-    """A few-row launch: rows padded to block_m (tl.dot's 16 at least, 64 unswapped),
-    block_n features and block_k codes a tile, K cut among `splits` programs a tile; swapped
-    (y^T = W x^T) or not."""
+    """A few-row launch: rows padded to block_m (tl.dot's 16 at least), block_n features and
+    block_k codes a tile, K cut among `splits` programs a tile."""
 
     block_m: int
     block_n: int
@@ -123,7 +117,6 @@ class WNA16Tiles:
     splits: int = 1
     num_warps: int = 8
     num_stages: int = 3
-    swapped: bool = True
 
 
 def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int,
@@ -133,7 +126,7 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int,
     whose grid has FEWROW_MIN_PROGRAMS programs, each tile cut along K into the most splits (a
     power of two) that keep the grid and each split's K within their bounds. Gated ([gate; up]
     = n rows, SwiGLU'd), a tile is that many features of each."""
-    block_m = max(16 if FEWROW_SWAPPED else 64, triton.next_power_of_2(rows))
+    block_m = max(16, triton.next_power_of_2(rows))
     block_k = min(FEWROW_BLOCK_K_BYTES * 8 // bits, X_TILE_BYTES // (block_m * itemsize),
                   triton.next_power_of_2(k))
     features = n // 2 if gated else n
@@ -148,8 +141,7 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int,
             break
         block_n //= 2
     return WNA16Tiles(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits,
-                      num_warps=4 if block_m <= FOUR_WARPS_MAX_ROWS else 8,
-                      swapped=FEWROW_SWAPPED)
+                      num_warps=4 if block_m <= FOUR_WARPS_MAX_ROWS else 8)
 
 
 @functools.cache  # asked at every eager few-row launch of a gate/up
@@ -363,21 +355,13 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
 
 
 @triton.jit
-def _tile_dot(w, x, acc, SWAPPED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + w x^T ([BLOCK_N, BLOCK_M]) when SWAPPED, else acc + x w^T ([BLOCK_M, BLOCK_N])."""
-    if SWAPPED:
-        return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-    return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                          stride_xm, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_TILE: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLITS: tl.constexpr, PART_ROWS: tl.constexpr, ADD: tl.constexpr,
-                         GATED: tl.constexpr, SWAPPED: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                         GATED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     # The splits of a tile are launch neighbours, so their partials meet in L2.
     tile = tl.program_id(0) // SPLITS
     split = tl.program_id(0) % SPLITS
@@ -400,26 +384,19 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
     # The tile is dequantized times 2^-64 (a code's AND and one FMA, `_dequantized_codes`)
     # where the activation dtype has fp32's exponent range; fp16's would underflow.
     POWER: tl.constexpr = 0 if dtype == tl.float16 else 64
-    # Swapped, y^T = W x^T: the dequantized tile is the MMA's row operand, taken from
-    # registers; else y = x W^T with the tile stored to shared memory as the column operand.
-    if SWAPPED:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # y^T = W x^T: the dequantized tile is the MMA's row operand, taken from registers
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = acc
     for k0 in range(k_start, k_end, BLOCK_K):
         x = tl.load(x_rows + k0 + offs_k[None, :],
                     mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
         w = _dequantized(qw_ptr, s_ptr, m_ptr, offs_n, n_mask, k0, K, BITS, GROUP, GROUP_TILE,
                          BLOCK_N, BLOCK_K, POWER)
-        acc = _tile_dot(w.to(dtype), x, acc, SWAPPED, DOT_PRECISION)
+        acc = tl.dot(w.to(dtype), tl.trans(x), acc, input_precision=DOT_PRECISION)
         if GATED:
             w = _dequantized(qw_ptr + up_w, s_ptr + up_g, m_ptr + up_g, offs_n, n_mask, k0, K,
                              BITS, GROUP, GROUP_TILE, BLOCK_N, BLOCK_K, POWER)
-            acc_up = _tile_dot(w.to(dtype), x, acc_up, SWAPPED, DOT_PRECISION)
-    if not SWAPPED:
-        acc = tl.trans(acc)
-        acc_up = tl.trans(acc_up)
+            acc_up = tl.dot(w.to(dtype), tl.trans(x), acc_up, input_precision=DOT_PRECISION)
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLITS > 1:
         # Each split's partials (gate's, then up's N features on) in the slots of 2N features
@@ -527,9 +504,8 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
         x, qweight, scales, mins, out, parts, counts, m, n, k, x.stride(0), out.stride(0),
         BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLITS=tiles.splits, PART_ROWS=FEWROW_MAX_ROWS,
-        ADD=residual is not None, GATED=gated, SWAPPED=tiles.swapped,
-        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, launch_pdl=pdl)
+        ADD=residual is not None, GATED=gated, DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
     return out
 
 

@@ -3,8 +3,6 @@ packed weights (every code, scale and min drawn): the one-row GEMV (plain, resid
 and SwiGLU fused in), the few-row tensor-core GEMM (K cut among programs or not, SwiGLU fused in
 or not) and its tile rule, the scratch dequantization, and `wna16_linear`'s choice among them
 by rows."""
-import dataclasses
-
 import pytest
 import torch
 
@@ -105,15 +103,11 @@ def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_r
 
 def _tiles(rows: int, n: int, k: int, bits: int, itemsize: int, device: str,
            gated: bool = False) -> list[WNA16Tiles]:
-    """The rule's tile, K cut among 4 programs of a narrower tile (at the CPU's shapes the
-    last split then has an uneven share or none), and that tile in the other form (swapped or
-    not: wgmma's rows are 64 unswapped)."""
+    """The rule's tile, and K cut among 4 programs of a narrower tile (at the CPU's shapes the
+    last split then has an uneven share or none)."""
     rule = wna16_tiles(rows, n, k, bits, itemsize, 132 if device == "cuda" else 8, gated)
-    narrow = WNA16Tiles(block_m=rule.block_m, block_n=32, block_k=rule.block_k, splits=4,
-                        num_warps=4, swapped=rule.swapped)
-    other = dataclasses.replace(narrow, swapped=not rule.swapped,
-                                block_m=max(rule.block_m, 64 if rule.swapped else 16))
-    return [rule, narrow, other]
+    return [rule, WNA16Tiles(block_m=rule.block_m, block_n=32, block_k=rule.block_k, splits=4,
+                             num_warps=4)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

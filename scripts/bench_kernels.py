@@ -547,14 +547,13 @@ def bench_wna16_fused(rows: list[dict]) -> None:
 def bench_invariant(rows: list[dict], num_sms: int, label: str = "",
                     row_counts=INVARIANT_ROWS) -> None:
     """The batch-invariant GEMM (kernels/invariant_gemm.py) at each INVARIANT_SHAPES projection
-    and INVARIANT_ROWS rows: with its norm / SwiGLU / residual inside (`fused`, as the mode
-    runs), and as the norm kernel, the plain GEMM and the SwiGLU kernel apart (`apart`);
-    against the default's path (the fused GEMV at one row, cuBLAS with the same kernels apart
-    above). Each is timed as a CUDA graph that runs it over distinct copies of the weight,
-    INVARIANT_STREAM_BYTES in all, as a decode step streams its layers: a one-row launch is
-    shorter than its host launch, and one weight read again would come from L2. `graph_us` is a
-    launch's share; `vs_default` is the default's time over the row's; weight bytes give the
-    rate."""
+    and INVARIANT_ROWS rows as the mode runs it (the norm's kernel first, the SwiGLU or the
+    residual add inside), against the default's path (the fused GEMV at one row, cuBLAS with
+    the norm's and SwiGLU's kernels above). Each is timed as a CUDA graph that runs it over
+    distinct copies of the weight, INVARIANT_STREAM_BYTES in all, as a decode step streams its
+    layers: a one-row launch is shorter than its host launch, and one weight read again would
+    come from L2. `graph_us` is a launch's share; `vs_default` is the default's time over the
+    row's; weight bytes give the rate."""
     for model, name, n, k, fusion in INVARIANT_SHAPES:
         copies = max(1, min(16, INVARIANT_STREAM_BYTES // (n * k * DTYPE.itemsize)))
         weights = [torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
@@ -568,24 +567,20 @@ def bench_invariant(rows: list[dict], num_sms: int, label: str = "",
             x = torch.randn(m, k, dtype=DTYPE, device=DEV)
             res = torch.zeros(m, out_n, dtype=DTYPE, device=DEV)
             r = res if fusion == "residual" else None
-            fused_kw = dict(norm_weight=norm_w if normed else None, eps=1e-5, gated=gated)
+            gemv_kw = dict(norm_weight=norm_w if normed else None, eps=1e-5, gated=gated)
 
-            def fused(w, x=x, r=r, kw=fused_kw) -> torch.Tensor:
-                return inv.invariant_gemm(x, w, r, workspace=ws, **({} if r is not None else kw))
-
-            def apart(w, x=x, r=r) -> torch.Tensor:
+            def invariant(w, x=x, r=r) -> torch.Tensor:
                 h = rms_norm(x, norm_w, 1e-5) if normed else x
-                y = inv.invariant_gemm(h, w, r, workspace=ws)
-                return silu_and_mul(y) if gated else y
+                return inv.invariant_gemm(h, w, r, workspace=ws, gated=gated)
 
             def default(w, x=x, r=r, m=m) -> torch.Tensor:
                 if m == 1:
-                    return gemv(x, w, **({"residual": r} if r is not None else fused_kw))
+                    return gemv(x, w, **({"residual": r} if r is not None else gemv_kw))
                 h = rms_norm(x, norm_w, 1e-5) if normed else x
                 y = F.linear(h, w) if r is None else r.addmm_(h, w.t())
                 return silu_and_mul(y) if gated else y
 
-            paths = {"fused": fused, "apart": apart, "default": default}
+            paths = {"invariant": invariant, "default": default}
             errs = {path: check(fn(weights[0]), default(weights[0]), 2e-2)
                     for path, fn in paths.items()
                     if r is None}  # a residual grows with each call: checked on fresh ones
@@ -593,7 +588,7 @@ def bench_invariant(rows: list[dict], num_sms: int, label: str = "",
                                               return_mode="median") / copies
                      for path, fn in paths.items()}
             for path, ms in times.items():
-                rows.append(dict(kernel=f"invariant {path} {model} {name}{label}", batch=m,
+                rows.append(dict(kernel=f"{path} {model} {name}{label}", batch=m,
                                  graph_us=ms * 1e3,
                                  gbps=weights[0].nbytes / 1e9 / (ms / 1e3),
                                  vs_default=times["default"] / ms,
@@ -609,32 +604,29 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
     """Alternative tile configurations (the kernels read their config functions at call time)."""
     decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
     gemv_tile = wna16.GEMV_TILE
-    invariant_tile = (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
-                      inv.MIN_K_PER_SPLIT)
+    invariant_tile = (inv.BLOCK_K, inv.NUM_STAGES, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT)
     wide_block_m = inv.WIDE_BLOCK_M
     fewrow_tile = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES)
     try:
         if "invariant" in parts:
-            # (K a step, stages, normed launches' warps, programs an SM the splits aim for,
-            # fewest K a split): each one setting for every row count, so rows still agree
-            for tile in ((128, 3, 8, 2, 512), (128, 4, 8, 2, 1024), (64, 5, 8, 2, 512),
-                         (64, 4, 8, 4, 256), (128, 4, 8, 4, 512), (64, 3, 4, 2, 512)):
-                (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
-                 inv.MIN_K_PER_SPLIT) = tile
+            # (K a step, stages, programs an SM the splits aim for, fewest K a split): each one
+            # setting for every row count, so rows still agree
+            for tile in ((128, 3, 2, 512), (128, 4, 2, 1024), (64, 5, 2, 512), (64, 4, 4, 256),
+                         (128, 4, 4, 512), (64, 6, 4, 512)):
+                inv.BLOCK_K, inv.NUM_STAGES, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = tile
                 try:
-                    bench_invariant(rows, num_sms, " k{} s{} w{} p{} min{}".format(*tile),
+                    bench_invariant(rows, num_sms, " k{} s{} p{} min{}".format(*tile),
                                     row_counts=(1, 128))
                 except OutOfResources:  # deep pipelines of wide tiles: more shared memory
                     rows.append(dict(kernel=f"invariant {tile}: out of resources"))
-            (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
-             inv.MIN_K_PER_SPLIT) = invariant_tile
+            inv.BLOCK_K, inv.NUM_STAGES, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = invariant_tile
             inv.WIDE_BLOCK_M = inv.BLOCK_M  # serial launches in 64-row tiles, as before item 134
             bench_invariant(rows, num_sms, " narrow serial", row_counts=(128, 2048))
             inv.WIDE_BLOCK_M = wide_block_m
         if "wna16" in parts:
             # More bytes in flight an SM: more programs (fewer rows each), longer steps, the next
             # step's words loaded before this step's multiply (NOTES.md, "4-bit weights").
-            changes = ({}, {"min_programs_per_sm": 3}, {"min_programs_per_sm": 6}, {"rows": 8},
+            changes = ({}, {"rows": 16}, {"min_programs_per_sm": 3}, {"min_programs_per_sm": 6},
                        {"codes": 32768, "num_warps": 8})
             for change, ahead in itertools.product(changes, (False, True)):
                 tile = wna16.GemvTile(**change, words_ahead=ahead)
@@ -674,8 +666,7 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
         wna16.GEMV_TILE = gemv_tile
         wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES = fewrow_tile
-        (inv.BLOCK_K, inv.NUM_STAGES, inv.NORMED_WARPS, inv.PROGRAMS_PER_SM,
-         inv.MIN_K_PER_SPLIT) = invariant_tile
+        inv.BLOCK_K, inv.NUM_STAGES, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = invariant_tile
         inv.WIDE_BLOCK_M = wide_block_m
 
 

@@ -93,8 +93,8 @@ def silu_and_mul_invariant(x: torch.Tensor) -> torch.Tensor:
 class BatchInvariantLinearMethod(LinearMethod):
     """The weight in the model dtype, multiplied by `invariant_mm` for every row count (the
     runner leaves LayerOps.gemv off in this mode: the one-row GEMV kernel's reduction order
-    differs from the GEMM's). `use_triton`: the Triton GEMM, with the norm and SwiGLU inside
-    it, on the CPU too (interpreted; on CUDA always)."""
+    differs from the GEMM's). `use_triton`: the Triton GEMM, with SwiGLU inside it, on the CPU
+    too (interpreted; on CUDA always)."""
 
     def __init__(self, use_triton: bool):
         self.use_triton = use_triton
@@ -123,14 +123,9 @@ class BatchInvariantLinearMethod(LinearMethod):
 
     def gemm_normed(self, layer: nn.Module, x: torch.Tensor, norm: RMSNorm,
                     act: SiluAndMul | None) -> torch.Tensor:
-        if self._triton(x):  # the norm in the GEMM's loads, SwiGLU in its epilogue: one launch
+        if self._triton(x):  # the norm's kernel, then the GEMM with SwiGLU in its epilogue
             from liteinfer.kernels.invariant_gemm import invariant_gemm
-            # fp16 cannot hold the un-normalized x times the norm's weight (a residual stream
-            # in the thousands may pass 65,504): there the norm runs first.
-            fused = x.dtype != torch.float16
-            return invariant_gemm(x if fused else norm(x), layer.weight,
-                                  workspace=layer.scratch.split_k,
-                                  norm_weight=norm.weight if fused else None, eps=norm.eps,
+            return invariant_gemm(norm(x), layer.weight, workspace=layer.scratch.split_k,
                                   gated=act is not None)
         y = _blocked_mm(norm(x), layer.weight)
         return y if act is None else act(y)

@@ -74,15 +74,12 @@ def kernels_per_step(llm: LLM, bs: int, ctx: int) -> dict[str, tuple[float, floa
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
 
 
-# One-row GEMV tiles, the likeliest first: more programs (fewer rows each), longer steps, the
-# next step's words loaded before this step's multiply, alone and together.
+# One-row GEMV tiles, the tile in use first: the words ahead, more or fewer programs (rows
+# each), longer steps.
 GEMV_TILES = [wna16.GemvTile(**change) for change in (
-    {}, {"min_programs_per_sm": 6, "words_ahead": True}, {"rows": 8, "words_ahead": True},
-    {"min_programs_per_sm": 3, "words_ahead": True},
-    {"rows": 8, "codes": 32768, "num_warps": 8, "words_ahead": True},
-    {"min_programs_per_sm": 6, "codes": 32768, "words_ahead": True}, {"words_ahead": True},
-    {"min_programs_per_sm": 6}, {"rows": 8}, {"min_programs_per_sm": 3},
-    {"codes": 32768, "num_warps": 8, "words_ahead": True})]
+    {}, {"words_ahead": True}, {"rows": 16}, {"min_programs_per_sm": 3, "words_ahead": True},
+    {"min_programs_per_sm": 6}, {"min_programs_per_sm": 6, "words_ahead": True},
+    {"codes": 32768, "num_warps": 8}, {"codes": 32768, "num_warps": 8, "words_ahead": True})]
 # Few-row tile rules, the rule in use first: (features, packed bytes a row a step, programs an
 # SM that K is cut towards, rows up to which a program has four warps).
 FEWROW_RULES = [(64, 128, 4, 32), (64, 128, 8, 32), (32, 128, 4, 32), (64, 64, 4, 32),

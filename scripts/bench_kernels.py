@@ -624,15 +624,15 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
             bench_invariant(rows, num_sms, " narrow serial", row_counts=(128, 2048))
             inv.WIDE_BLOCK_M = wide_block_m
         if "wna16" in parts:
-            # More bytes in flight an SM: more programs (fewer rows each), longer steps, the next
-            # step's words loaded before this step's multiply (NOTES.md, "4-bit weights").
+            # More bytes in flight an SM: more programs (fewer rows each), longer steps, deeper
+            # pipelines (1: none) (NOTES.md, "4-bit weights").
             changes = ({}, {"rows": 16}, {"min_programs_per_sm": 3}, {"min_programs_per_sm": 6},
                        {"codes": 32768, "num_warps": 8})
-            for change, ahead in itertools.product(changes, (False, True)):
-                tile = wna16.GemvTile(**change, words_ahead=ahead)
+            for change, stages in itertools.product(changes, (1, 2, 3, 4)):
+                tile = wna16.GemvTile(**change, num_stages=stages)
                 wna16.GEMV_TILE = tile
                 label = (f" gemv r{tile.rows} c{tile.codes} w{tile.num_warps} "
-                         f"p{tile.min_programs_per_sm}{' ahead' if tile.words_ahead else ''}")
+                         f"p{tile.min_programs_per_sm} s{stages}")
                 bench_wna16(rows, label, row_counts=(1,))
             wna16.GEMV_TILE = gemv_tile
             # (features, bytes a row a step, programs an SM that K is cut towards)

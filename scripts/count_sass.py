@@ -66,19 +66,19 @@ def loop_and_registers(kernel) -> tuple[int, int]:
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     tile = wna16.GEMV_TILE
-    for (name, norm, add, gated), ahead in itertools.product(
+    for (name, norm, add, gated), stages in itertools.product(
             (("qkv", True, False, False), ("o", False, True, False),
-             ("gate_up", True, False, True)), (False, True)):
+             ("gate_up", True, False, True)), (1, tile.num_stages)):
         block_k = tile.codes // (tile.rows * (1 + gated))
         kernel = compiled(wna16._wna16_gemv_kernel, dict(
             BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, block_k), BLOCK_N=tile.rows,
             BLOCK_K=block_k, NORM=norm, ADD=add, GATED=gated, USE_PDL=True, PREFETCH_LINES=4,
-            WORDS_AHEAD=ahead), tile.num_warps, tile.num_stages)
+            NUM_STAGES=stages), tile.num_warps, stages)
         loop, registers = loop_and_registers(kernel)
         per_thread = tile.rows * block_k * (1 + gated) // (32 * tile.num_warps)
-        print(f"GEMV {name} {tile.rows} x {block_k}{', words ahead' if ahead else ''}: {loop} "
-              f"instructions a step of {per_thread} codes a thread, {loop / per_thread:.2f} a "
-              f"code, {registers} registers")
+        print(f"GEMV {name} {tile.rows} x {block_k}, {stages} stages: {loop} instructions a "
+              f"step of {per_thread} codes a thread, {loop / per_thread:.2f} a code, "
+              f"{registers} registers, {kernel.metadata.shared} bytes of shared memory")
     for m in (16, 128):
         tiles = wna16.wna16_tiles(m, 4096, 4096, 4, 2, 132)
         kernel = compiled(wna16._wna16_fewrow_kernel, dict(

@@ -5,9 +5,10 @@ under torch.profiler (each kernel's GPU time per step, and its launches per step
     python scripts/profile_decode.py [--model llama-3.2-1b-instruct] [--batch 1 32 128]
                                      [--ctx 128] [--set KEY=VALUE ...] [--eager-only]
 `--eager-only` skips the captured runs (and building their graphs): the breakdown alone.
-`--int4-tiles` (with `--set quantization=int4`) instead times the captured step at each batch
-size under several 4-bit kernel tiles, its graphs captured again for each: the one-row GEMV's
-`GemvTile`s at one row, the few-row GEMM's tile rules above (NOTES.md, "4-bit weights").
+`--tiles` instead times the captured step at each batch size under several kernel tiles, its
+graphs captured again for each: at one row the one-row GEMV's (`GemvTile`s with `--set
+quantization=int4`, else the chunked GEMV's settings), above it the 4-bit few-row GEMM's tile
+rules (NOTES.md, "4-bit weights").
 With $OUT set, writes $OUT/profile-decode-<model>.json.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from liteinfer import LLM, SamplingParams
 from liteinfer.config import parse_overrides
 from liteinfer.engine.cuda_graph import CUDAGraphRunner
-from liteinfer.kernels import num_sms, wna16
+from liteinfer.kernels import gemv, num_sms, wna16
 from liteinfer.kernels.gemm_splits import SplitKWorkspace
 from liteinfer.layers.quantization import split_k_launches
 from liteinfer.utils import free_device_memory
@@ -74,12 +75,16 @@ def kernels_per_step(llm: LLM, bs: int, ctx: int) -> dict[str, tuple[float, floa
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
 
 
-# One-row GEMV tiles, the tile in use first: the words ahead, more or fewer programs (rows
-# each), longer steps.
+# One-row GEMV tiles, the tile in use first: the pipeline's depth (1: not pipelined), more or
+# fewer programs (rows each), longer steps.
 GEMV_TILES = [wna16.GemvTile(**change) for change in (
-    {}, {"words_ahead": True}, {"rows": 16}, {"min_programs_per_sm": 3, "words_ahead": True},
-    {"min_programs_per_sm": 6}, {"min_programs_per_sm": 6, "words_ahead": True},
-    {"codes": 32768, "num_warps": 8}, {"codes": 32768, "num_warps": 8, "words_ahead": True})]
+    {}, {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"rows": 16},
+    {"min_programs_per_sm": 3}, {"codes": 32768, "num_warps": 8, "num_stages": 2})]
+# The unquantized GEMV's chunked kernel, the setting in use first: (rows longer than which take
+# it, its tile), its pipeline's depth (1: not pipelined), and every row chunked.
+CHUNKED_SETTINGS = [(gemv.CHUNKED_MIN_K, gemv.CHUNKED_TILE), (gemv.CHUNKED_MIN_K, (8, 1024, 4, 1)),
+                    (gemv.CHUNKED_MIN_K, (8, 1024, 4, 2)), (gemv.CHUNKED_MIN_K, (8, 1024, 4, 4)),
+                    (0, gemv.CHUNKED_TILE), (0, (8, 512, 4, 4)), (0, (4, 1024, 4, 3))]
 # Few-row tile rules, the rule in use first: (features, packed bytes a row a step, programs an
 # SM that K is cut towards, rows up to which a program has four warps).
 FEWROW_RULES = [(64, 128, 4, 32), (64, 128, 8, 32), (32, 128, 4, 32), (64, 64, 4, 32),
@@ -92,18 +97,28 @@ def _set_fewrow_rule(rule: tuple[int, int, int, int]) -> None:
     wna16.fuses_swiglu.cache_clear()
 
 
-def int4_tile_times(llm: LLM, bs: int, ctx: int) -> dict[str, float]:
-    """The captured step's ms at each one-row tile (bs 1) or few-row rule (bs > 1), the decode
-    graphs captured again under each (the module's tiles are read at capture)."""
+def _set_chunked(setting: tuple[int, tuple[int, int, int, int]]) -> None:
+    gemv.CHUNKED_MIN_K, gemv.CHUNKED_TILE = setting
+
+
+def tile_times(llm: LLM, bs: int, ctx: int, int4: bool) -> dict[str, float]:
+    """The captured step's ms at each one-row tile (bs 1: the 4-bit GEMV's when `int4`, else the
+    chunked GEMV's) or 4-bit few-row rule (bs > 1), the decode graphs captured again under each
+    (the module's tiles are read at capture)."""
     runner = llm.engine.core.runner
     pool = torch.cuda.graph_pool_handle()
     default_tile = wna16.GEMV_TILE
+    default_chunked = (gemv.CHUNKED_MIN_K, gemv.CHUNKED_TILE)
     default_rule = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES,
                     wna16.FOUR_WARPS_MAX_ROWS)
-    variants = ([(str(t), lambda t=t: setattr(wna16, "GEMV_TILE", t)) for t in GEMV_TILES]
-                if bs == 1 else
-                [(f"n{r[0]} kb{r[1]} waves{r[2]} 4warps<={r[3]}",
-                  lambda r=r: _set_fewrow_rule(r)) for r in FEWROW_RULES])
+    if bs > 1:
+        variants = [(f"n{r[0]} kb{r[1]} waves{r[2]} 4warps<={r[3]}",
+                     lambda r=r: _set_fewrow_rule(r)) for r in FEWROW_RULES]
+    elif int4:
+        variants = [(str(t), lambda t=t: setattr(wna16, "GEMV_TILE", t)) for t in GEMV_TILES]
+    else:
+        variants = [(f"chunked past K {c[0]}, tile {c[1]}", lambda c=c: _set_chunked(c))
+                    for c in CHUNKED_SETTINGS]
     times = {}
     try:
         # the split-K workspace, sized for the default rule's splits, made room for every rule's
@@ -122,6 +137,7 @@ def int4_tile_times(llm: LLM, bs: int, ctx: int) -> dict[str, float]:
             print(bs, label, times[label], "ms", flush=True)
     finally:
         wna16.GEMV_TILE = default_tile
+        _set_chunked(default_chunked)
         _set_fewrow_rule(default_rule)
     return times
 
@@ -135,17 +151,18 @@ def main() -> None:
                     help="engine arguments, as in `liteinfer-bench run --set`")
     ap.add_argument("--eager-only", action="store_true",
                     help="only the per-kernel breakdown, no captured step times")
-    ap.add_argument("--int4-tiles", action="store_true",
-                    help="the captured step at each 4-bit kernel tile instead")
+    ap.add_argument("--tiles", action="store_true",
+                    help="the captured step at each GEMV tile (4-bit ones under int4) instead")
     args = ap.parse_args()
     engine_args = {"dtype": "bfloat16", "max_num_seqs": max(args.batch),
                    "max_model_len": args.ctx + 10 * STEPS + 64, **parse_overrides(args.set)}
     report: dict[str, Any] = {"model": args.model, "engine_args": engine_args, "rows": {}}
-    if args.int4_tiles:
+    if args.tiles:
         llm = LLM(args.model, load_format="dummy", **engine_args)
-        report["int4_tiles"] = {bs: int4_tile_times(llm, bs, args.ctx) for bs in args.batch}
+        int4 = engine_args.get("quantization") == "int4"
+        report["tiles"] = {bs: tile_times(llm, bs, args.ctx, int4) for bs in args.batch}
         del llm
-    modes = () if args.int4_tiles else (True,) if args.eager_only else (False, True)
+    modes = () if args.tiles else (True,) if args.eager_only else (False, True)
     for eager in modes:
         llm = LLM(args.model, load_format="dummy", **engine_args, enforce_eager=eager)
         for bs in args.batch:

@@ -25,7 +25,8 @@ intermediate that is a tensor there is rounded to the activation dtype here.
 Rows longer than CHUNKED_MIN_K (an 8B model's down: 14,336) go through a second kernel
 instead: a whole row is then a program's tile on its own, and one e4m3 row a program streams
 those weights well under the copy bandwidth (journal items 90 and 91); CHUNKED_TILE's programs
-own several rows and walk K in chunks that Triton's pipeline keeps in flight, with the products
+own several rows and walk K in chunks that Triton's pipeline keeps in flight (a `tl.range` with
+its stages: a plain loop without a dot is not pipelined), with the products
 summed elementwise and reduced once. On the 8B's shorter rows (4,096) the whole-row kernel
 stays faster.
 
@@ -179,13 +180,14 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride
 def _gemv_chunked_kernel(x_ptr, w_ptr, w_scale_ptr, out_ptr, norm_ptr, eps, N, K, stride_wn,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                          ADD: tl.constexpr, GATED: tl.constexpr, W_SCALE: tl.constexpr,
-                         USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                         USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
     offs, n_mask, k, w_rows = _program_rows(w_ptr, N, stride_wn, BLOCK_N, BLOCK_K)
     inv_rms = gemv_prologue(w_ptr, N * stride_wn, offs, N, K, stride_wn, x_ptr, K, eps, USE_PDL,
                             PREFETCH_LINES, GATED, NORM, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = acc
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = k0 + k < K
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + k0, mask=w_mask, other=0.0)
@@ -238,7 +240,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
         lines = prefetch_lines(weight.shape[0], in_features * itemsize, x.device) if pdl else 0
         _gemv_chunked_kernel[(triton.cdiv(n, block_n),)](
             *args, BLOCK_N=block_n, BLOCK_K=block_k, **flags, PREFETCH_LINES=lines,
-            num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+            NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
         return out
     block_k = triton.next_power_of_2(in_features)
     block_n = max(1, TILE_BYTES // (itemsize * (1 + gated) * block_k))

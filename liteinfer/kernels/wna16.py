@@ -11,8 +11,8 @@ in the word's half), so one AND makes it a float, exactly, with no integer-to-fl
 rows of a step:
 
 - one row, `wna16_gemv`: kernels/gemv.py's chunked GEMV over the packed rows. Each program owns
-  BLOCK_N output features and walks their rows in chunks (the loads in flight are those of the
-  programs resident on an SM: Triton does not pipeline a loop without a dot). A code's own
+  BLOCK_N output features and walks their rows in chunks, a few chunks' words in flight at once
+  (the loop is pipelined through shared memory, `GemvTile.num_stages`). A code's own
   work is two instructions: the AND, and one FMA with its input (scaled by 2^(149 - a) once a
   step) into its word's sum; the words' sums add up by group, and scales and mins apply once
   a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and
@@ -61,22 +61,20 @@ FEWROW_MAX = FEWROW_MAX_ROWS
 class GemvTile:
     """The one-row kernel's tile: `rows` features a program owns (halved while the projection
     would give fewer than `min_programs_per_sm` programs an SM), `codes` a loop step multiplies
-    over all its rows (gate's and up's together), and whether a program loads the next step's
-    words before multiplying this step's (`words_ahead`: twice the bytes in flight a program,
-    for more registers; the first step's words then load before the PDL wait). A loop without
-    a dot is not pipelined by Triton, so the bytes an SM has in flight are its resident
-    programs' loads (NOTES.md, "4-bit weights").
+    over all its rows (gate's and up's together), and the steps whose packed words are in
+    flight at once (`num_stages`: the loop is a `tl.range` with that many stages, which Triton
+    pipelines through shared memory, cp.async, though it holds no dot; a plain `range` loop
+    loads a step's words only when it reaches them).
     8 rows x 2048 4-bit codes are 8 KiB a step, 128 codes a thread in under 100 registers; as
     many bytes a step as 16 x 1024 from twice the programs, and the 8B's captured one-request
-    step 0.85x as long (3.22 -> 2.72 ms on an H100; more programs or the words ahead measured
-    within 1% of it, `scripts/profile_decode.py --int4-tiles`)."""
+    step 0.85x as long (3.22 -> 2.72 ms on an H100, unpipelined; `scripts/profile_decode.py
+    --tiles`)."""
 
     rows: int = 8
     codes: int = 16384
     num_warps: int = 4
-    num_stages: int = 4  # as measured; Triton 3.9 emits the same SASS at its default 3
+    num_stages: int = 3
     min_programs_per_sm: int = 1
-    words_ahead: bool = False
 
 
 GEMV_TILE = GemvTile()
@@ -318,7 +316,7 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
                        BITS: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                        ADD: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
-                       PREFETCH_LINES: tl.constexpr, WORDS_AHEAD: tl.constexpr):
+                       PREFETCH_LINES: tl.constexpr, NUM_STAGES: tl.constexpr):
     GROUPS: tl.constexpr = BLOCK_K // GROUP_TILE
     offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs < N
@@ -326,25 +324,16 @@ def _wna16_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, norm_ptr, eps, N, K
     # gate's rows, then up's: up's words, scales and mins start N rows on
     up_w = N * words
     up_g = N * (K // GROUP)
-    if WORDS_AHEAD:  # the first step's words before the PDL wait: no step writes them
-        packed, packed_up = _step_words(qw_ptr, up_w, offs, n_mask, 0, K, BITS, GROUP,
-                                        BLOCK_N, BLOCK_K, GATED)
     inv_rms = gemv_prologue(qw_ptr, up_w, offs, N, words, words, x_ptr, K, eps, USE_PDL,
                             PREFETCH_LINES, GATED, NORM, BLOCK_K)
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     acc_up = acc
-    for k0 in range(0, K, BLOCK_K):
-        if WORDS_AHEAD:
-            next_packed, next_up = _step_words(qw_ptr, up_w, offs, n_mask, k0 + BLOCK_K, K,
-                                               BITS, GROUP, BLOCK_N, BLOCK_K, GATED)
-        else:
-            packed, packed_up = _step_words(qw_ptr, up_w, offs, n_mask, k0, K, BITS, GROUP,
-                                            BLOCK_N, BLOCK_K, GATED)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        packed, packed_up = _step_words(qw_ptr, up_w, offs, n_mask, k0, K, BITS, GROUP,
+                                        BLOCK_N, BLOCK_K, GATED)
         y, y_up = _gemv_step(packed, packed_up, s_ptr, m_ptr, offs, n_mask, k0, K, x_ptr,
                              norm_ptr, inv_rms, up_g, BITS, GROUP, GROUP_TILE, BLOCK_N,
                              BLOCK_K, NORM, GATED)
-        if WORDS_AHEAD:
-            packed, packed_up = next_packed, next_up
         acc += y
         acc_up += y_up
     y = tl.sum(acc, 1)
@@ -473,7 +462,7 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
         BITS=bits, GROUP=group, GROUP_TILE=min(group, block_k), BLOCK_N=rows, BLOCK_K=block_k,
         NORM=norm_weight is not None,
         ADD=residual is not None, GATED=gated, USE_PDL=pdl, PREFETCH_LINES=lines,
-        WORDS_AHEAD=tile.words_ahead, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        NUM_STAGES=tile.num_stages, num_warps=tile.num_warps, num_stages=tile.num_stages,
         launch_pdl=pdl)
     return out
 

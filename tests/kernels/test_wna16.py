@@ -57,12 +57,12 @@ def _weight64(qweight, scales, mins, bits):
     return dequantize(qweight, scales, mins, bits, torch.float64)
 
 
-# The GEMV's tile, and one of several steps a row (K's last step partial at the CPU's 576)
-# whose next step's words load before this step's multiply.
-GEMV_TILES = [GemvTile(), GemvTile(rows=4, codes=1024, words_ahead=True)]
+# The GEMV's tile, and one of several steps a row (K's last step partial at the CPU's 576) in a
+# two-stage pipeline.
+GEMV_TILES = [GemvTile(), GemvTile(rows=4, codes=1024, num_stages=2)]
 
 
-@pytest.fixture(params=GEMV_TILES, ids=["tile", "words-ahead"])
+@pytest.fixture(params=GEMV_TILES, ids=["tile", "several-steps"])
 def gemv_tile(request, monkeypatch):
     monkeypatch.setattr(wna16, "GEMV_TILE", request.param)
 

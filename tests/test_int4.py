@@ -250,18 +250,27 @@ def _gguf_pair(tmp_path: Path, types: Callable[[str], str]) -> tuple[Path, Path]
             make_tiny_gguf(tmp_path / "dense.gguf", dense, config=GGUF_CONFIG))
 
 
-@pytest.mark.parametrize("types, bits, group", [
+@pytest.mark.parametrize("types, bits, group, layouts", [
     ({"q": "Q4_0", "k": "Q4_1", "v": "Q4_K", "o": "Q4_1", "gate": "Q4_K", "up": "Q4_0",
-      "down": "Q4_1"}, 4, 32),
+      "down": "Q4_1"}, 4, 32, {"qkv": (4, 32), "o": (4, 32), "gate_up": (4, 32), "down": (4, 32)}),
     ({"q": "Q4_K", "k": "Q8_0", "v": "Q6_K", "o": "Q5_K", "gate": "Q4_K", "up": "Q8_0",
-      "down": "Q6_K"}, 8, 16)], ids=["4-bit", "mixed"])
-def test_gguf_blocks_load_as_they_are(tmp_path, types, bits, group):
-    """Every kept type, several in one fused projection. A file's projections share the widest
-    bits and the finest group among its types (as a Q4_K_M file's Q4_K and Q6_K do)."""
+      "down": "Q6_K"}, 8, 16, {"qkv": (8, 16), "o": (8, 32), "gate_up": (8, 32), "down": (8, 16)}),
+    ({"q": "Q4_K", "k": "Q4_K", "v": "Q6_K", "o": "Q4_K", "gate": "Q4_K", "up": "Q4_K",
+      "down": "Q6_K"}, 8, 16, {"qkv": (8, 16), "o": (4, 32), "gate_up": (4, 32), "down": (8, 16)}),
+], ids=["4-bit", "mixed", "q4_k_m"])
+def test_gguf_blocks_load_as_they_are(tmp_path, types, bits, group, layouts):
+    """Every kept type, several in one fused projection. A file's projections are created at
+    the widest bits and the finest group among its types, and each is repacked to the fewest
+    bits and widest groups its own types allow (a Q4_K_M file's Q4_K projections to 4 bits in
+    groups of 32, its Q6_K ones kept at 8 in groups of 16)."""
     blocks, dense = _gguf_pair(tmp_path, lambda name: types[name.split(".")[-2][:-5]])
     llm, reference = _cpu_llm(blocks), _cpu_llm(dense)
-    quant = llm.engine.core.runner.model.layers[0].mlp.down_proj.quant_method.config
-    assert (quant.bits, quant.group_size) == (bits, group)
+    layer = _model(llm).layers[0]
+    assert (layer.mlp.down_proj.quant_method.config.bits,
+            layer.mlp.down_proj.quant_method.config.group_size) == (bits, group)
+    projections = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
+                   "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+    assert {name: (p.bits, p.group_size) for name, p in projections.items()} == layouts
     assert_layers_match(llm, reference)
     assert_same_generations(llm, reference, GGUF_CONFIG["vocab_size"])
 
@@ -280,6 +289,24 @@ def test_int4_kept_on_the_gpu_multiplies_its_dequantized_weights(tmp_path):
     assert _model(gpu).layers[0].self_attn.qkv_proj.weight is None
     assert_layers_match(gpu, cpu)
     assert_same_generations(gpu, cpu, TINY_LLAMA["vocab_size"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gguf_of_mixed_types_kept_on_the_gpu_multiplies_each_at_its_bits(tmp_path):
+    """A Q4_K_M-like file on CUDA: its Q4_K projections' 4-bit codes and its Q6_K ones' 8-bit
+    codes stay packed, each multiplied by the kernels at its own bits, and match the engine that
+    loaded the same blocks dequantized, projection by projection and in what they generate."""
+    types = {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K", "o": "Q4_K", "gate": "Q4_K", "up": "Q4_K",
+             "down": "Q6_K"}
+    blocks, dense = _gguf_pair(tmp_path, lambda name: types[name.split(".")[-2][:-5]])
+    gpu = build_llm(str(blocks), dtype="float32", device="cuda", max_model_len=128)
+    layer = _model(gpu).layers[0]
+    assert [(p.bits, p.qweight.is_cuda) for p in (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            ] == [(4, True), (8, True)]
+    reference = _cpu_llm(dense)
+    assert_layers_match(gpu, reference)
+    assert_same_generations(gpu, reference, GGUF_CONFIG["vocab_size"])
 
 
 @pytest.mark.gpu

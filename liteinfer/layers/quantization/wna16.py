@@ -62,6 +62,23 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     return w.to(dtype)
 
 
+def narrowest(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The same weight in the fewest bits and the widest groups that hold it exactly: 8-bit
+    codes that all fit in 4 bits repacked, and each pair of neighbouring groups with equal
+    scales and mins in every row made one group, while the groups pair up."""
+    if bits == 8:
+        codes = qweight.view(torch.uint8)  # little-endian: code j is byte j of the row
+        if not (codes >= 16).any():
+            pairs = codes.reshape(codes.shape[0], -1, 2)
+            qweight = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous().view(torch.int32)
+            bits = 4
+    while (scales.shape[1] % 2 == 0 and torch.equal(scales[:, 0::2], scales[:, 1::2])
+           and torch.equal(mins[:, 0::2], mins[:, 1::2])):
+        scales, mins = scales[:, 0::2].contiguous(), mins[:, 0::2].contiguous()
+    return qweight, scales, mins, bits
+
+
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric round to nearest per group: (qweight, scales, mins). The zero point is an
@@ -82,7 +99,10 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int
 class CheckpointFormat:
     """How one format's tensors sit on a layer: `create` registers them (with loaders that
     convert to the packed layout where they can), `packed` returns the layer's (qweight, scales,
-    mins) once loaded and removes what `create` registered."""
+    mins) once loaded and removes what `create` registered. `narrows`: each layer is repacked
+    to its `narrowest` layout once loaded."""
+
+    narrows = False
 
     def create(self, layer: nn.Module, config: WNA16Config, out_features: int,
                in_features: int) -> None:
@@ -131,7 +151,12 @@ class QuantizeAtLoad(CheckpointFormat):
 
 class PackedMinFormat(CheckpointFormat):
     """The packed layout itself, codes unpacked: what the GGUF loader yields for each block
-    tensor (codes [N, K] uint8, scales and mins [N, K / its group])."""
+    tensor (codes [N, K] uint8, scales and mins [N, K / its group]). A file that mixes types
+    creates every layer at its widest type's bits and finest group (a Q4_K_M file: Q6_K's 8
+    bits in groups of 16, 12 bits a weight with the fp32 scales and mins); a layer whose tensors
+    are all narrower (its Q4_K gate/up and o) is repacked to theirs (6 bits a weight)."""
+
+    narrows = True
 
     def create(self, layer, config, out_features, in_features):
         groups = in_features // config.group_size
@@ -180,13 +205,17 @@ class WNA16LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight, scales, mins = self.config.fmt.packed(layer, self.config)
+        layer.bits = self.config.bits  # this layer's, which the kernels are given
+        if self.config.fmt.narrows:
+            qweight, scales, mins, layer.bits = narrowest(qweight, scales, mins, layer.bits)
+        layer.group_size = qweight.shape[1] * (32 // layer.bits) // scales.shape[1]
         if qweight.is_cuda and self.use_triton:
             layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
             layer.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
             layer.mins = nn.Parameter(mins.float().contiguous(), requires_grad=False)
             layer.weight = None
         else:  # dequantized once: no call pays for it
-            w = dequantize(qweight, scales, mins, self.config.bits, self.out_dtype)
+            w = dequantize(qweight, scales, mins, layer.bits, self.out_dtype)
             layer.weight = nn.Parameter(w, requires_grad=False)
 
     def _matmul(self, layer: nn.Module, x: torch.Tensor,
@@ -195,7 +224,7 @@ class WNA16LinearMethod(LinearMethod):
             y = nn.functional.linear(x, layer.weight)
             return y if residual is None else residual.add_(y)
         from liteinfer.kernels.wna16 import wna16_linear
-        return wna16_linear(x, layer.qweight, layer.scales, layer.mins, self.config.bits,
+        return wna16_linear(x, layer.qweight, layer.scales, layer.mins, layer.bits,
                             residual, workspace=layer.scratch.split_k)
 
     def split_k_launch(self, layer: nn.Module, sms: int) -> tuple[int, int] | None:
@@ -205,7 +234,7 @@ class WNA16LinearMethod(LinearMethod):
         n, k = self._packed_shape(layer)
         # The split count depends on neither the rows nor their dtype; a gated launch (taken
         # for gate/up) may cut K differently, its partials in the same room of n features.
-        splits = max(wna16_tiles(2, n, k, self.config.bits, self.out_dtype.itemsize, sms,
+        splits = max(wna16_tiles(2, n, k, layer.bits, self.out_dtype.itemsize, sms,
                                   gated).splits for gated in (False, True))
         return (n, splits) if splits > 1 else None
 
@@ -214,7 +243,7 @@ class WNA16LinearMethod(LinearMethod):
         if layer.weight is not None:
             return super().gemv(layer, x, norm=norm, gated=gated, residual=residual)
         from liteinfer.kernels.wna16 import wna16_gemv
-        return wna16_gemv(x, layer.qweight, layer.scales, layer.mins, self.config.bits,
+        return wna16_gemv(x, layer.qweight, layer.scales, layer.mins, layer.bits,
                           norm_weight=None if norm is None else norm.weight,
                           eps=0.0 if norm is None else norm.eps, gated=gated, residual=residual)
 
@@ -227,7 +256,7 @@ class WNA16LinearMethod(LinearMethod):
         if act is not None and self._fuses_swiglu(layer, x):
             from liteinfer.kernels.wna16 import wna16_gemm
             return wna16_gemm(norm(x), layer.qweight, layer.scales, layer.mins,
-                              self.config.bits, gated=True, workspace=layer.scratch.split_k)
+                              layer.bits, gated=True, workspace=layer.scratch.split_k)
         y = self._matmul(layer, norm(x))
         return y if act is None else act(y)
 
@@ -236,12 +265,12 @@ class WNA16LinearMethod(LinearMethod):
         from liteinfer.kernels import num_sms
         from liteinfer.kernels.wna16 import FEWROW_MAX, fuses_swiglu
         return (layer.weight is None and x.shape[0] <= FEWROW_MAX
-                and fuses_swiglu(*self._packed_shape(layer), self.config.bits,
+                and fuses_swiglu(*self._packed_shape(layer), layer.bits,
                                  num_sms(x.device)))
 
     def _packed_shape(self, layer: nn.Module) -> tuple[int, int]:
         """The packed weight's [N, K] in features and codes."""
-        return layer.qweight.shape[0], layer.qweight.shape[1] * (32 // self.config.bits)
+        return layer.qweight.shape[0], layer.qweight.shape[1] * (32 // layer.bits)
 
 
 class ZeroPointFormat(CheckpointFormat):

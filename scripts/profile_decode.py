@@ -75,10 +75,10 @@ def kernels_per_step(llm: LLM, bs: int, ctx: int) -> dict[str, tuple[float, floa
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
 
 
-# One-row GEMV tiles, the tile in use first: the pipeline's depth (1: not pipelined), more or
-# fewer programs (rows each), longer steps.
+# One-row GEMV tiles, the tile in use first: the loop pipelined 2-4 deep, more or fewer
+# programs (rows each), longer steps.
 GEMV_TILES = [wna16.GemvTile(**change) for change in (
-    {}, {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"rows": 16},
+    {}, {"num_stages": 2}, {"num_stages": 3}, {"num_stages": 4}, {"rows": 16},
     {"min_programs_per_sm": 3}, {"codes": 32768, "num_warps": 8, "num_stages": 2})]
 # The unquantized GEMV's chunked kernel, the setting in use first: (rows longer than which take
 # it, its tile), its pipeline's depth (1: not pipelined), and every row chunked.

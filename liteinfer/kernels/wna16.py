@@ -11,10 +11,10 @@ in the word's half), so one AND makes it a float, exactly, with no integer-to-fl
 rows of a step:
 
 - one row, `wna16_gemv`: kernels/gemv.py's chunked GEMV over the packed rows. Each program owns
-  BLOCK_N output features and walks their rows in chunks, a few chunks' words in flight at once
-  (the loop is pipelined through shared memory, `GemvTile.num_stages`). A code's own
-  work is two instructions: the AND, and one FMA with its input (scaled by 2^(149 - a) once a
-  step) into its word's sum; the words' sums add up by group, and scales and mins apply once
+  BLOCK_N output features and walks their rows in chunks, a chunk's words loaded as it comes
+  to them (pipelined, the loop measured slower: `GemvTile.num_stages`). A code's own work is
+  two instructions: the AND, and one FMA with its input (scaled by 2^(149 - a) once a step)
+  into its word's sum; the words' sums add up by group, and scales and mins apply once
   a group (`_gemv_step`). The RMSNorm before a projection, the SwiGLU after gate/up and
   the residual add of an output projection are fused in as there, and under PDL the start of
   the program's rows is put in flight into L2 before the wait.
@@ -62,18 +62,18 @@ class GemvTile:
     """The one-row kernel's tile: `rows` features a program owns (halved while the projection
     would give fewer than `min_programs_per_sm` programs an SM), `codes` a loop step multiplies
     over all its rows (gate's and up's together), and the steps whose packed words are in
-    flight at once (`num_stages`: the loop is a `tl.range` with that many stages, which Triton
-    pipelines through shared memory, cp.async, though it holds no dot; a plain `range` loop
-    loads a step's words only when it reaches them).
+    flight at once (`num_stages`: above 1 the loop is pipelined through shared memory by
+    cp.async; at 1 each step loads its words when it reaches them).
     8 rows x 2048 4-bit codes are 8 KiB a step, 128 codes a thread in under 100 registers; as
     many bytes a step as 16 x 1024 from twice the programs, and the 8B's captured one-request
-    step 0.85x as long (3.22 -> 2.72 ms on an H100, unpipelined; `scripts/profile_decode.py
-    --tiles`)."""
+    step 0.85x as long (3.22 -> 2.72 ms on an H100). Pipelined 2-4 deep the same step took
+    1-3% longer (2.76 ms at 3 against 2.70 unpipelined, one H100; `scripts/profile_decode.py
+    --tiles`): the GEMV is not short of bytes in flight."""
 
     rows: int = 8
     codes: int = 16384
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 1
     min_programs_per_sm: int = 1
 
 

@@ -14,9 +14,10 @@ the `gguf` library's, `gguf.quants`; its `dequantize` is the reference the tests
 A model's linears are created at the widest bits and finest group among its tensors (a
 coarser tensor's scales repeat over the finer groups), and once loaded each is repacked to the
 fewest bits and widest groups that hold its own values (`wna16.narrowest`): a Q4_K_M file's
-Q4_K projections read 6 bits a weight, its Q6_K ones (v, down in some layers) 12. Blocks are not kept as llama.cpp stores them: each group's scale
-and min are fp32 beside a plane of codes (a 4-bit type then reads 6 bits a weight at group 32,
-against Q4_0's 4.5), which lets one kernel serve every type.
+Q4_K projections read 6 bits a weight, its Q6_K ones (v, down in some layers) 12. Blocks are
+not kept as llama.cpp stores them: each group's scale and min are fp32 beside a plane of codes
+(a 4-bit type then reads 6 bits a weight at group 32, against Q4_0's 4.5), which lets one
+kernel serve every type.
 
 With `quantization` set the blocks are dequantized at load and quantized again its way."""
 from __future__ import annotations

@@ -68,7 +68,9 @@ def narrowest(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, b
     codes that all fit in 4 bits repacked, and each pair of neighbouring groups with equal
     scales and mins in every row made one group, while the groups pair up."""
     if bits == 8:
-        codes = qweight.view(torch.uint8)  # little-endian: code j is byte j of the row
+        # Repacked from the bytes (little-endian: code j is byte j of the row) rather than by
+        # unpack_codes / pack_codes, whose int64 codes would take 8 bytes a code at load.
+        codes = qweight.view(torch.uint8)
         if not (codes >= 16).any():
             pairs = codes.reshape(codes.shape[0], -1, 2)
             qweight = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous().view(torch.int32)

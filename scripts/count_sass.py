@@ -4,7 +4,8 @@ Compiles kernels/wna16.py's GEMV (the 8B's qkv, o and gate_up launches, with the
 few-row kernel (16 and 128 rows) ahead of time for sm_90 with the Triton wheel's ptxas,
 pointers and sizes specialized as 16-divisible as a launch specializes them, disassembles the
 cubin with its cuobjdump and divides the longest loop's instructions (a backward branch's body)
-by the codes a thread takes a step (NOTES.md, "4-bit weights"). Run from the repository root:
+by the codes a thread takes a step (NOTES.md, "4-bit weights"), and whether ptxas waits for each
+of the few-row kernel's wgmmas before the next. Run from the repository root:
 `python scripts/count_sass.py`.
 """
 from __future__ import annotations
@@ -43,6 +44,20 @@ def compiled(fn: triton.JITFunction, constants: dict, num_warps: int, num_stages
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def serialized_wgmmas(kernel) -> str:
+    """The reason ptxas gives for waiting on every wgmma before the next (its C7515 advisory,
+    which Triton's own compile does not show), or "" where it keeps several in flight."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
+                               os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, check=True).stderr
+    found = re.search(r"C7515\).*serialized due to (.*) in the function", info)
+    return found[1] if found else ""
 
 
 def loop_and_registers(kernel) -> tuple[int, int]:
@@ -88,9 +103,11 @@ def main() -> None:
             tiles.num_stages)
         loop, registers = loop_and_registers(kernel)
         per_thread = tiles.block_n * tiles.block_k // (32 * tiles.num_warps)
+        serialized = serialized_wgmmas(kernel)
         print(f"few-row {m} rows {tiles.block_n} x {tiles.block_k}, {tiles.num_warps} warps: "
               f"{loop} instructions a step of {per_thread} codes a thread, "
-              f"{loop / per_thread:.2f} a code, {registers} registers")
+              f"{loop / per_thread:.2f} a code, {registers} registers; wgmmas "
+              + (f"serialized ({serialized})" if serialized else "in flight together"))
 
 
 if __name__ == "__main__":

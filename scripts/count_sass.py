@@ -5,8 +5,9 @@ few-row kernel (16 and 128 rows) ahead of time for sm_90 with the Triton wheel's
 pointers and sizes specialized as 16-divisible as a launch specializes them, disassembles the
 cubin with its cuobjdump and divides the longest loop's instructions (a backward branch's body)
 by the codes a thread takes a step (NOTES.md, "4-bit weights"), and whether ptxas waits for each
-of the few-row kernel's wgmmas before the next. Run from the repository root:
-`python scripts/count_sass.py`.
+of the few-row kernel's wgmmas before the next. Triton's versions differ there (3.6, the CUDA
+machine's, serialized the kernel that 3.9 did not; journal item 159), so put the CUDA machine's
+Triton first on PYTHONPATH. Run from the repository root: `python scripts/count_sass.py`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from liteinfer.kernels import wna16
@@ -53,7 +55,7 @@ def serialized_wgmmas(kernel) -> str:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        info = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
+        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", ptx, "-o",
                                os.path.join(tmp, "kernel.cubin")],
                               capture_output=True, text=True, check=True).stderr
     found = re.search(r"C7515\).*serialized due to (.*) in the function", info)

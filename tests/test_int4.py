@@ -229,9 +229,10 @@ def _gguf_blocks(w: np.ndarray, kind: str) -> np.ndarray:
     return blocks.reshape(w.shape[0], -1)
 
 
-def _gguf_pair(tmp_path: Path, types: Callable[[str], str]) -> tuple[Path, Path]:
-    """A tiny model's GGUF with each projection in blocks of types(name), and its GGUF with
-    those blocks dequantized by the `gguf` library (float32)."""
+def _gguf_pair(tmp_path: Path, types: dict[str, str]) -> tuple[Path, Path]:
+    """A tiny model's GGUF with each projection in blocks of its type in `types` (by the
+    projection's short name: q, k, v, o, gate, up, down), and its GGUF with those blocks
+    dequantized by the `gguf` library (float32)."""
     import gguf
     from transformers import LlamaConfig, LlamaForCausalLM
     with torch.random.fork_rng():
@@ -242,7 +243,7 @@ def _gguf_pair(tmp_path: Path, types: Callable[[str], str]) -> tuple[Path, Path]
     def blocks(name: str, w: np.ndarray):
         if not name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS)):
             return None
-        kind = types(name)
+        kind = types[name.split(".")[-2].removesuffix("_proj")]
         return _gguf_blocks(w, kind), gguf.GGMLQuantizationType[kind]
     dense = {name: torch.from_numpy(gguf.quants.dequantize(b[0], b[1])) if (
         b := blocks(name, v.numpy())) else v for name, v in state.items()}
@@ -250,20 +251,24 @@ def _gguf_pair(tmp_path: Path, types: Callable[[str], str]) -> tuple[Path, Path]
             make_tiny_gguf(tmp_path / "dense.gguf", dense, config=GGUF_CONFIG))
 
 
+# A Q4_K_M file's projections in one layer where llama.cpp keeps v and down at Q6_K.
+Q4_K_M_TYPES = {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K", "o": "Q4_K", "gate": "Q4_K", "up": "Q4_K",
+                "down": "Q6_K"}
+
+
 @pytest.mark.parametrize("types, bits, group, layouts", [
     ({"q": "Q4_0", "k": "Q4_1", "v": "Q4_K", "o": "Q4_1", "gate": "Q4_K", "up": "Q4_0",
       "down": "Q4_1"}, 4, 32, {"qkv": (4, 32), "o": (4, 32), "gate_up": (4, 32), "down": (4, 32)}),
     ({"q": "Q4_K", "k": "Q8_0", "v": "Q6_K", "o": "Q5_K", "gate": "Q4_K", "up": "Q8_0",
       "down": "Q6_K"}, 8, 16, {"qkv": (8, 16), "o": (8, 32), "gate_up": (8, 32), "down": (8, 16)}),
-    ({"q": "Q4_K", "k": "Q4_K", "v": "Q6_K", "o": "Q4_K", "gate": "Q4_K", "up": "Q4_K",
-      "down": "Q6_K"}, 8, 16, {"qkv": (8, 16), "o": (4, 32), "gate_up": (4, 32), "down": (8, 16)}),
+    (Q4_K_M_TYPES, 8, 16, {"qkv": (8, 16), "o": (4, 32), "gate_up": (4, 32), "down": (8, 16)}),
 ], ids=["4-bit", "mixed", "q4_k_m"])
 def test_gguf_blocks_load_as_they_are(tmp_path, types, bits, group, layouts):
     """Every kept type, several in one fused projection. A file's projections are created at
     the widest bits and the finest group among its types, and each is repacked to the fewest
     bits and widest groups its own types allow (a Q4_K_M file's Q4_K projections to 4 bits in
     groups of 32, its Q6_K ones kept at 8 in groups of 16)."""
-    blocks, dense = _gguf_pair(tmp_path, lambda name: types[name.split(".")[-2][:-5]])
+    blocks, dense = _gguf_pair(tmp_path, types)
     llm, reference = _cpu_llm(blocks), _cpu_llm(dense)
     layer = _model(llm).layers[0]
     assert (layer.mlp.down_proj.quant_method.config.bits,
@@ -297,9 +302,7 @@ def test_gguf_of_mixed_types_kept_on_the_gpu_multiplies_each_at_its_bits(tmp_pat
     """A Q4_K_M-like file on CUDA: its Q4_K projections' 4-bit codes and its Q6_K ones' 8-bit
     codes stay packed, each multiplied by the kernels at its own bits, and match the engine that
     loaded the same blocks dequantized, projection by projection and in what they generate."""
-    types = {"q": "Q4_K", "k": "Q4_K", "v": "Q6_K", "o": "Q4_K", "gate": "Q4_K", "up": "Q4_K",
-             "down": "Q6_K"}
-    blocks, dense = _gguf_pair(tmp_path, lambda name: types[name.split(".")[-2][:-5]])
+    blocks, dense = _gguf_pair(tmp_path, Q4_K_M_TYPES)
     gpu = build_llm(str(blocks), dtype="float32", device="cuda", max_model_len=128)
     layer = _model(gpu).layers[0]
     assert [(p.bits, p.qweight.is_cuda) for p in (layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -2,7 +2,9 @@
 # On a CUDA machine: GPU tests, kernel microbenchmarks, a decode profile and benchmarks, each
 # step named on the command line; logs and result rows go under $OUT.
 # Usage: scripts/gpu_session.sh [gpu-tests [PYTEST ARGS... --]] [gputest FILE] [profile] [kernels]
-#        [ab BASE.tgz COMMIT] [smollm2 DIR...] [invariant MODEL...] [bench ARGS...]
+#        [copybw] [ab BASE.tgz COMMIT] [smollm2 DIR...] [invariant MODEL...] [bench ARGS...]
+# `copybw` measures the GPU's device-to-device copy rate over 1 GiB, which bench/floor.py's
+# COPY_BANDWIDTH holds for each GPU the report shows a floor for.
 # `invariant` measures the batch-invariant mode beside the default for each model named (the
 # rows of docs/notes/batch_invariance.md: 128/256 at 1, 32 and 128 in flight, 2048/128 at 32),
 # the two modes alternating run by run, into $OUT/invariant.jsonl.
@@ -42,6 +44,7 @@ while [ $# -gt 0 ]; do
     gputest) shift; timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider "$1" > "$OUT/pytest-gpu.txt" 2>&1; tail -15 "$OUT/pytest-gpu.txt"; shift ;;
     profile) shift; timeout 200 python3 scripts/profile_decode.py $PROFILE_ARGS 2>&1 | grep -v "it/s]" | tail -80; ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt"; shift ;;
+    copybw) (cd scripts && python3 -c "from bench_kernels import copy_gbps; print(f'copy {copy_gbps():.0f} GB/s')") | tee "$OUT/copybw.txt"; shift ;;
     ab) base=$2 commit=$3; shift 3; rm -rf /tmp/ab-base && mkdir -p /tmp/ab-base && tar -xzf "$base" -C /tmp/ab-base
       head=$(git rev-parse HEAD 2>/dev/null || echo "${LITEINFER_COMMIT:-head}")
       for round in 1 2; do

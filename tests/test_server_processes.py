@@ -109,7 +109,9 @@ def test_a_burst_never_exceeds_the_server_wide_limit(server):
 
 
 def test_the_core_logs_one_stats_line_under_load(server):
-    """Under load, the engine core's stats line within 15 s; none from the API servers."""
+    """Under load, the engine core's stats line shows tokens generated within 25 s; none from
+    the API servers. A line may count only admissions: the interval can end between a
+    request's admission and its first token."""
     _, base, log = server
     start, offset = time.monotonic(), log.stat().st_size
     stop = threading.Event()
@@ -124,13 +126,12 @@ def test_the_core_logs_one_stats_line_under_load(server):
     thread = threading.Thread(target=load)
     thread.start()
     try:
-        while not (lines := STATS_LINE.findall(log.read_bytes()[offset:])):
-            assert time.monotonic() - start < 15, "no stats line within 15 s"
+        while not any(float(rate) > 0 for rate in STATS_LINE.findall(log.read_bytes()[offset:])):
+            assert time.monotonic() - start < 25, "no stats line with tokens generated in 25 s"
             time.sleep(0.2)
     finally:
         stop.set()
         thread.join()
-    assert float(lines[0]) > 0
     assert b"api-server" not in b"".join(line for line in log.read_bytes().splitlines()
                                          if b"tok/s" in line)
 

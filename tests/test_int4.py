@@ -280,6 +280,27 @@ def test_gguf_blocks_load_as_they_are(tmp_path, types, bits, group, layouts):
     assert_same_generations(llm, reference, GGUF_CONFIG["vocab_size"])
 
 
+def test_int4_through_the_kernels_matches_its_dequantized_weights(tmp_path):
+    """The GPU's int4 path on the CPU (the Triton layers, under the interpreter): the codes in
+    the kernels' tile order, multiplied by the GEMV (one row), the few-row kernel and the
+    dequantized scratch weight (wide steps), each projection as the engine that dequantized the
+    same codes once loaded, and the two generate alike."""
+    from fixtures import make_tiny_llama_dir
+    src = make_tiny_llama_dir(tmp_path, hidden_size=128, intermediate_size=256)
+    kernels = build_llm(str(src), dtype="float32", device="cpu", max_model_len=128,
+                        quantization="int4", attention_backend="triton")
+    cpu = _cpu_llm(src, quantization="int4")
+    assert _model(kernels).layers[0].self_attn.qkv_proj.weight is None
+    assert_layers_match(kernels, cpu)
+    # Three prompts ending one after another: decode steps of 3 and 2 rows, then of one (the
+    # GEMV with the norm, SwiGLU and residual add fused in). Interpreted steps take seconds.
+    prompts = random_prompts(3, TINY_LLAMA["vocab_size"], 3, 20, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3)
+              for n in (2, 3, 5)]
+    assert_same_greedy_outputs(kernels.generate(prompts, params, use_tqdm=False),
+                               cpu.generate(prompts, params, use_tqdm=False), 1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_int4_kept_on_the_gpu_multiplies_its_dequantized_weights(tmp_path):

@@ -2,7 +2,8 @@
 # On a CUDA machine: GPU tests, kernel microbenchmarks, a decode profile and benchmarks, each
 # step named on the command line; logs and result rows go under $OUT.
 # Usage: scripts/gpu_session.sh [gpu-tests [PYTEST ARGS... --]] [gputest FILE] [profile] [kernels]
-#        [copybw] [ab BASE.tgz COMMIT] [smollm2 DIR...] [invariant MODEL...] [bench ARGS...]
+#        [copybw] [ab BASE.tgz COMMIT] [profile-ab BASE.tgz] [smollm2 DIR...]
+#        [invariant MODEL...] [bench ARGS...]
 # `copybw` measures the GPU's device-to-device copy rate over 1 GiB, which bench/floor.py's
 # COPY_BANDWIDTH holds for each GPU the report shows a floor for.
 # `invariant` measures the batch-invariant mode beside the default for each model named (the
@@ -15,6 +16,7 @@
 # `git archive` tarball of COMMIT) and this tree, alternating between the two, twice, into
 # $OUT/ab.jsonl: a change that should not move the rows is checked on one machine in one sitting
 # (AB_ARGS adds options to each run, e.g. "--model llama-3.1-8b-instruct --set quantization=int4").
+# `profile-ab` runs scripts/profile_decode.py with PROFILE_ARGS in the base tree, then in this one.
 # (PROFILE_ARGS passes options to scripts/profile_decode.py). `gpu-tests` runs `pytest -m gpu`
 # on 6 pytest-xdist workers (the tests of one xdist_group on one worker, one at a time), each
 # test named as it ends and stopped (with its stack) after 300 s (pytest-timeout, on the CUDA
@@ -46,6 +48,12 @@ while [ $# -gt 0 ]; do
     profile) shift; timeout 200 python3 scripts/profile_decode.py $PROFILE_ARGS 2>&1 | grep -v "it/s]" | tail -80; ;;
     kernels) timeout 240 python3 scripts/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt"; shift ;;
     copybw) (cd scripts && python3 -c "from bench_kernels import copy_gbps; print(f'copy {copy_gbps():.0f} GB/s')") | tee "$OUT/copybw.txt"; shift ;;
+    profile-ab) base=$2; shift 2; rm -rf /tmp/ab-base && mkdir -p /tmp/ab-base && tar -xzf "$base" -C /tmp/ab-base
+      for tree in /tmp/ab-base "$PWD"; do
+        echo "== profile_decode in $tree"
+        (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH#*:}" timeout 250 python3 scripts/profile_decode.py $PROFILE_ARGS 2>&1 \
+          | grep -v "it/s]" | tail -60)
+      done ;;
     ab) base=$2 commit=$3; shift 3; rm -rf /tmp/ab-base && mkdir -p /tmp/ab-base && tar -xzf "$base" -C /tmp/ab-base
       head=$(git rev-parse HEAD 2>/dev/null || echo "${LITEINFER_COMMIT:-head}")
       for round in 1 2; do

@@ -52,7 +52,7 @@ while [ $# -gt 0 ]; do
       for tree in /tmp/ab-base "$PWD"; do
         echo "== profile_decode in $tree"
         (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH#*:}" timeout 250 python3 scripts/profile_decode.py $PROFILE_ARGS 2>&1 \
-          | grep -v "it/s]" | tail -60)
+          | grep -v "it/s]" | tee "$OUT/profile-$(basename "$tree").txt" | tail -60)
       done ;;
     ab) base=$2 commit=$3; shift 3; rm -rf /tmp/ab-base && mkdir -p /tmp/ab-base && tar -xzf "$base" -C /tmp/ab-base
       head=$(git rev-parse HEAD 2>/dev/null || echo "${LITEINFER_COMMIT:-head}")

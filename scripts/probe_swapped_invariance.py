@@ -9,6 +9,8 @@ of which one row is used (docs/notes/batch_invariance.md, "Cost"). One GPU, bf16
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 import triton
 from triton.testing import do_bench_cudagraph
@@ -32,6 +34,7 @@ def swapped(x: torch.Tensor, w: torch.Tensor, block_m: int | None = None) -> tor
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)

@@ -105,7 +105,8 @@ def main() -> None:
         kernel = compiled(wna16._wna16_fewrow_kernel, dict(
             BITS=4, GROUP=GROUP, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k, SPLITS=tiles.splits, PART_ROWS=128, ADD=not gated,
-            GATED=gated, EVEN=True, DOT_PRECISION="tf32", USE_PDL=True), tiles.num_warps,
+            GATED=gated, EVEN=True, STEP_SUMS=tiles.step_sums, DOT_PRECISION="tf32",
+            USE_PDL=True), tiles.num_warps,
             tiles.num_stages)
         loop, barriers, registers = loop_and_registers(kernel)
         per_thread = tiles.block_n * tiles.block_k * (1 + gated) // (32 * tiles.num_warps)

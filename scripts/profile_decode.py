@@ -86,13 +86,14 @@ CHUNKED_SETTINGS = [(gemv.CHUNKED_MIN_K, gemv.CHUNKED_TILE), (gemv.CHUNKED_MIN_K
                     (gemv.CHUNKED_MIN_K, (8, 1024, 4, 2)), (gemv.CHUNKED_MIN_K, (8, 1024, 4, 4)),
                     (0, gemv.CHUNKED_TILE), (0, (8, 512, 4, 4)), (0, (4, 1024, 4, 3))]
 # Few-row tile rules, the rule in use first: (features, packed bytes a row a step, programs an
-# SM that K is cut towards).
-FEWROW_RULES = [(64, 128, 4), (64, 128, 8), (32, 128, 4), (64, 64, 4), (64, 256, 4),
-                (128, 128, 4)]
+# SM that K is cut towards, rows up to which a K step's products are summed apart).
+FEWROW_RULES = [(64, 128, 4, 32), (64, 128, 4, 0), (64, 128, 4, 128), (64, 128, 8, 32),
+                (32, 128, 4, 32), (64, 64, 4, 32), (64, 256, 4, 32)]
 
 
-def _set_fewrow_rule(rule: tuple[int, int, int]) -> None:
-    wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES = rule
+def _set_fewrow_rule(rule: tuple[int, int, int, int]) -> None:
+    (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES,
+     wna16.STEP_SUMS_MAX_ROWS) = rule
     wna16.fuses_swiglu.cache_clear()
 
 
@@ -108,10 +109,11 @@ def tile_times(llm: LLM, bs: int, ctx: int, int4: bool) -> dict[str, float]:
     pool = torch.cuda.graph_pool_handle()
     default_tile = wna16.GEMV_TILE
     default_chunked = (gemv.CHUNKED_MIN_K, gemv.CHUNKED_TILE)
-    default_rule = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES)
+    default_rule = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES,
+                    wna16.STEP_SUMS_MAX_ROWS)
     if bs > 1:
-        variants = [(f"n{r[0]} kb{r[1]} waves{r[2]}", lambda r=r: _set_fewrow_rule(r))
-                    for r in FEWROW_RULES]
+        variants = [(f"n{r[0]} kb{r[1]} waves{r[2]} step sums<={r[3]}",
+                     lambda r=r: _set_fewrow_rule(r)) for r in FEWROW_RULES]
     elif int4:
         variants = [(str(t), lambda t=t: setattr(wna16, "GEMV_TILE", t)) for t in GEMV_TILES]
     else:

@@ -108,6 +108,10 @@ FEWROW_MIN_PROGRAMS = 64
 FEWROW_BLOCK_K_BYTES = 128
 X_TILE_BYTES = 32768
 MAX_SPLITS = 8
+# Rows up to which a K step's products are summed apart (`WNA16Tiles.step_sums`): 73-81 -> 80-96
+# registers at 8-32 rows (gate/up with its SwiGLU 119-144 -> 120-158), at 64 rows gate/up 128
+# -> 234 (ptxas of Triton 3.6, journal item 167).
+STEP_SUMS_MAX_ROWS = 32
 # The GEMV's products carry 2^-PRODUCT_POWER: its inputs times 2^(149 - a) (what undoes a code's
 # denormal exponent) would pass fp32's range, and x 2^(85 - a) stays within it below 2^42. The
 # FMAs keep denormals (Triton emits no .ftz), which the exactness test checks on the GPU.
@@ -135,6 +139,10 @@ class WNA16Tiles:
     # its own rows of the MMA (NOTES.md, "4-bit weights").
     num_warps: int = 4
     num_stages: int = 3
+    # Each K step's products summed from its first, then added to the total: the zero-filled
+    # total alone before the loop makes ptxas wait for each wgmma before the next (its C7515
+    # advisory), which costs registers to avoid (`STEP_SUMS_MAX_ROWS`).
+    step_sums: bool = False
 
 
 def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int,
@@ -159,7 +167,8 @@ def wna16_tiles(rows: int, n: int, k: int, bits: int, itemsize: int, sms: int,
         if block_n == 16 or tiles * splits >= FEWROW_MIN_PROGRAMS:
             break
         block_n //= 2
-    return WNA16Tiles(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits)
+    return WNA16Tiles(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits,
+                      step_sums=block_m <= STEP_SUMS_MAX_ROWS)
 
 
 @functools.cache  # asked at every eager few-row launch of a gate/up
@@ -361,8 +370,8 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
                          stride_xm, stride_om, BITS: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLITS: tl.constexpr, PART_ROWS: tl.constexpr, ADD: tl.constexpr,
-                         GATED: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         GATED: tl.constexpr, EVEN: tl.constexpr, STEP_SUMS: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     PER: tl.constexpr = 32 // BITS
     CODES_PER_BLOCK: tl.constexpr = BLOCK_WORDS * PER
     # The splits of a tile are launch neighbours, so their partials meet in L2.
@@ -395,6 +404,11 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = acc
     for k0 in range(k_start, k_end, BLOCK_K):
+        step = acc
+        step_up = acc_up
+        if STEP_SUMS:  # (the first dot of the step overwrites them)
+            step = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            step_up = step
         for b in tl.static_range(BLOCK_K // CODES_PER_BLOCK):
             kb = k0 + b * CODES_PER_BLOCK
             # A block past the padded row is masked (its words past the row's, its inputs past
@@ -420,12 +434,24 @@ def _wna16_fewrow_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, out_ptr, part_ptr, count_p
                 if not EVEN:
                     x_mask = x_mask & (k + offs_c < K)[None, :]
                 x = tl.load(x_rows + k + offs_c[None, :], mask=x_mask, other=0.0)
-                w = _block_code(packed, scale, low, j, BITS, POWER)
-                acc = tl.dot(w.to(dtype), tl.trans(x), acc, input_precision=DOT_PRECISION)
+                w = _block_code(packed, scale, low, j, BITS, POWER).to(dtype)
+                w_up = w
                 if GATED:
-                    w = _block_code(packed_up, scale_up, low_up, j, BITS, POWER)
-                    acc_up = tl.dot(w.to(dtype), tl.trans(x), acc_up,
-                                    input_precision=DOT_PRECISION)
+                    w_up = _block_code(packed_up, scale_up, low_up, j, BITS, POWER).to(dtype)
+                if STEP_SUMS and b == 0 and j == 0:  # a wgmma that defines its sums itself
+                    step = tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
+                    if GATED:
+                        step_up = tl.dot(w_up, tl.trans(x), input_precision=DOT_PRECISION)
+                else:
+                    step = tl.dot(w, tl.trans(x), step, input_precision=DOT_PRECISION)
+                    if GATED:
+                        step_up = tl.dot(w_up, tl.trans(x), step_up,
+                                         input_precision=DOT_PRECISION)
+        if STEP_SUMS:
+            acc += step
+            acc_up += step_up
+        else:
+            acc, acc_up = step, step_up
     mask = (offs_n < N)[:, None] & m_mask[None, :]
     if SPLITS > 1:
         # Each split's partials (gate's, then up's N features on) in the slots of 2N features
@@ -529,7 +555,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
         BITS=bits, GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, SPLITS=tiles.splits, PART_ROWS=FEWROW_MAX_ROWS,
         ADD=residual is not None, GATED=gated,
-        EVEN=n % tiles.block_n == 0 and k % tiles.block_k == 0,
+        EVEN=n % tiles.block_n == 0 and k % tiles.block_k == 0, STEP_SUMS=tiles.step_sums,
         DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, launch_pdl=pdl)
     return out

@@ -129,10 +129,11 @@ def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_r
 def _tiles(rows: int, n: int, k: int, bits: int, itemsize: int, device: str,
            gated: bool = False) -> list[WNA16Tiles]:
     """The rule's tile, and K cut among 4 programs of a narrower tile (at the CPU's shapes the
-    last split then has an uneven share or none)."""
+    last split then has an uneven share or none) that sums its K steps apart where the rule's
+    does not, and the other way round."""
     rule = wna16_tiles(rows, n, k, bits, itemsize, 132 if device == "cuda" else 8, gated)
     return [rule, WNA16Tiles(block_m=rule.block_m, block_n=32, block_k=rule.block_k, splits=4,
-                             num_warps=4)]
+                             step_sums=not rule.step_sums)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -250,6 +251,9 @@ def test_tile_rule():
                          (2048, 2048), (16384, 2048), (2048, 8192))} == {64}
     assert {wna16_tiles(5, n, k, 4, 2, 132, gated=True).block_n
             for n, k in ((28672, 4096), (16384, 2048))} == {64}
+    # A K step's products are summed apart up to 32 rows.
+    assert [wna16_tiles(m, 4096, 4096, 4, 2, 132).step_sums for m in (1, 32, 33)] == [
+        True, True, False]
     # The SwiGLU is fused into SmolLM2's gate/up, not into the 1B's or the 8B's.
     assert [fuses_swiglu(n, k, 4, 132) for n, k in ((3072, 576), (16384, 2048), (28672, 4096))
             ] == [True, False, False]

@@ -13,13 +13,14 @@ checkpoint format registers its own tensors under its own names (`CheckpointForm
 converted into that layout as it loads; row-major [N, ...] everywhere, so the linear layer's
 loader shards fused and tensor-parallel layers as it does a plain weight.
 
-On CUDA with the Triton layers the packed weight stays on the device, reordered once into the
-kernels' tile order (kernels/wna16.py `tile_order`), and kernels/wna16.py multiplies it,
-dequantizing in registers (one row through its GEMV, with the norm, SwiGLU and
-residual add fused in as kernels/gemv.py does for bf16; a few rows on the tensor cores, with
-the residual add fused in, and a small model's SwiGLU) or into a scratch weight (wide steps).
-Without the Triton layers (the CPU's default) the weight is dequantized once loaded, as the FP8
-layers do: CPU tests then check the exact weights the GPU multiplies, at the speed of an
+With the Triton layers (on CUDA; on the CPU under the interpreter, which tests the GPU's path)
+the packed weight stays on the device, reordered once into the kernels' tile order
+(kernels/wna16.py `tile_order`), and kernels/wna16.py multiplies it, dequantizing in registers
+(one row through its GEMV, with the norm, SwiGLU and residual add fused in as kernels/gemv.py
+does for bf16; a few rows on the tensor cores, with the residual add fused in, and a small
+model's SwiGLU) or into a scratch weight (wide steps). Without the Triton layers (the CPU's
+default) the weight is dequantized once loaded, as the FP8 layers do: CPU tests then check the
+exact weights the GPU multiplies, at the speed of an
 unquantized model.
 """
 from __future__ import annotations
@@ -214,7 +215,7 @@ class WNA16LinearMethod(LinearMethod):
             qweight, scales, mins, layer.bits = narrowest(qweight, scales, mins, layer.bits)
         layer.in_codes = qweight.shape[1] * (32 // layer.bits)
         layer.group_size = layer.in_codes // scales.shape[1]
-        if self.use_triton:  # (on the CPU, the Triton interpreter: tests of the GPU's path)
+        if self.use_triton:
             from liteinfer.kernels.wna16 import tile_order
             qweight, scales, mins = tile_order(qweight, scales, mins, layer.bits)
             layer.qweight = nn.Parameter(qweight, requires_grad=False)

@@ -20,8 +20,7 @@ the packed weight stays on the device, reordered once into the kernels' tile ord
 does for bf16; a few rows on the tensor cores, with the residual add fused in, and a small
 model's SwiGLU) or into a scratch weight (wide steps). Without the Triton layers (the CPU's
 default) the weight is dequantized once loaded, as the FP8 layers do: CPU tests then check the
-exact weights the GPU multiplies, at the speed of an
-unquantized model.
+exact weights the GPU multiplies, at the speed of an unquantized model.
 """
 from __future__ import annotations
 

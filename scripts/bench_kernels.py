@@ -76,7 +76,7 @@ from liteinfer.kernels.prefill_tiles import (
 )
 from liteinfer.layers.fused_moe import fused_moe_torch
 from liteinfer.layers.quantization.fp8 import quantize_weight
-from liteinfer.layers.quantization.wna16 import quantize_rtn
+from liteinfer.layers.quantization.wna16 import quantize_rtn, tile_order
 
 HQ, HKV, D, BLOCK_SIZE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192
 DTYPE = torch.bfloat16
@@ -463,7 +463,7 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
     against the bf16 path over the dequantized weight."""
     for name, n, k, fusion in WNA16_SHAPES:
         weight = torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
-        packed = (*wna16.tile_order(*quantize_rtn(weight, 4, 128), 4), 4)
+        packed = (*tile_order(*quantize_rtn(weight, 4, 128), 4), 4)
         deq = wna16.dequantize_weight(*packed, DTYPE, k)
         norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
         int4_bytes = sum(t.nbytes for t in packed[:3])
@@ -508,7 +508,7 @@ def bench_wna16_fused(rows: list[dict]) -> None:
     from liteinfer.kernels.norm import rms_norm
     for model, name, n, k, fusion in WNA16_FUSED_SHAPES:
         weight = torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
-        packed = (*wna16.tile_order(*quantize_rtn(weight, 4, math.gcd(128, k)), 4), 4)
+        packed = (*tile_order(*quantize_rtn(weight, 4, math.gcd(128, k)), 4), 4)
         norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
         gated = fusion == "gated"
         ws = SplitKWorkspace.allocate([(n, wna16.MAX_SPLITS)], DEV)

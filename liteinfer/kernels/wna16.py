@@ -1,6 +1,6 @@
 """Weight-only integer linear layers (W4A16 / W8A16) over the packed layout of
 layers/quantization/wna16.py (codes int32 [N, K * bits / 32], fp32 scales and mins per group),
-reordered once at load into the tile order these kernels read (`tile_order`).
+reordered once at load (`tile_order` there) into the tile order these kernels read.
 
 A decode step is bound by reading the weight, a quarter (4-bit) of bf16's bytes here, so the
 kernels stream the packed words and dequantize them in registers, q * scale - min in fp32. At
@@ -49,7 +49,6 @@ tensor-core path under the interpreter in those, whose bf16 tl.dot is wrong).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -119,9 +118,9 @@ PRODUCT_POWER: tl.constexpr = tl.constexpr(64)
 PRODUCT_SCALE: tl.constexpr = tl.constexpr(2.0 ** 64)
 SPLIT_MAX_WAVES = 4
 SPLIT_MIN_K = 1024
-# The tile order (`tile_order`): a row's words in blocks of BLOCK_WORDS, code j of a block's
-# words its BLOCK_WORDS consecutive columns j BLOCK_WORDS on (tl.dot's least K); the GEMV's
-# threads take LANE_WORDS consecutive words of a row at once (16 bytes).
+# The tile order (layers/quantization/wna16.py `tile_order`): a row's words in blocks of
+# BLOCK_WORDS, code j of a block's words its BLOCK_WORDS consecutive columns j BLOCK_WORDS on
+# (tl.dot's least K); the GEMV's threads take LANE_WORDS consecutive words of a row at once.
 BLOCK_WORDS: tl.constexpr = tl.constexpr(16)
 LANE_WORDS: tl.constexpr = tl.constexpr(4)
 
@@ -177,38 +176,6 @@ def fuses_swiglu(n: int, k: int, bits: int, sms: int) -> bool:
     SwiGLU inside: where its unfused launch would take narrower tiles than FEWROW_BLOCK_N
     (latency-bound, one launch fewer pays; measured where wider ones break even at best)."""
     return wna16_tiles(2, n, k, bits, 2, sms).block_n < FEWROW_BLOCK_N
-
-
-def tile_order(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The packed layout (codes in the order of K) in the kernels' tile order, on the weight's
-    device: each row in blocks of BLOCK_WORDS words, word w of a block holding the block's
-    columns w + BLOCK_WORDS j as its code j, so that code j of a block's words is BLOCK_WORDS
-    consecutive columns. Rows are padded to whole blocks with zero codes, scales and mins, and
-    groups made finer (each scale repeated) where one would straddle a block."""
-    per, block_words = 32 // bits, BLOCK_WORDS.value
-    n, words = qweight.shape
-    k = words * per
-    codes_per_block = block_words * per
-    k_pad = triton.cdiv(k, codes_per_block) * codes_per_block
-    group = k // scales.shape[1]
-    assert group * scales.shape[1] == k and group % block_words == 0, (k, group)
-    tile_group = group if group % codes_per_block == 0 else math.gcd(group, codes_per_block)
-    shifts = torch.arange(per, dtype=torch.int32, device=qweight.device) * bits
-    codes = (qweight[:, :, None] >> shifts) & ((1 << bits) - 1)
-    codes = torch.nn.functional.pad(codes.reshape(n, k), (0, k_pad - k))
-    # column b * codes_per_block + BLOCK_WORDS j + w -> word w of block b, code j
-    codes = codes.reshape(n, k_pad // codes_per_block, per, block_words).transpose(2, 3)
-    packed = torch.zeros(codes.shape[:3], dtype=torch.int64, device=qweight.device)
-    for j in range(per):
-        packed |= codes[..., j].to(torch.int64) << (bits * j)
-    # Words past 2^31 wrap to negative int32, the same bits.
-    packed = (packed - ((packed >> 31) << 32)).to(torch.int32).reshape(n, k_pad // per)
-
-    def regrouped(t: torch.Tensor) -> torch.Tensor:
-        t = t.float().repeat_interleave(group // tile_group, 1)
-        return torch.nn.functional.pad(t, (0, k_pad // tile_group - t.shape[1])).contiguous()
-    return packed, regrouped(scales), regrouped(mins)
 
 
 def _tile_group(qweight: torch.Tensor, scales: torch.Tensor, bits: int, k: int) -> int:

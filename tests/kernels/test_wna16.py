@@ -16,13 +16,12 @@ from liteinfer.kernels.wna16 import (
     WNA16Tiles,
     dequantize_weight,
     fuses_swiglu,
-    tile_order,
     wna16_gemm,
     wna16_gemv,
     wna16_linear,
     wna16_tiles,
 )
-from liteinfer.layers.quantization.wna16 import dequantize, pack_codes, unpack_codes
+from liteinfer.layers.quantization.wna16 import dequantize, pack_codes, tile_order, unpack_codes
 
 # (bits, group size) the layout holds: AWQ / GPTQ / int4-at-load groups, GGUF's small ones, a
 # group wider than a tile (one scale a row).

@@ -76,7 +76,7 @@ from liteinfer.kernels.prefill_tiles import (
 )
 from liteinfer.layers.fused_moe import fused_moe_torch
 from liteinfer.layers.quantization.fp8 import quantize_weight
-from liteinfer.layers.quantization.wna16 import quantize_rtn, tile_order
+from liteinfer.layers.quantization.wna16 import quantize_rtn
 
 HQ, HKV, D, BLOCK_SIZE, HIDDEN, INTER = 32, 8, 64, 16, 2048, 8192
 DTYPE = torch.bfloat16
@@ -463,8 +463,8 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
     against the bf16 path over the dequantized weight."""
     for name, n, k, fusion in WNA16_SHAPES:
         weight = torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
-        packed = (*tile_order(*quantize_rtn(weight, 4, 128), 4), 4)
-        deq = wna16.dequantize_weight(*packed, DTYPE, k)
+        packed = (*quantize_rtn(weight, 4, 128), 4)
+        deq = wna16.dequantize_weight(*packed, DTYPE)
         norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
         int4_bytes = sum(t.nbytes for t in packed[:3])
         add = fusion == "residual"
@@ -486,7 +486,7 @@ def bench_wna16(rows: list[dict], label: str = "", row_counts=WNA16_ROWS) -> Non
                     "int4": lambda x=x, r=r: wna16.wna16_gemm(x, *packed, residual=r,
                                                               workspace=ws),
                     "int4 deq+cublas": lambda x=x: F.linear(
-                        x, wna16.dequantize_weight(*packed, DTYPE, k)),
+                        x, wna16.dequantize_weight(*packed, DTYPE)),
                     "bf16": lambda x=x, w=weight, r=r: F.linear(x, w) if r is None
                     else r.addmm_(x, w.t())}
             err = check(paths["int4"](), ref, 2e-2)  # the residual starts at zero
@@ -508,7 +508,7 @@ def bench_wna16_fused(rows: list[dict]) -> None:
     from liteinfer.kernels.norm import rms_norm
     for model, name, n, k, fusion in WNA16_FUSED_SHAPES:
         weight = torch.randn(n, k, dtype=DTYPE, device=DEV) * k ** -0.5
-        packed = (*tile_order(*quantize_rtn(weight, 4, math.gcd(128, k)), 4), 4)
+        packed = (*quantize_rtn(weight, 4, math.gcd(128, k)), 4)
         norm_w = torch.rand(k, dtype=DTYPE, device=DEV) + 0.5
         gated = fusion == "gated"
         ws = SplitKWorkspace.allocate([(n, wna16.MAX_SPLITS)], DEV)
@@ -626,13 +626,13 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
         if "wna16" in parts:
             # More bytes in flight an SM: more programs (fewer rows each), longer steps, deeper
             # pipelines (1: none) (NOTES.md, "4-bit weights").
-            changes = ({}, {"rows": 4}, {"rows": 16}, {"min_programs_per_sm": 3},
-                       {"num_warps": 4}, {"rows": 4, "num_warps": 4})
+            changes = ({}, {"rows": 16}, {"min_programs_per_sm": 3}, {"min_programs_per_sm": 6},
+                       {"codes": 32768, "num_warps": 8})
             for change, stages in itertools.product(changes, (1, 2, 3, 4)):
                 tile = wna16.GemvTile(**change, num_stages=stages)
                 wna16.GEMV_TILE = tile
-                label = (f" gemv r{tile.rows} w{tile.num_warps} p{tile.min_programs_per_sm} "
-                         f"s{stages}")
+                label = (f" gemv r{tile.rows} c{tile.codes} w{tile.num_warps} "
+                         f"p{tile.min_programs_per_sm} s{stages}")
                 bench_wna16(rows, label, row_counts=(1,))
             wna16.GEMV_TILE = gemv_tile
             # (features, bytes a row a step, programs an SM that K is cut towards)

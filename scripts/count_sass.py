@@ -62,8 +62,8 @@ def serialized_wgmmas(kernel) -> str:
     return found[1] if found else ""
 
 
-def loop_and_registers(kernel) -> tuple[int, int, int]:
-    """(instructions in the longest loop, barriers among them, registers a thread)."""
+def loop_and_registers(kernel) -> tuple[int, int]:
+    """(instructions in the longest loop, registers a thread)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
@@ -72,14 +72,12 @@ def loop_and_registers(kernel) -> tuple[int, int, int]:
         usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", cubin.name],
                                capture_output=True, text=True, check=True).stdout
     code = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    longest = (0, 0)
+    longest = 0
     for address, op in code:
         target = re.search(r"BRA\b.*0x([0-9a-f]+)", op)
         if target and int(target[1], 16) <= address:
-            body = [o for a, o in code if int(target[1], 16) <= a <= address]
-            longest = max(longest, (len(body), sum(o.lstrip("@!P0123456789 ").startswith("BAR")
-                                                   for o in body)))
-    return *longest, int(re.search(r"REG:(\d+)", usage)[1])
+            longest = max(longest, sum(int(target[1], 16) <= a <= address for a, _ in code))
+    return longest, int(re.search(r"REG:(\d+)", usage)[1])
 
 
 def main() -> None:
@@ -88,33 +86,29 @@ def main() -> None:
     for (name, norm, add, gated), stages in itertools.product(
             (("qkv", True, False, False), ("o", False, True, False),
              ("gate_up", True, False, True)), (1, 3)):
-        block_k = wna16.LANE_WORDS.value * 32 * tile.num_warps * 8
+        block_k = tile.codes // (tile.rows * (1 + gated))
         kernel = compiled(wna16._wna16_gemv_kernel, dict(
-            BITS=4, GROUP=GROUP, BLOCK_N=tile.rows, BLOCK_K=block_k, NORM=norm, ADD=add,
-            GATED=gated, EVEN=True, USE_PDL=True, PREFETCH_LINES=4, NUM_STAGES=stages),
-            tile.num_warps, stages)
-        loop, barriers, registers = loop_and_registers(kernel)
+            BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, block_k), BLOCK_N=tile.rows,
+            BLOCK_K=block_k, NORM=norm, ADD=add, GATED=gated, USE_PDL=True, PREFETCH_LINES=4,
+            NUM_STAGES=stages), tile.num_warps, stages)
+        loop, registers = loop_and_registers(kernel)
         per_thread = tile.rows * block_k * (1 + gated) // (32 * tile.num_warps)
         print(f"GEMV {name} {tile.rows} x {block_k}, {stages} stages: {loop} instructions a "
               f"step of {per_thread} codes a thread, {loop / per_thread:.2f} a code, "
-              f"{barriers} barriers, {registers} registers, {kernel.metadata.shared} bytes of "
-              "shared memory")
-    for (name, n, gated), m in itertools.product((("o", 4096, False), ("gate_up", 28672, True)),
-                                                 (8, 32, 128)):
-        tiles = wna16.wna16_tiles(m, n, 4096, 4, 2, 132, gated)
+              f"{registers} registers, {kernel.metadata.shared} bytes of shared memory")
+    for m in (16, 128):
+        tiles = wna16.wna16_tiles(m, 4096, 4096, 4, 2, 132)
         kernel = compiled(wna16._wna16_fewrow_kernel, dict(
-            BITS=4, GROUP=GROUP, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k, SPLITS=tiles.splits, PART_ROWS=128, ADD=not gated,
-            GATED=gated, EVEN=True, STEP_SUMS=tiles.step_sums, DOT_PRECISION="tf32",
-            USE_PDL=True), tiles.num_warps,
+            BITS=4, GROUP=GROUP, GROUP_TILE=min(GROUP, tiles.block_k), BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLITS=tiles.splits, PART_ROWS=128,
+            ADD=False, GATED=False, DOT_PRECISION="tf32", USE_PDL=True), tiles.num_warps,
             tiles.num_stages)
-        loop, barriers, registers = loop_and_registers(kernel)
-        per_thread = tiles.block_n * tiles.block_k * (1 + gated) // (32 * tiles.num_warps)
+        loop, registers = loop_and_registers(kernel)
+        per_thread = tiles.block_n * tiles.block_k // (32 * tiles.num_warps)
         serialized = serialized_wgmmas(kernel)
-        print(f"few-row {name} {m} rows {tiles.block_n} x {tiles.block_k}, {tiles.num_warps} "
-              f"warps: {loop} instructions a step of {per_thread} codes a thread, "
-              f"{loop / per_thread:.2f} a code, {barriers} barriers, {registers} registers, "
-              f"{kernel.metadata.shared} bytes of shared memory; wgmmas "
+        print(f"few-row {m} rows {tiles.block_n} x {tiles.block_k}, {tiles.num_warps} warps: "
+              f"{loop} instructions a step of {per_thread} codes a thread, "
+              f"{loop / per_thread:.2f} a code, {registers} registers; wgmmas "
               + (f"serialized ({serialized})" if serialized else "in flight together"))
 
 

@@ -76,24 +76,24 @@ def kernels_per_step(llm: LLM, bs: int, ctx: int) -> dict[str, tuple[float, floa
 
 
 # One-row GEMV tiles, the tile in use first: the loop pipelined 2-4 deep, more or fewer
-# programs (rows each), longer steps (more warps).
+# programs (rows each), longer steps.
 GEMV_TILES = [wna16.GemvTile(**change) for change in (
-    {}, {"num_stages": 2}, {"num_stages": 3}, {"rows": 4}, {"rows": 16},
-    {"min_programs_per_sm": 3}, {"num_warps": 4}, {"rows": 4, "num_warps": 4})]
+    {}, {"num_stages": 2}, {"num_stages": 3}, {"num_stages": 4}, {"rows": 16},
+    {"min_programs_per_sm": 3}, {"codes": 32768, "num_warps": 8, "num_stages": 2})]
 # The unquantized GEMV's chunked kernel, the setting in use first: (rows longer than which take
 # it, its tile), its pipeline's depth (1: not pipelined), and every row chunked.
 CHUNKED_SETTINGS = [(gemv.CHUNKED_MIN_K, gemv.CHUNKED_TILE), (gemv.CHUNKED_MIN_K, (8, 1024, 4, 1)),
                     (gemv.CHUNKED_MIN_K, (8, 1024, 4, 2)), (gemv.CHUNKED_MIN_K, (8, 1024, 4, 4)),
                     (0, gemv.CHUNKED_TILE), (0, (8, 512, 4, 4)), (0, (4, 1024, 4, 3))]
 # Few-row tile rules, the rule in use first: (features, packed bytes a row a step, programs an
-# SM that K is cut towards, rows up to which a K step's products are summed apart).
-FEWROW_RULES = [(64, 128, 4, 32), (64, 128, 4, 0), (64, 128, 4, 128), (64, 128, 8, 32),
-                (32, 128, 4, 32), (64, 64, 4, 32), (64, 256, 4, 32)]
+# SM that K is cut towards, rows up to which a program has four warps).
+FEWROW_RULES = [(64, 128, 4, 32), (64, 128, 8, 32), (32, 128, 4, 32), (64, 64, 4, 32),
+                (64, 128, 4, 16), (128, 64, 4, 32)]
 
 
 def _set_fewrow_rule(rule: tuple[int, int, int, int]) -> None:
     (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES,
-     wna16.STEP_SUMS_MAX_ROWS) = rule
+     wna16.FOUR_WARPS_MAX_ROWS) = rule
     wna16.fuses_swiglu.cache_clear()
 
 
@@ -110,9 +110,9 @@ def tile_times(llm: LLM, bs: int, ctx: int, int4: bool) -> dict[str, float]:
     default_tile = wna16.GEMV_TILE
     default_chunked = (gemv.CHUNKED_MIN_K, gemv.CHUNKED_TILE)
     default_rule = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES,
-                    wna16.STEP_SUMS_MAX_ROWS)
+                    wna16.FOUR_WARPS_MAX_ROWS)
     if bs > 1:
-        variants = [(f"n{r[0]} kb{r[1]} waves{r[2]} step sums<={r[3]}",
+        variants = [(f"n{r[0]} kb{r[1]} waves{r[2]} 4warps<={r[3]}",
                      lambda r=r: _set_fewrow_rule(r)) for r in FEWROW_RULES]
     elif int4:
         variants = [(str(t), lambda t=t: setattr(wna16, "GEMV_TILE", t)) for t in GEMV_TILES]

@@ -60,19 +60,10 @@ CHUNKED_TILE = (8, 1024, 4, 3)
 
 
 @triton.jit
-def masked_load(ptr, mask, other):
-    """ptr's values, `other` where mask is False; unmasked where mask is None (whole tiles)."""
-    if mask is None:
-        return tl.load(ptr)
-    else:
-        return tl.load(ptr, mask=mask, other=other)
-
-
-@triton.jit
 def normalize(xf, norm_ptr, k, k_mask, inv_rms, dtype: tl.constexpr):
     """norm_w * (x * inv_rms), rounded to the activation dtype where Hugging Face's RMSNorm
-    holds a tensor (k_mask None: every k is in the row)."""
-    norm_w = masked_load(norm_ptr + k, k_mask, 0.0).to(tl.float32)
+    holds a tensor."""
+    norm_w = tl.load(norm_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
     return (norm_w * (xf * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
 
 

@@ -1,6 +1,5 @@
 """The W4A16 / W8A16 kernels against a float64 dequantize-then-matmul reference, on fresh random
-packed weights (every code, scale and min drawn) put in the kernels' tile order: its layout, the
-one-row GEMV (plain, residual add, RMSNorm
+packed weights (every code, scale and min drawn): the one-row GEMV (plain, residual add, RMSNorm
 and SwiGLU fused in), the few-row tensor-core GEMM (K cut among programs or not, SwiGLU fused in
 or not) and its tile rule, the scratch dequantization, and `wna16_linear`'s choice among them
 by rows."""
@@ -21,7 +20,7 @@ from liteinfer.kernels.wna16 import (
     wna16_linear,
     wna16_tiles,
 )
-from liteinfer.layers.quantization.wna16 import dequantize, pack_codes, tile_order, unpack_codes
+from liteinfer.layers.quantization.wna16 import dequantize, pack_codes
 
 # (bits, group size) the layout holds: AWQ / GPTQ / int4-at-load groups, GGUF's small ones, a
 # group wider than a tile (one scale a row).
@@ -38,12 +37,10 @@ CPU_ROWS = [3, 33]
 
 
 def _packed(n: int, k: int, bits: int, group: int, device: str):
-    """(qweight, scales, mins) in tile order, and the weight they hold in float64."""
     codes = torch.randint(0, 1 << bits, (n, k), device=device)
     scales = torch.rand(n, k // group, device=device) * 0.02 + 1e-3
     mins = torch.randn(n, k // group, device=device) * 0.05
-    packed = pack_codes(codes, bits), scales, mins
-    return tile_order(*packed, bits), dequantize(*packed, bits, torch.float64)
+    return pack_codes(codes, bits), scales, mins
 
 
 def _cases(full: bool, formats=FORMATS):
@@ -56,34 +53,13 @@ def _cases(full: bool, formats=FORMATS):
     return [(k, n, bits, group) for k, n, bits, group in cases if k % group == 0]
 
 
-@pytest.mark.parametrize("bits, group, k", [(4, 128, 512), (4, 32, 576), (8, 16, 96),
-                                           (2, 64, 320), (4, 576, 576)])
-def test_tile_order(bits, group, k):
-    """Code j of word w of block b is column b * 16 * per + 16 j + w of the row; rows padded to
-    whole blocks with zero codes, scales and mins; groups made finer where one straddles a
-    block (576 = 4.5 blocks), each scale repeated."""
-    per = 32 // bits
-    block = 16 * per
-    codes = torch.randint(0, 1 << bits, (3, k))
-    scales, mins = torch.rand(3, k // group), torch.randn(3, k // group)
-    qweight, tiled_scales, tiled_mins = tile_order(pack_codes(codes, bits), scales, mins, bits)
-    k_pad = -(-k // block) * block
-    assert qweight.shape == (3, k_pad // per)
-    got = unpack_codes(qweight, bits).reshape(3, k_pad // block, 16, per)
-    padded = torch.nn.functional.pad(codes, (0, k_pad - k))
-    assert torch.equal(got, padded.reshape(3, k_pad // block, per, 16).transpose(2, 3))
-    tile_group = k_pad // tiled_scales.shape[1]
-    assert block % tile_group == 0 or tile_group % block == 0
-    columns = torch.arange(k_pad)
-    for tiled, plain in ((tiled_scales, scales), (tiled_mins, mins)):
-        per_column = tiled[:, columns // tile_group]
-        assert torch.equal(per_column[:, :k], plain[:, columns[:k] // group])
-        assert not per_column[:, k:].any()
+def _weight64(qweight, scales, mins, bits):
+    return dequantize(qweight, scales, mins, bits, torch.float64)
 
 
-# The GEMV's tile, and steps of one warp's lanes in a two-stage pipeline: 128 words, several
-# steps a row of 8-bit codes (the last one partial at the CPU's 576).
-GEMV_TILES = [GemvTile(), GemvTile(rows=4, num_warps=1, num_stages=2)]
+# The GEMV's tile, and one of several steps a row (K's last step partial at the CPU's 576) in a
+# two-stage pipeline.
+GEMV_TILES = [GemvTile(), GemvTile(rows=4, codes=1024, num_stages=2)]
 
 
 @pytest.fixture(params=GEMV_TILES, ids=["tile", "several-steps"])
@@ -96,9 +72,9 @@ def gemv_tile(request, monkeypatch):
 def test_gemv(assert_close, device, full, dtype, rounded):
     """One row: x W^T, and residual + (x W^T rounded) in place."""
     for k, n, bits, group in _cases(full):
-        packed, w64 = _packed(n, k, bits, group, device)
+        packed = _packed(n, k, bits, group, device)
         x = torch.randn(1, k, device=device).to(dtype)
-        ref = x.double() @ w64.T
+        ref = x.double() @ _weight64(*packed, bits).T
         assert_close(wna16_gemv(x, *packed, bits), ref)
         residual = torch.randn(1, n, dtype=dtype, device=device)
         before = residual.clone()
@@ -113,11 +89,11 @@ def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_r
     """RMSNorm fused in front, and for [gate; up] SwiGLU behind, rounded where Hugging Face's
     unfused layers hold a tensor."""
     for k, n, bits, group in _cases(full, FORMATS[:3]):
-        packed, w64 = _packed(2 * n if gated else n, k, bits, group, device)
+        packed = _packed(2 * n if gated else n, k, bits, group, device)
         x = torch.randn(1, k, device=device).to(dtype)
         norm_weight = torch.rand(k, device=device).to(dtype) + 0.5
         got = wna16_gemv(x, *packed, bits, norm_weight=norm_weight, eps=1e-5, gated=gated)
-        y = normed_ref(x, norm_weight, 1e-5) @ w64.T
+        y = normed_ref(x, norm_weight, 1e-5) @ _weight64(*packed, bits).T
         if gated:
             gate, up = rounded(y[:, :n], dtype), rounded(y[:, n:], dtype)
             y = rounded(torch.nn.functional.silu(gate), dtype) * up
@@ -128,11 +104,10 @@ def test_gemv_normed(assert_close, device, full, dtype, gated, rounded, normed_r
 def _tiles(rows: int, n: int, k: int, bits: int, itemsize: int, device: str,
            gated: bool = False) -> list[WNA16Tiles]:
     """The rule's tile, and K cut among 4 programs of a narrower tile (at the CPU's shapes the
-    last split then has an uneven share or none) that sums its K steps apart where the rule's
-    does not, and the other way round."""
+    last split then has an uneven share or none)."""
     rule = wna16_tiles(rows, n, k, bits, itemsize, 132 if device == "cuda" else 8, gated)
     return [rule, WNA16Tiles(block_m=rule.block_m, block_n=32, block_k=rule.block_k, splits=4,
-                             step_sums=not rule.step_sums)]
+                             num_warps=4)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -144,7 +119,8 @@ def test_fewrow(assert_close, device, full, needs_dot, dtype, rounded):
     cases = _cases(full, FORMATS if full or dtype == torch.float32 else FORMATS[:2])
     workspace = SplitKWorkspace.allocate([(n, MAX_SPLITS) for _, n, _, _ in cases], device)
     for k, n, bits, group in cases:
-        packed, w64 = _packed(n, k, bits, group, device)
+        packed = _packed(n, k, bits, group, device)
+        w64 = _weight64(*packed, bits)
         for rows in GPU_ROWS if full else CPU_ROWS:
             x = torch.randn(rows, k, device=device).to(dtype)
             # the tile is multiplied in the activation dtype: the reference's weight is too
@@ -171,7 +147,8 @@ def test_fewrow_gated(assert_close, device, full, needs_dot, dtype, rounded):
     cases = _cases(full, FORMATS[:3])
     workspace = SplitKWorkspace.allocate([(2 * n, MAX_SPLITS) for _, n, _, _ in cases], device)
     for k, n, bits, group in cases:
-        packed, w64 = _packed(2 * n, k, bits, group, device)
+        packed = _packed(2 * n, k, bits, group, device)
+        w64 = _weight64(*packed, bits)
         for rows in GPU_ROWS[:2] if full else CPU_ROWS:
             x = torch.randn(rows, k, device=device).to(dtype)
             y = x.double() @ w64.to(dtype).double().T
@@ -192,9 +169,9 @@ def test_linear_every_path(assert_close, device, full, rows):
     takes it)."""
     dtype = torch.bfloat16 if full else torch.float16
     k, n = (4096, 6144) if full else (256, 40)
-    packed, w64 = _packed(n, k, 4, 128, device)
+    packed = _packed(n, k, 4, 128, device)
     x = torch.randn(rows, k, device=device).to(dtype)
-    ref = x.double() @ w64.to(dtype).double().T
+    ref = x.double() @ _weight64(*packed, 4).to(dtype).double().T
     out = wna16_linear(x, *packed, 4)
     assert out.shape == (rows, n) and out.dtype == dtype
     assert_close(out, ref)
@@ -205,10 +182,10 @@ def test_dequantize_is_exact(device, bits, group):
     """q * scale - min in fp32 within the rounding of its two steps: the CPU path rounds the
     product and the difference, a GPU may fuse them into one FMA. (576: a per-channel group
     that no power-of-two tile divides into whole groups.)"""
-    (qweight, scales, mins), exact = _packed(24, 1152, bits, group, device)
-    got = dequantize_weight(qweight, scales, mins, bits, torch.float32, 1152).double()
-    product = exact + mins.repeat_interleave(qweight.shape[1] * 32 // bits // mins.shape[1],
-                                             1)[:, :1152]
+    qweight, scales, mins = _packed(24, 1152, bits, group, device)
+    got = dequantize_weight(qweight, scales, mins, bits, torch.float32).double()
+    exact = dequantize(qweight, scales, mins, bits, torch.float64)
+    product = dequantize(qweight, scales, torch.zeros_like(mins), bits, torch.float64)
     assert ((got - exact).abs() <= 2.0 ** -24 * (product.abs() + exact.abs())).all()
 
 
@@ -221,11 +198,11 @@ def test_every_code_is_exact(device, bits):
     per = 32 // bits
     n, k = 1 << bits, 4 * per
     codes = (torch.arange(n, device=device)[:, None] + torch.arange(k, device=device)) % n
+    qweight = pack_codes(codes, bits)
     scales = torch.full((n, 1), 0.5, device=device)
     mins = torch.full((n, 1), 3.0, device=device)
-    qweight, scales, mins = tile_order(pack_codes(codes, bits), scales, mins, bits)
     exact = codes.float() / 2 - 3
-    assert torch.equal(dequantize_weight(qweight, scales, mins, bits, torch.float32, k), exact)
+    assert torch.equal(dequantize_weight(qweight, scales, mins, bits, torch.float32), exact)
     one_hot = torch.eye(k, device=device)
     assert torch.equal(wna16_gemm(one_hot, qweight, scales, mins, bits), exact.T)
     for column in range(per + 1):
@@ -250,9 +227,6 @@ def test_tile_rule():
                          (2048, 2048), (16384, 2048), (2048, 8192))} == {64}
     assert {wna16_tiles(5, n, k, 4, 2, 132, gated=True).block_n
             for n, k in ((28672, 4096), (16384, 2048))} == {64}
-    # A K step's products are summed apart up to 32 rows.
-    assert [wna16_tiles(m, 4096, 4096, 4, 2, 132).step_sums for m in (1, 32, 33)] == [
-        True, True, False]
     # The SwiGLU is fused into SmolLM2's gate/up, not into the 1B's or the 8B's.
     assert [fuses_swiglu(n, k, 4, 132) for n, k in ((3072, 576), (16384, 2048), (28672, 4096))
             ] == [True, False, False]
@@ -265,7 +239,8 @@ def test_replays_in_a_cuda_graph(assert_close):
     the one-row GEMV, and the few-row kernel with K cut among programs (its workspace made by
     the eager run), replayed on new rows; a replay leaves the arrival counters at zero."""
     k, n = 4096, 4096
-    packed, w64 = _packed(n, k, 4, 128, "cuda")
+    packed = _packed(n, k, 4, 128, "cuda")
+    w64 = _weight64(*packed, 4)
     xs = [torch.randn(rows, k, device="cuda").to(torch.bfloat16) for rows in (1, 32)]
     assert wna16_tiles(32, n, k, 4, 2, torch.cuda.get_device_properties(0)
                        .multi_processor_count).splits > 1

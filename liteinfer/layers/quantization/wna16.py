@@ -7,20 +7,20 @@ this engine reads maps onto that without changing a value: AWQ, GPTQ and compres
 nearest in groups of 128), and llama.cpp's GGUF blocks (gguf.py), with scales and mins in fp32
 so that every GGUF product d * sub-scale is exact.
 
-Layout of a loaded layer: `qweight` int32 [N, K * bits / 32] (codes along K, the first in the
+Layout of a processed layer: `qweight` int32 [N, K * bits / 32] (codes along K, the first in the
 low bits, as compressed-tensors packs them), `scales` and `mins` fp32 [N, K / group_size]. Each
 checkpoint format registers its own tensors under its own names (`CheckpointFormat`) and is
 converted into that layout as it loads; row-major [N, ...] everywhere, so the linear layer's
 loader shards fused and tensor-parallel layers as it does a plain weight.
 
 With the Triton layers (on CUDA; on the CPU under the interpreter, which tests the GPU's path)
-the packed weight stays on the device, reordered once into the kernels' tile order
-(`tile_order`), and kernels/wna16.py multiplies it, dequantizing in registers
-(one row through its GEMV, with the norm, SwiGLU and residual add fused in as kernels/gemv.py
-does for bf16; a few rows on the tensor cores, with the residual add fused in, and a small
-model's SwiGLU) or into a scratch weight (wide steps). Without the Triton layers (the CPU's
-default) the weight is dequantized once loaded, as the FP8 layers do: CPU tests then check the
-exact weights the GPU multiplies, at the speed of an unquantized model.
+the packed weight stays on the device and kernels/wna16.py multiplies it, dequantizing in
+registers (one row through its GEMV, with the norm, SwiGLU and residual add fused in as
+kernels/gemv.py does for bf16; a few rows on the tensor cores, with the residual add fused in,
+and a small model's SwiGLU) or into a scratch weight (wide steps).
+Without the Triton layers (the CPU's default) the weight is dequantized once loaded, as the FP8
+layers do: CPU tests then check the exact weights the GPU multiplies, at the speed of an
+unquantized model.
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from liteinfer.kernels.wna16 import BLOCK_WORDS
 from liteinfer.layers.quantization.base import LinearMethod
 
 if TYPE_CHECKING:
@@ -53,30 +52,6 @@ def unpack_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(32 // bits, dtype=torch.int64, device=qweight.device) * bits
     codes = (qweight.to(torch.int64)[..., None] >> shifts) & ((1 << bits) - 1)
     return codes.reshape(qweight.shape[0], -1)
-
-
-def tile_order(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The packed layout in the tile order kernels/wna16.py reads, on the weight's device: each
-    row in blocks of BLOCK_WORDS words, word w of a block holding the block's columns
-    w + BLOCK_WORDS j as its code j, so that code j of a block's words is BLOCK_WORDS
-    consecutive columns. Rows are padded to whole blocks with zero codes, scales and mins, and
-    groups made finer (each scale repeated) where one would straddle a block."""
-    per, block_words = 32 // bits, BLOCK_WORDS.value
-    n, k = qweight.shape[0], qweight.shape[1] * per
-    codes_per_block = block_words * per
-    k_pad = -(-k // codes_per_block) * codes_per_block
-    group = k // scales.shape[1]
-    assert group * scales.shape[1] == k and group % block_words == 0, (k, group)
-    tile_group = group if group % codes_per_block == 0 else math.gcd(group, codes_per_block)
-    codes = torch.nn.functional.pad(unpack_codes(qweight, bits), (0, k_pad - k))
-    # column b * codes_per_block + BLOCK_WORDS j + w -> word w of block b, code j
-    codes = codes.reshape(n, k_pad // codes_per_block, per, block_words).transpose(2, 3)
-
-    def regrouped(t: torch.Tensor) -> torch.Tensor:
-        t = t.float().repeat_interleave(group // tile_group, 1)
-        return torch.nn.functional.pad(t, (0, k_pad // tile_group - t.shape[1])).contiguous()
-    return pack_codes(codes.reshape(n, k_pad), bits), regrouped(scales), regrouped(mins)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
@@ -237,13 +212,11 @@ class WNA16LinearMethod(LinearMethod):
         layer.bits = self.config.bits  # this layer's, which the kernels are given
         if self.config.fmt.narrows:
             qweight, scales, mins, layer.bits = narrowest(qweight, scales, mins, layer.bits)
-        layer.in_codes = qweight.shape[1] * (32 // layer.bits)
-        layer.group_size = layer.in_codes // scales.shape[1]
+        layer.group_size = qweight.shape[1] * (32 // layer.bits) // scales.shape[1]
         if self.use_triton:
-            qweight, scales, mins = tile_order(qweight, scales, mins, layer.bits)
-            layer.qweight = nn.Parameter(qweight, requires_grad=False)
-            layer.scales = nn.Parameter(scales, requires_grad=False)
-            layer.mins = nn.Parameter(mins, requires_grad=False)
+            layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
+            layer.scales = nn.Parameter(scales.float().contiguous(), requires_grad=False)
+            layer.mins = nn.Parameter(mins.float().contiguous(), requires_grad=False)
             layer.weight = None
         else:  # dequantized once: no call pays for it
             w = dequantize(qweight, scales, mins, layer.bits, self.out_dtype)
@@ -300,8 +273,8 @@ class WNA16LinearMethod(LinearMethod):
                                  num_sms(x.device)))
 
     def _packed_shape(self, layer: nn.Module) -> tuple[int, int]:
-        """The packed weight's [N, K] in features and codes (before the tile order's padding)."""
-        return layer.qweight.shape[0], layer.in_codes
+        """The packed weight's [N, K] in features and codes."""
+        return layer.qweight.shape[0], layer.qweight.shape[1] * (32 // layer.bits)
 
 
 class ZeroPointFormat(CheckpointFormat):

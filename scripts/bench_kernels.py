@@ -604,22 +604,22 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
     """Alternative tile configurations (the kernels read their config functions at call time)."""
     decode_tiles, prefill_tiles = dec.decode_tiles, pre.prefill_tiles
     gemv_tile = wna16.GEMV_TILE
-    invariant_tile = (inv.BLOCK_K, inv.NUM_STAGES, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT)
+    invariant_tile = (inv.BLOCK_K, inv.NUM_STAGES, inv.SWAPPED_STAGES, inv.MIN_K_PER_SPLIT)
     wide_block_m = inv.WIDE_BLOCK_M
     fewrow_tile = (wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES)
     try:
         if "invariant" in parts:
-            # (K a step, stages, programs an SM the splits aim for, fewest K a split): each one
-            # setting for every row count, so rows still agree
-            for tile in ((128, 3, 2, 512), (128, 4, 2, 1024), (64, 5, 2, 512), (64, 4, 4, 256),
-                         (128, 4, 4, 512), (64, 6, 4, 512)):
-                inv.BLOCK_K, inv.NUM_STAGES, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = tile
+            # (the serial kernel's K a step and stages, the swapped kernel's stages, fewest K a
+            # split): each one setting for every row count, so rows still agree
+            for tile in ((128, 3, 4, 512), (64, 4, 3, 512), (64, 3, 5, 512), (64, 3, 4, 1024),
+                         (64, 3, 4, 256), (128, 4, 6, 512)):
+                inv.BLOCK_K, inv.NUM_STAGES, inv.SWAPPED_STAGES, inv.MIN_K_PER_SPLIT = tile
                 try:
-                    bench_invariant(rows, num_sms, " k{} s{} p{} min{}".format(*tile),
+                    bench_invariant(rows, num_sms, " k{} s{} ss{} min{}".format(*tile),
                                     row_counts=(1, 128))
                 except OutOfResources:  # deep pipelines of wide tiles: more shared memory
                     rows.append(dict(kernel=f"invariant {tile}: out of resources"))
-            inv.BLOCK_K, inv.NUM_STAGES, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = invariant_tile
+            inv.BLOCK_K, inv.NUM_STAGES, inv.SWAPPED_STAGES, inv.MIN_K_PER_SPLIT = invariant_tile
             inv.WIDE_BLOCK_M = inv.BLOCK_M  # serial launches in 64-row tiles, as before item 134
             bench_invariant(rows, num_sms, " narrow serial", row_counts=(128, 2048))
             inv.WIDE_BLOCK_M = wide_block_m
@@ -666,7 +666,7 @@ def sweep(rows: list[dict], num_sms: int, parts: list[str], decode_shapes=None) 
         dec.decode_tiles, pre.prefill_tiles = decode_tiles, prefill_tiles
         wna16.GEMV_TILE = gemv_tile
         wna16.FEWROW_BLOCK_N, wna16.FEWROW_BLOCK_K_BYTES, wna16.SPLIT_MAX_WAVES = fewrow_tile
-        inv.BLOCK_K, inv.NUM_STAGES, inv.PROGRAMS_PER_SM, inv.MIN_K_PER_SPLIT = invariant_tile
+        inv.BLOCK_K, inv.NUM_STAGES, inv.SWAPPED_STAGES, inv.MIN_K_PER_SPLIT = invariant_tile
         inv.WIDE_BLOCK_M = wide_block_m
 
 

@@ -164,45 +164,102 @@ def _fewrow_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, out_ptr, M, N, K
 
 
 @triton.jit
+def swiglu_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from fp32 sums, rounded as kernels/activation.py rounds it after a
+    separate GEMM: gate and up to `dtype` first, silu in fp32, rounded again."""
+    gate = gate.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return act * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _fewrow_gemm_swapped_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, out_ptr, part_ptr,
-                                count_ptr, M, N, K, stride_om,
+                                count_ptr, M, N, K, chunks, stride_om,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
                                 NUM_STAGES: tl.constexpr, SCALED: tl.constexpr,
-                                ADD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                USE_PDL: tl.constexpr):
-    # The splits of a tile are launch neighbours, so their partials meet in L2.
+                                ADD: tl.constexpr, GATED: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    # The splits of a tile are launch neighbours, so their partials meet in L2. A split sums
+    # `chunks` BLOCK_K-wide tiles of K from zero; GATED: the weight is [gate; up], N rows each.
     tile = tl.program_id(0) // SPLITS
     split = tl.program_id(0) % SPLITS
-    chunks = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS)
     n0 = tile * BLOCK_N
     k0 = split * chunks * BLOCK_K
+    k_end = tl.minimum(k0 + chunks * BLOCK_K, K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for c in tl.range(0, chunks, num_stages=NUM_STAGES):
+    up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kk in tl.range(k0, k_end, BLOCK_K, num_stages=NUM_STAGES):
         # TMA reads past K or N (a last split's tail, a last tile's rows) as zeros.
-        w = w_desc.load([n0, k0 + c * BLOCK_K])
-        x = x_desc.load([0, k0 + c * BLOCK_K])
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        x = tl.trans(x_desc.load([0, kk]))
+        acc = tl.dot(w_desc.load([n0, kk]), x, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            up = tl.dot(w_desc.load([N + n0, kk]), x, up, input_precision=DOT_PRECISION)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLITS > 1:
-        acc, last = sum_splits(acc, part_ptr + offs_n[:, None] * BLOCK_M + offs_m[None, :],
-                               mask, count_ptr + tile, split, N * BLOCK_M, SPLITS)
-        if not last:
+        # Partials at their weight rows' places: a gated launch's up rows follow its gate rows.
+        rows = 2 * N if GATED else N
+        parts = part_ptr + offs_n[:, None] * BLOCK_M + offs_m[None, :]
+        tl.store(parts + split * rows * BLOCK_M, acc, mask=mask)
+        if GATED:
+            tl.store(parts + (split * rows + N) * BLOCK_M, up, mask=mask)
+        if not split_arrive(count_ptr + tile, SPLITS):
             return
-    x_scale = None
-    w_scale = None
-    if SCALED:
-        w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-        x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
-    scale_add_store(acc, out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], mask,
-                     x_scale, w_scale, SCALED, ADD)
+        acc = split_total(parts, mask, rows * BLOCK_M, SPLITS)
+        if GATED:
+            up = split_total(parts + N * BLOCK_M, mask, rows * BLOCK_M, SPLITS)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    if GATED:
+        tl.store(out_ptrs, swiglu_rounded(acc, up, out_ptr.dtype.element_ty)
+                 .to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        x_scale = None
+        w_scale = None
+        if SCALED:
+            w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+            x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+        scale_add_store(acc, out_ptrs, mask, x_scale, w_scale, SCALED, ADD)
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can read each tensor's rows: 16-byte aligned, like their stride."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+               for t in tensors)
+
+
+def swapped_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, block_m: int,
+                 block_k: int, splits: int, chunks: int, num_stages: int,
+                 x_scale: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+                 add: bool = False, gated: bool = False,
+                 workspace: SplitKWorkspace | None = None) -> torch.Tensor:
+    """The swapped kernel's launch: out [M, N] = x W^T (x [M, K], M <= block_m), K cut into
+    `splits` ranges of `chunks` block_k-wide tiles each; with `add`, out += it (out holds the
+    residual); `gated`: weight [2N, K] = [gate; up] and out = silu(gate) * up."""
+    rows, k = x.shape
+    n = out.shape[1]
+    assert tma_ready(x, weight), "TMA needs 16-byte aligned rows"
+    # Descriptors are host objects, captured as kernel arguments.
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k])
+    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
+                              [SWAPPED_BLOCK_N, block_k])
+    parts, counts = (split_buffers(workspace, weight.shape[0], splits, x.device) if splits > 1
+                     else (out, out))
+    scaled = weight_scale is not None
+    pdl = supports_pdl(x.device)
+    _fewrow_gemm_swapped_kernel[(triton.cdiv(n, SWAPPED_BLOCK_N) * splits,)](
+        x_desc, w_desc, x_scale if scaled else x, weight_scale if scaled else x, out, parts,
+        counts, rows, n, k, chunks, out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=SWAPPED_BLOCK_N, BLOCK_K=block_k, SPLITS=splits,
+        NUM_STAGES=num_stages, SCALED=scaled, ADD=add, GATED=gated,
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out
 
 
 def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor | None = None,
@@ -243,19 +300,10 @@ def fewrow_gemm(x: torch.Tensor, weight: torch.Tensor, *, x_scale: torch.Tensor 
             DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, launch_pdl=pdl)
         return out
-    # TMA needs 16-byte aligned rows; descriptors are host objects, captured as kernel arguments.
-    assert all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-               for t in (x, weight))
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [tiles.block_m, block_k])
-    w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
-                              [tiles.block_n, block_k])
-    parts, counts = (split_buffers(workspace, n, tiles.splits, x.device) if tiles.splits > 1
-                     else (out, out))
-    _fewrow_gemm_swapped_kernel[(triton.cdiv(n, tiles.block_n) * tiles.splits,)](
-        x_desc, w_desc, x_scale if scaled else x, weight_scale if scaled else x, out, parts,
-        counts, rows, n, k, out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, SPLITS=tiles.splits,
-        NUM_STAGES=tiles.num_stages, SCALED=scaled, ADD=residual is not None,
-        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
-        num_warps=tiles.num_warps, launch_pdl=pdl)
-    return out
+    assert tiles.block_n == SWAPPED_BLOCK_N and tiles.num_warps == 4
+    return swapped_gemm(x, weight, out, block_m=tiles.block_m, block_k=block_k,
+                        splits=tiles.splits, chunks=triton.cdiv(triton.cdiv(k, block_k),
+                                                                tiles.splits),
+                        num_stages=tiles.num_stages, x_scale=x_scale,
+                        weight_scale=weight_scale, add=residual is not None,
+                        workspace=workspace)

@@ -1,5 +1,6 @@
 """The batch-invariant GEMM and attention kernels: close to float64 references, and each row's
-bits the same at every row count, in every tile position, decoding or in a prompt chunk."""
+bits the same at every row count, in every tile position, decoding or in a prompt chunk (the
+GEMM's swapped kernel up to FEWROW_MAX_ROWS rows, its serial kernel beyond)."""
 import numpy as np
 import pytest
 import torch
@@ -8,14 +9,22 @@ from conftest import _assert_close
 from liteinfer.kernels import num_sms
 from liteinfer.kernels.gemm_splits import FEWROW_MAX_ROWS, SplitKWorkspace
 from liteinfer.kernels.invariant_attention import invariant_attention
-from liteinfer.kernels.invariant_gemm import invariant_gemm, num_splits, serial_splits, split_launch
+from liteinfer.kernels.invariant_gemm import invariant_gemm, num_splits, split_launch
 from liteinfer.kernels.invariant_tiles import query_tiles
 
 # (K, N): one K split and several, ragged N; the 8B's on the GPU.
 CPU_SHAPES = [(96, 70), (1100, 40)]
 GPU_SHAPES = [(4096, 6144), (14336, 4096), (2048, 128256)]
-CPU_ROWS = [1, 3, 64, 70]
+CPU_ROWS = [1, 3, 64, 70, 130]
 GPU_ROWS = [1, 2, 7, 32, 65, 128, 300]
+
+
+def same_kernel_rows(device: str, rows: int) -> int | None:
+    """The rows of the whole whose bits a part of `rows` rows must have: all of them on the GPU,
+    where the swapped kernel (up to FEWROW_MAX_ROWS rows) and the serial one agree; under the
+    interpreter, whose dot is numpy's (its order over K follows the operands' layout), the
+    first FEWROW_MAX_ROWS for a part the swapped kernel takes, so each kernel meets itself."""
+    return None if device == "cuda" or rows > FEWROW_MAX_ROWS else FEWROW_MAX_ROWS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -32,22 +41,22 @@ def test_gemm_matches_float64_and_rows_agree_at_every_row_count(device, full, dt
         x = torch.randn(max(counts) + 5, k, device=device).to(dtype)
         w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
         res = torch.randn(x.shape[0], n, device=device).to(dtype)
-        whole = invariant_gemm(x, w)
-        _assert_close(whole, x.double() @ w.double().T)
-        summed = invariant_gemm(x, w, res.clone())
-        _assert_close(summed, res.double() + x.double() @ w.double().T)
+        assert x.shape[0] > FEWROW_MAX_ROWS  # the whole through the serial kernel
+        wholes = {}
         for rows in counts:
+            whole_rows = same_kernel_rows(device, rows)
+            if whole_rows not in wholes:
+                xs, rs = x[:whole_rows], res[:whole_rows]
+                wholes[whole_rows] = invariant_gemm(xs, w), invariant_gemm(xs, w, rs.clone())
+                _assert_close(wholes[whole_rows][0], xs.double() @ w.double().T)
+                _assert_close(wholes[whole_rows][1], rs.double() + xs.double() @ w.double().T)
+            whole, summed = wholes[whole_rows]
             for start in (0, 5):
                 part = slice(start, start + rows)
-                assert torch.equal(invariant_gemm(x[part], w), whole[part]), (k, n, rows, start)
-                assert torch.equal(invariant_gemm(x[part], w, res[part].clone()), summed[part])
-            # The K splits in programs of their own, and one after another in each program.
-            part = slice(5, 5 + rows)
-            for serial in (False, True) if rows <= FEWROW_MAX_ROWS else (True,):
-                got = invariant_gemm(x[part], w, serial=serial, workspace=workspace)
-                assert torch.equal(got, whole[part])
-                got = invariant_gemm(x[part], w, res[part].clone(), serial, workspace)
-                assert torch.equal(got, summed[part]), (k, n, rows, serial)
+                got = invariant_gemm(x[part], w, workspace=workspace)
+                assert torch.equal(got, whole[part]), (k, n, rows, start)
+                got = invariant_gemm(x[part], w, res[part].clone(), workspace)
+                assert torch.equal(got, summed[part]), (k, n, rows, start)
 
 
 def _gated_reference(x, w):
@@ -59,7 +68,7 @@ def _gated_reference(x, w):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_gemm_matches_float64_and_rows_agree_at_every_row_count(device, full, dtype):
     """SwiGLU in the GEMM's epilogue (gate/up): the gated launch keeps the plain GEMM's
-    invariance, its splits summed by the last program or serially alike."""
+    invariance, its splits summed by the swapped kernel's last program or serially alike."""
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("bf16 tl.dot is wrong under the Triton interpreter")
     # Three splits on the CPU too, whose sums have an order.
@@ -77,19 +86,21 @@ def test_gated_gemm_matches_float64_and_rows_agree_at_every_row_count(device, fu
         x = (torch.randn(rows_total, k, device=device) * scale[:, None]).to(dtype)
         w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
 
-        def gated(part, serial=None, x=x, w=w):
-            return invariant_gemm(x[part], w, serial=serial, workspace=workspace, gated=True)
+        def gated(part, x=x, w=w):
+            return invariant_gemm(x[part], w, workspace=workspace, gated=True)
 
-        whole = gated(slice(None))
-        assert whole.shape == (rows_total, n // 2)
-        _assert_close(whole, _gated_reference(x, w))
+        assert rows_total > FEWROW_MAX_ROWS  # the whole through the serial kernel
+        wholes = {}
         for rows in counts:
+            whole_rows = same_kernel_rows(device, rows)
+            if whole_rows not in wholes:
+                wholes[whole_rows] = gated(slice(whole_rows))
+                _assert_close(wholes[whole_rows], _gated_reference(x[:whole_rows], w))
+            whole = wholes[whole_rows]
+            assert whole.shape[1] == n // 2
             for start in (0, 5):
                 part = slice(start, start + rows)
                 assert torch.equal(gated(part), whole[part]), (k, n, rows, start)
-            part = slice(5, 5 + rows)
-            for serial in (False, True) if rows <= FEWROW_MAX_ROWS else (True,):
-                assert torch.equal(gated(part, serial), whole[part]), (k, n, rows, serial)
 
 
 def _reference(q, k_cache, v_cache, table, positions, scale):
@@ -159,19 +170,16 @@ def test_attention_decoding_and_in_chunks_agree_bitwise(device, full, needs_dot,
     assert torch.equal(torch.cat([mixed[:1], mixed[1 + pad:]]), whole)
 
 
-def test_splits_run_serially_once_the_row_tiles_fill_the_gpu():
-    assert not serial_splits(1, 16384, 132)    # a decode step: the splits' programs stream K
-    assert serial_splits(65, 16384, 132)       # two row tiles of 256 column tiles
-    assert not serial_splits(128, 2048, 132)   # 64 output tiles: still split
-    assert serial_splits(129, 2048, 132)       # more rows than a split's partials hold
-    assert serial_splits(2048, 2048, 132)      # a prompt step
-
-
 def test_splits_follow_the_weight_and_the_gpu():
-    assert num_splits(96, 70, 8) == (1, 128)        # too short to split
-    assert num_splits(1100, 40, 8) == (2, 576)      # one tile: split as far as K allows
+    """At most one swapped-kernel program an SM (journal item 170's best split counts), each
+    split's columns a whole number of SPLIT_ALIGN; never the rows."""
+    assert num_splits(96, 70, 8) == (1, 128)  # too short to split
+    assert num_splits(1100, 40, 8) == (2, 640)  # one tile: split as far as K allows
     assert num_splits(2048, 128256, 132) == (1, 2048)  # the LM head has tiles enough
-    assert num_splits(14336, 4096, 132) == (5, 2880)   # the 8B's down projection
+    assert num_splits(2048, 2048, 132) == (4, 512)  # the 1B's o: 32 output tiles
+    assert num_splits(8192, 2048, 132) == (4, 2048)  # its down
+    assert num_splits(14336, 4096, 132) == (2, 7168)  # the 8B's down
+    assert num_splits(4096, 28672, 132) == (1, 4096)  # its gate/up
 
 
 def test_query_tiles_cut_each_sequence():

@@ -15,7 +15,8 @@ projection is the epilogue. Two kernels, by the number of rows:
   and the 128 input rows its N (m64n128 instead of m64n32-64), both operands by TMA. Where a
   projection has too few tiles to fill the GPU and long rows (a down projection), K is cut
   among 2-4 programs a tile whose fp32 partials the last to arrive sums in a fixed order
-  (journal item 100).
+  (journal item 100). The batch-invariant GEMM (kernels/invariant_gemm.py) runs its decode
+  steps, 1-128 rows, on this kernel too (`swapped_gemm`), gated (SwiGLU in the epilogue) or not.
 
 On Hopper and later both are programmatic dependent launches, as the GEMV kernel is.
 """
@@ -110,18 +111,6 @@ def split_total(parts, mask, split_stride, SPLITS: tl.constexpr):
     for s in tl.static_range(1, SPLITS):
         acc += tl.load(parts + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
     return acc
-
-
-@triton.jit
-def sum_splits(acc, parts, mask, count_ptr, split, split_stride, SPLITS: tl.constexpr):
-    """K cut among SPLITS programs of one tile: (the tile's sum, whether this program holds it).
-    Each split stores its fp32 partial at `parts` + split * split_stride; the last to arrive
-    sums the slots in split order and writes y."""
-    tl.store(parts + split * split_stride, acc, mask=mask)
-    last = split_arrive(count_ptr, SPLITS)
-    if last:
-        acc = split_total(parts, mask, split_stride, SPLITS)
-    return acc, last
 
 
 @triton.jit

@@ -233,14 +233,15 @@ def swapped_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, bl
     residual); `gated`: weight [2N, K] = [gate; up] and out = silu(gate) * up."""
     rows, k = x.shape
     n = out.shape[1]
+    scaled = weight_scale is not None
     assert tma_ready(x, weight), "TMA needs 16-byte aligned rows"
+    assert not (gated and (add or scaled)), "a gated launch neither adds nor scales"
     # Descriptors are host objects, captured as kernel arguments.
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, block_k])
     w_desc = TensorDescriptor(weight, list(weight.shape), list(weight.stride()),
                               [SWAPPED_BLOCK_N, block_k])
     parts, counts = (split_buffers(workspace, weight.shape[0], splits, x.device) if splits > 1
                      else (out, out))
-    scaled = weight_scale is not None
     pdl = supports_pdl(x.device)
     _fewrow_gemm_swapped_kernel[(triton.cdiv(n, SWAPPED_BLOCK_N) * splits,)](
         x_desc, w_desc, x_scale if scaled else x, weight_scale if scaled else x, out, parts,

@@ -171,13 +171,14 @@ def invariant_gemm(x: torch.Tensor, weight: torch.Tensor,
                             block_k=block_k, splits=splits, chunks=per_split // block_k,
                             num_stages=SWAPPED_STAGES, add=residual is not None, gated=gated,
                             workspace=workspace)
-    wide = m > BLOCK_M
+    # More rows than one tile holds: WIDE_BLOCK_M-row tiles, each weight tile read half as often.
+    block_m, warps = (WIDE_BLOCK_M, WIDE_WARPS) if m > BLOCK_M else (BLOCK_M, 4)
     res = residual if residual is not None else out
     pdl = supports_pdl(x.device)
-    _gemm_kernel[(triton.cdiv(m, WIDE_BLOCK_M if wide else BLOCK_M), triton.cdiv(out_n, BLOCK_N))](
+    _gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(out_n, BLOCK_N))](
         x, weight, out, res, m, out_n, k, x.stride(0), weight.stride(0), out.stride(0),
-        res.stride(0), per_split, BLOCK_M=WIDE_BLOCK_M if wide else BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, SPLITS=splits, HAS_RESIDUAL=residual is not None, GATED=gated,
-        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl,
-        num_warps=WIDE_WARPS if wide else 4, num_stages=NUM_STAGES, launch_pdl=pdl)
+        res.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        SPLITS=splits, HAS_RESIDUAL=residual is not None, GATED=gated,
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, num_warps=warps,
+        num_stages=NUM_STAGES, launch_pdl=pdl)
     return out
